@@ -1,0 +1,33 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+# Both create the virtual environment when it is missing.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH_VERSION := $(shell sed -n 's/^torch==//p' constraints.txt)
+WORK ?= workspace
+
+.PHONY: venv test demo bench clean
+
+venv: $(STAMP)
+
+# torch goes in first and pinned: an unpinned torch requirement would pull a
+# multi-GB CUDA build where only the CPU wheel is wanted.
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	touch $@
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+demo: $(STAMP)
+	$(VENV)/bin/llmflow demo --out $(WORK)/demo
+
+bench: $(STAMP)
+	$(PY) bench/train_step.py
+
+clean:
+	rm -rf $(VENV) $(WORK) build *.egg-info

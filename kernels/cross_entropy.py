@@ -1,0 +1,92 @@
+"""Cross-entropy fused with the output projection, computed a chunk of tokens at a time.
+
+A Qwen-sized vocabulary (151,936) makes full logits the largest tensor of a training step:
+[tokens, vocab] in fp32, plus the softmax and its gradient. Here logits exist for one chunk
+of tokens at a time; their gradient is folded into the hidden-state and weight gradients
+during the forward pass, so the backward pass only scales what is already there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Elements of one chunk's fp32 logits (2**25 floats = 128 MiB).
+CHUNK_LOGIT_ELEMENTS = 2**25
+
+
+def _chunk_rows(vocab_size: int) -> int:
+    return max(1, CHUNK_LOGIT_ELEMENTS // vocab_size)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ignore_index, reduction, chunk_rows):
+        want_grad_h = hidden.requires_grad and torch.is_grad_enabled()
+        want_grad_w = weight.requires_grad and torch.is_grad_enabled()
+        grad_hidden = torch.empty_like(hidden) if want_grad_h else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_grad_w else None
+        valid = labels != ignore_index
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_rows):
+            end = min(start + chunk_rows, hidden.shape[0])
+            h, y, ok = hidden[start:end], labels[start:end], valid[start:end]
+            logits = (h @ weight.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            target = logits.gather(1, y.clamp(min=0).unsqueeze(1)).squeeze(1)
+            loss += torch.where(ok, lse - target, 0.0).sum()
+            if grad_hidden is None and grad_weight is None:
+                continue
+            # d(sum of losses)/d(logits) = softmax - one_hot(target), zero on ignored rows.
+            grad_logits = logits.sub_(lse.unsqueeze(1)).exp_()
+            rows = torch.arange(end - start, device=logits.device)
+            grad_logits[rows, y.clamp(min=0)] -= 1.0
+            grad_logits.mul_(ok.unsqueeze(1))
+            grad_logits = grad_logits.to(hidden.dtype)
+            if grad_hidden is not None:
+                torch.matmul(grad_logits, weight, out=grad_hidden[start:end])
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_logits.t(), h.to(grad_logits.dtype))
+        scale = 1.0 / valid.sum().float() if reduction == "mean" else torch.ones((), device=hidden.device)
+        ctx.save_for_backward(
+            grad_hidden if grad_hidden is not None else torch.empty(0),
+            grad_weight if grad_weight is not None else torch.empty(0),
+            scale,
+        )
+        ctx.has_grads = (grad_hidden is not None, grad_weight is not None)
+        ctx.weight_dtype = weight.dtype
+        return loss * scale
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight, scale = ctx.saved_tensors
+        factor = grad_loss * scale
+        has_h, has_w = ctx.has_grads
+        dh = grad_hidden * factor.to(grad_hidden.dtype) if has_h and ctx.needs_input_grad[0] else None
+        dw = (grad_weight * factor).to(ctx.weight_dtype) if has_w and ctx.needs_input_grad[1] else None
+        return dh, dw, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
+    """``F.cross_entropy(hidden @ weight.T, labels, ignore_index=..., reduction=...)`` without
+    materialising the logits of all tokens at once.
+
+    hidden: [tokens, hidden_size]; weight: [vocab, hidden_size]; labels: [tokens].
+    reduction "mean" averages over non-ignored tokens (NaN when there are none, as
+    F.cross_entropy); "sum" adds them up (0 when there are none), for callers that
+    normalise by a token count across micro-batches or ranks.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction={reduction!r}: expected 'mean' or 'sum'")
+    if hidden.ndim != 2 or labels.shape != hidden.shape[:1]:
+        raise ValueError(
+            f"expected hidden [tokens, hidden] and labels [tokens], got {tuple(hidden.shape)} and {tuple(labels.shape)}"
+        )
+    rows = chunk_rows or _chunk_rows(weight.shape[0])
+    return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, reduction, rows)

@@ -1,0 +1,82 @@
+"""Which implementation of each op runs on which device, decided once per device type."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from llmflow.kernels import cross_entropy, fused, reference
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """One implementation of every op the decoder uses."""
+
+    name: str
+    rms_norm: Callable
+    apply_rotary: Callable
+    swiglu: Callable
+    attention: Callable
+    linear_cross_entropy: Callable
+
+
+REFERENCE = KernelSet(
+    "reference",
+    reference.rms_norm,
+    reference.apply_rotary,
+    reference.swiglu,
+    reference.attention,
+    reference.linear_cross_entropy,
+)
+FUSED = KernelSet(
+    "fused",
+    fused.rms_norm,
+    fused.apply_rotary,
+    fused.swiglu,
+    fused.attention,
+    cross_entropy.linear_cross_entropy,
+)
+
+
+def _npu_kernels() -> KernelSet:
+    from llmflow.kernels import npu
+
+    return KernelSet(
+        "npu", npu.rms_norm, npu.apply_rotary, npu.swiglu, npu.attention, cross_entropy.linear_cross_entropy
+    )
+
+
+_override: KernelSet | None = None
+
+
+@functools.cache
+def _default_for(device_type: str) -> KernelSet:
+    requested = os.environ.get("LLMFLOW_KERNELS", "auto")
+    if requested == "reference":
+        return REFERENCE
+    if requested not in ("auto", "fused"):
+        raise ValueError(f"LLMFLOW_KERNELS={requested!r}: expected auto, fused or reference")
+    if device_type == "npu":
+        return _npu_kernels()
+    return FUSED
+
+
+def kernels_for(device_type: str) -> KernelSet:
+    """The kernels used for tensors on ``device_type`` (npu -> torch_npu ops, cuda/cpu ->
+    fused torch ops; ``LLMFLOW_KERNELS=reference`` forces the reference formulas)."""
+    return _override or _default_for(device_type)
+
+
+@contextlib.contextmanager
+def use_kernels(kernels: KernelSet) -> Iterator[None]:
+    """Run the enclosed code with ``kernels`` on every device (e.g. REFERENCE, to compare
+    a run against the plain formulas)."""
+    global _override
+    previous, _override = _override, kernels
+    try:
+        yield
+    finally:
+        _override = previous

@@ -1,0 +1,68 @@
+"""Fused PyTorch kernels for CPU and CUDA.
+
+- RMSNorm through ``F.rms_norm`` (one fused kernel that saves only the input and rstd).
+- Rotary embedding on the two halves directly, without building rotate_half's copy.
+- SwiGLU as an autograd function that saves its two inputs only and recomputes the
+  sigmoid in backward (the composite saves three tensors of FFN width).
+- Attention through ``F.scaled_dot_product_attention``: flash/efficient kernels on CUDA,
+  the flash CPU kernel on CPU, native GQA, and an explicit mask only when packed
+  documents or a sliding window require one.
+- Cross-entropy fused with the output projection (see cross_entropy.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llmflow.kernels.masks import attention_mask, needs_explicit_mask
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    # Normalise in fp32, round to the input dtype, then scale: the HF order of rounding.
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    cos, sin = cos[..., :half].unsqueeze(1), sin[..., :half].unsqueeze(1)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        grad_up = grad * silu
+        grad_gate = grad * up * sig * (1 + gate * (1 - sig))
+        return grad_gate, grad_up
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return _SwiGLU.apply(gate, up)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    document_ids: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    q_len, kv_len = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if needs_explicit_mask(q_len, kv_len, document_ids, sliding_window):
+        mask = attention_mask(q_len, kv_len, q.device, document_ids, sliding_window)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=q_len > 1, scale=scale, enable_gqa=gqa)

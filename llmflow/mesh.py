@@ -1,0 +1,80 @@
+"""Parallel layouts: checking a (pp, dp, tp) split against the world and the model, and
+building the device mesh for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+if TYPE_CHECKING:
+    from llmflow.models.config import ModelConfig
+
+MESH_DIMS = ("pp", "dp", "tp")
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot work for this world size or model."""
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How the ranks of a job are split. pp * dp * tp must equal the number of ranks."""
+
+    pp: int = 1
+    """Pipeline-parallel stages: the layers are cut into this many consecutive groups."""
+    dp: int = 1
+    """Data-parallel replicas (parameters sharded with FSDP2 across them)."""
+    tp: int = 1
+    """Tensor-parallel degree: attention heads and FFN columns are split this many ways."""
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+
+def layout_problems(layout: ParallelLayout, world_size: int, config: ModelConfig | None = None) -> list[str]:
+    """Every reason ``layout`` cannot run on ``world_size`` ranks with ``config`` (empty when it can)."""
+    problems = []
+    for name in MESH_DIMS:
+        value = getattr(layout, name)
+        if not isinstance(value, int) or value < 1:
+            problems.append(f"{name}={value!r} must be a positive integer")
+    if problems:
+        return problems
+    if layout.world_size != world_size:
+        problems.append(
+            f"pp*dp*tp = {layout.pp}*{layout.dp}*{layout.tp} = {layout.world_size} "
+            f"but the job has {world_size} ranks; they must be equal"
+        )
+    if config is not None:
+        tp = layout.tp
+        for field, value in (
+            ("num_attention_heads", config.num_attention_heads),
+            ("num_key_value_heads", config.num_key_value_heads),
+            ("intermediate_size", config.intermediate_size),
+        ):
+            if value % tp:
+                problems.append(f"model {field}={value} is not divisible by tp={tp}")
+        if config.num_hidden_layers < layout.pp:
+            problems.append(
+                f"model has num_hidden_layers={config.num_hidden_layers}, fewer than pp={layout.pp} pipeline stages"
+            )
+    return problems
+
+
+def validate_layout(layout: ParallelLayout, world_size: int, config: ModelConfig | None = None) -> None:
+    """Raise LayoutError listing every problem with ``layout``, before any work starts."""
+    problems = layout_problems(layout, world_size, config)
+    if problems:
+        raise LayoutError("impossible parallel layout: " + "; ".join(problems))
+
+
+def build_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
+    """A 3-D DeviceMesh with dims ("pp", "dp", "tp"); tp innermost so tensor-parallel
+    ranks are neighbours (same node, fastest links)."""
+    import torch.distributed as dist
+
+    validate_layout(layout, dist.get_world_size())
+    return init_device_mesh(device_type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=MESH_DIMS)

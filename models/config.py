@@ -1,0 +1,158 @@
+"""The decoder's configuration, read from (and written back to) a Hugging Face config.json.
+
+Covers the Llama family (Llama 2/3, Mistral) and the Qwen2 family (Qwen1.5, Qwen2,
+Qwen2.5). Both key spellings are read: ``rope_theta``/``rope_scaling`` (transformers 4)
+and ``rope_parameters`` (transformers 5), ``torch_dtype`` and ``dtype``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ConfigError(ValueError):
+    """A config.json the decoder cannot represent."""
+
+
+@dataclass
+class ModelConfig:
+    """Shape and numerics of a Llama/Qwen2-family decoder."""
+
+    model_type: str
+    """HF model_type: llama, mistral or qwen2."""
+    vocab_size: int
+    """Rows of the embedding and output matrices (may exceed the tokenizer's length)."""
+    hidden_size: int
+    """Width of the residual stream."""
+    intermediate_size: int
+    """Width of the SwiGLU feed-forward layer."""
+    num_hidden_layers: int
+    """Number of decoder blocks."""
+    num_attention_heads: int
+    """Query heads per layer."""
+    num_key_value_heads: int
+    """Key/value heads per layer (fewer than query heads = grouped-query attention)."""
+    head_dim: int
+    """Width of one attention head."""
+    max_position_embeddings: int = 4096
+    """Longest sequence the model was trained for."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = 10000.0
+    """Base of the rotary embedding frequencies."""
+    rope_scaling: dict[str, Any] | None = None
+    """Rotary scaling: None, or a dict with rope_type 'linear' or 'llama3' and its factors."""
+    tie_word_embeddings: bool = False
+    """Whether the output projection shares the embedding matrix."""
+    qkv_bias: bool = False
+    """Bias on the q/k/v projections (always on in Qwen2)."""
+    o_bias: bool = False
+    """Bias on the attention output projection."""
+    mlp_bias: bool = False
+    """Bias on the feed-forward projections."""
+    sliding_window: int | None = None
+    """Attention window (Mistral v0.1); None attends to the whole prefix."""
+    torch_dtype: str = "float32"
+    """dtype the weights were saved in."""
+    bos_token_id: int | None = None
+    """Beginning-of-sequence token id."""
+    eos_token_id: int | list[int] | None = None
+    """End-of-sequence token id(s)."""
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    """The original config.json, kept so that export writes back every key it had."""
+
+    @property
+    def rope_type(self) -> str:
+        return (self.rope_scaling or {}).get("rope_type", "default")
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Build from a parsed HF config.json; ``source`` names it in error messages."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"{source}: model_type={model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
+            )
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{source}: hidden_act={act!r}; the Llama/Qwen2 decoder uses 'silu'")
+        missing = [
+            k
+            for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+            if k not in hf
+        ]
+        if missing:
+            raise ConfigError(f"{source}: missing required keys {missing}")
+        heads = hf["num_attention_heads"]
+        rope_theta, rope_scaling = _read_rope(hf, source)
+        if model_type == "qwen2":
+            qkv_bias, o_bias = True, False
+            sliding_window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+            if sliding_window is not None and hf.get("max_window_layers", 0) < hf["num_hidden_layers"]:
+                raise ConfigError(f"{source}: Qwen2 sliding window on only some layers is not supported")
+        else:
+            qkv_bias = o_bias = bool(hf.get("attention_bias", False))
+            sliding_window = hf.get("sliding_window") if model_type == "mistral" else None
+        return cls(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            sliding_window=sliding_window,
+            torch_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id"),
+            hf_config=dict(hf),
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        """Read ``path`` (a config.json, or a directory holding one)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{path}: no config.json found")
+        try:
+            hf = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_hf(hf, source=str(path))
+
+
+def _read_rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling with a 'rope_type' key or None), from either spelling."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = hf.get("rope_theta", 10000.0)
+        scaling = dict(hf.get("rope_scaling") or {})
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    scaling.pop("type", None)
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(
+            f"{source}: rope_type={rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}"
+        )
+    return float(theta), (scaling if rope_type != "default" else None)

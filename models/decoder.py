@@ -1,0 +1,166 @@
+"""The Llama/Qwen2-family decoder in plain PyTorch.
+
+Module and parameter names are Hugging Face's (``model.layers.0.self_attn.q_proj.weight``),
+so weights, LoRA target names and precision dumps line up with the HF ecosystem. Layers
+live in a ModuleDict keyed "0", "1", ...: a pipeline stage deletes the layers it does not
+own and the rest keep their names. Stages may also drop ``embed_tokens``, ``norm`` or
+``lm_head``; forward then passes hidden states through. Parallelism is applied from outside
+(llmflow's parallel plans), never here.
+
+Shapes are read from the weights at run time (``view(B, S, -1, head_dim)``), so a
+tensor-parallel plan that shards heads needs no change to this file.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmflow import kernels
+from llmflow.models.config import ModelConfig
+from llmflow.models.rope import inverse_frequencies, positions_from_documents, rotary_cos_sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hd = config.head_dim
+        self.head_dim = hd
+        self.scale = hd**-0.5
+        self.sliding_window = config.sliding_window
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * hd, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * hd, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * hd, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * hd, config.hidden_size, bias=config.o_bias)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, document_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q = kernels.apply_rotary(q, cos, sin)
+        k = kernels.apply_rotary(k, cos, sin)
+        out = kernels.attention(q, k, v, self.scale, document_ids, self.sliding_window)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(h, f, bias=bias)
+        self.up_proj = nn.Linear(h, f, bias=bias)
+        self.down_proj = nn.Linear(f, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, document_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, document_ids)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers and final norm: HF's ``model`` submodule."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config) for i in range(config.num_hidden_layers)})
+        self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
+
+    def reset_rope(self, device: torch.device | str | None = None) -> None:
+        """Recompute the rotary frequencies (after the model left the meta device)."""
+        self.inv_freq = inverse_frequencies(self.config, device=device or self.inv_freq.device)
+
+    def forward(
+        self,
+        tokens_or_hidden: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h = self.embed_tokens(tokens_or_hidden) if self.embed_tokens is not None else tokens_or_hidden
+        batch, seq = h.shape[:2]
+        if position_ids is None:
+            if document_ids is not None:
+                position_ids = positions_from_documents(document_ids)
+            else:
+                position_ids = torch.arange(seq, device=h.device).expand(batch, seq)
+        cos, sin = rotary_cos_sin(self.inv_freq, position_ids, h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, document_ids)
+        return self.norm(h) if self.norm is not None else h
+
+
+class CausalLM(nn.Module):
+    """Decoder plus output projection: HF's ``*ForCausalLM``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        loss_reduction: str = "mean",
+    ) -> torch.Tensor:
+        """Logits [B, S, vocab], or the cross-entropy loss when ``labels`` is given.
+
+        ``labels`` [B, S] are the targets of each position (already shifted: labels[:, i]
+        is the token after input_ids[:, i]), -100 where no loss is taken. The loss path
+        never materialises the logits of the whole batch. ``document_ids`` [B, S] marks
+        packed documents: attention stays inside a document and positions restart.
+        """
+        h = self.model(input_ids, position_ids, document_ids)
+        if self.lm_head is None:
+            return h
+        if labels is None:
+            return self.lm_head(h)
+        return kernels.linear_cross_entropy(
+            h.reshape(-1, h.shape[-1]), self.lm_head.weight, labels.reshape(-1), reduction=loss_reduction
+        )
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        """Random initialisation for training from scratch: normal(0, std) weights, unit
+        norms, zero biases."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std, generator=generator)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+        self.model.reset_rope()

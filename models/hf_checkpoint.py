@@ -1,0 +1,197 @@
+"""Reading and writing Hugging Face checkpoints (config.json + safetensors, sharded or not).
+
+Loading builds the model on the meta device and fills it one tensor at a time straight
+from the safetensors files, so the weights exist once in memory (plus one tensor in
+flight), never as a random-initialised model and a state dict side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from llmflow.models.config import ModelConfig
+from llmflow.models.decoder import CausalLM
+from llmflow.models.hf_names import TIED_OUTPUT, expected_names, hf_to_ours, ours_to_hf
+
+SAFETENSORS_SINGLE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that does not hold what the model needs."""
+
+
+def safetensors_files(directory: str | Path) -> list[Path]:
+    """The weight files of an HF checkpoint directory, from its index when there is one."""
+    directory = Path(directory)
+    index = directory / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no 'weight_map' object")
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise CheckpointError(f"{index} lists shards that are not in {directory}: {absent}")
+        return files
+    single = directory / SAFETENSORS_SINGLE
+    if single.is_file():
+        return [single]
+    found = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+    raise CheckpointError(
+        f"{directory}: no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX} (found: {found[:20]}); "
+        "llmflow reads Hugging Face safetensors checkpoints"
+    )
+
+
+def iter_hf_tensors(directory: str | Path) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    """(file, tensor name, tensor) for every tensor of the checkpoint, one at a time."""
+    for path in safetensors_files(directory):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield path, name, f.get_tensor(name)
+
+
+def _set_parameter(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    module_path, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_path)
+    module._parameters[leaf] = nn.Parameter(value, requires_grad=module._parameters[leaf].requires_grad)
+
+
+def load_hf_weights(
+    model: CausalLM, directory: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> None:
+    """Fill ``model`` (typically on the meta device) from the HF checkpoint in ``directory``."""
+    config = model.config
+    shapes = {name: model.get_parameter(name).shape for name in expected_names(model)}
+    loaded: set[str] = set()
+    for path, hf_name, tensor in iter_hf_tensors(directory):
+        name = hf_to_ours(hf_name, config.tie_word_embeddings)
+        if name is None:
+            continue
+        if name not in shapes:
+            raise CheckpointError(f"{path}: tensor {hf_name!r} has no place in a {config.model_type} model")
+        if tensor.shape != shapes[name]:
+            raise CheckpointError(
+                f"{path}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                f"config.json implies {tuple(shapes[name])}"
+            )
+        _set_parameter(model, name, tensor.to(device=device, dtype=dtype))
+        loaded.add(name)
+    missing = [n for n in shapes if n not in loaded]
+    if missing:
+        raise CheckpointError(f"{directory}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.reset_rope(device)
+
+
+def load_hf_model(
+    directory: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> CausalLM:
+    """The decoder with the weights of the HF checkpoint in ``directory``."""
+    config = ModelConfig.from_file(directory)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    load_hf_weights(model, directory, dtype, device)
+    return model
+
+
+def hf_config_dict(config: ModelConfig) -> dict:
+    """config.json for ``config``: the original keys, updated with the current shape.
+    Rope and dtype are written in the spelling the original used (transformers 4 style
+    when there was none), which transformers 4 and 5 both read."""
+    hf = dict(config.hf_config)
+    hf.update(
+        model_type=config.model_type,
+        architectures=[_ARCHITECTURES[config.model_type]],
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.rms_norm_eps,
+        tie_word_embeddings=config.tie_word_embeddings,
+        hidden_act="silu",
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+    )
+    if config.model_type != "qwen2":
+        hf["attention_bias"] = config.qkv_bias
+        hf["mlp_bias"] = config.mlp_bias
+    if config.model_type == "mistral":
+        hf["sliding_window"] = config.sliding_window
+    if "rope_parameters" in hf:
+        hf["rope_parameters"] = {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta}
+    else:
+        hf["rope_theta"] = config.rope_theta
+        hf["rope_scaling"] = config.rope_scaling
+    hf["dtype" if "dtype" in hf else "torch_dtype"] = config.torch_dtype
+    return hf
+
+
+def save_hf_model(
+    model: CausalLM, directory: str | Path, max_shard_bytes: int = 4 * 2**30, dtype: torch.dtype | None = None
+) -> Path:
+    """Write ``model`` as an HF checkpoint that transformers loads: config.json and
+    safetensors (sharded with an index past ``max_shard_bytes``). The directory appears
+    complete or not at all (written beside it, then renamed into place)."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        tensors = {}
+        for name, param in model.named_parameters():
+            if model.config.tie_word_embeddings and name == TIED_OUTPUT:
+                continue
+            tensors[ours_to_hf(name)] = param.detach().to(dtype or param.dtype).contiguous().cpu()
+        shards = _shard(tensors, max_shard_bytes)
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / SAFETENSORS_SINGLE), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards, 1):
+                fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(shard, fname))
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2))
+        config = hf_config_dict(model.config)
+        if dtype is not None:
+            config["dtype" if "dtype" in config else "torch_dtype"] = str(dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def _shard(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    return shards
