@@ -1,1 +1,53 @@
-def main(): pass
+"""The ``llmflow`` command line.
+
+Each subcommand is a pydantic model whose fields (with their docstrings) are the options:
+the same models serve as Prefect flow parameters, so the CLI help and the UI form say the
+same thing.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from pydantic_settings import BaseSettings, CliApp, CliSubCommand, PydanticBaseSettingsSource, SettingsConfigDict
+
+from llmflow.demo import DemoCommand
+from llmflow.envinfo import EnvCommand
+
+
+class LLMFlow(BaseSettings):
+    """llmflow: download, convert, tokenize, train, generate, evaluate and debug LLMs as
+    Prefect flows on Ascend NPU, CUDA and CPU."""
+
+    model_config = SettingsConfigDict(
+        use_attribute_docstrings=True,
+        cli_prog_name="llmflow",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_enforce_required=True,
+    )
+
+    env: CliSubCommand[EnvCommand]
+    """Show the devices, backends, dtypes and kernels llmflow would use here."""
+    demo: CliSubCommand[DemoCommand]
+    """Run the built-in end-to-end demo on a tiny model (offline, CPU-friendly)."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource, *args, **kwargs
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Options come from the command line only, never from stray environment variables.
+        return (init_settings,)
+
+    def cli_cmd(self) -> None:
+        CliApp.run_subcommand(self)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``llmflow`` console script."""
+    args = sys.argv[1:] if argv is None else argv
+    CliApp.run(LLMFlow, cli_args=args or ["--help"])
+
+
+if __name__ == "__main__":
+    main()
