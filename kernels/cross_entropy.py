@@ -30,16 +30,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_rows):
             end = min(start + chunk_rows, hidden.shape[0])
             h, y, ok = hidden[start:end], labels[start:end], valid[start:end]
-            logits = (h @ weight.t()).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            target = logits.gather(1, y.clamp(min=0).unsqueeze(1)).squeeze(1)
-            loss += torch.where(ok, lse - target, 0.0).sum()
+            # log_softmax is one fused kernel; logsumexp is several passes over the chunk.
+            log_probs = torch.log_softmax((h @ weight.t()).float(), dim=-1)
+            rows = torch.arange(end - start, device=log_probs.device)
+            target = y.clamp(min=0)
+            loss -= torch.where(ok, log_probs[rows, target], 0.0).sum()
             if grad_hidden is None and grad_weight is None:
                 continue
             # d(sum of losses)/d(logits) = softmax - one_hot(target), zero on ignored rows.
-            grad_logits = logits.sub_(lse.unsqueeze(1)).exp_()
-            rows = torch.arange(end - start, device=logits.device)
-            grad_logits[rows, y.clamp(min=0)] -= 1.0
+            grad_logits = log_probs.exp_()
+            grad_logits[rows, target] -= 1.0
             grad_logits.mul_(ok.unsqueeze(1))
             grad_logits = grad_logits.to(hidden.dtype)
             if grad_hidden is not None:
@@ -49,22 +49,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
             elif grad_weight is not None:  # half-precision matmul, accumulated across chunks in fp32
                 grad_weight.add_(grad_logits.t() @ h)
         scale = 1.0 / valid.sum().float() if reduction == "mean" else torch.ones((), device=hidden.device)
-        ctx.save_for_backward(
-            grad_hidden if grad_hidden is not None else torch.empty(0),
-            grad_weight if grad_weight is not None else torch.empty(0),
-            scale,
-        )
-        ctx.has_grads = (grad_hidden is not None, grad_weight is not None)
+        # The gradients are scaled in place in backward: kept on ctx, not saved tensors.
+        ctx.grads = (grad_hidden, grad_weight, scale)
         ctx.weight_dtype = weight.dtype
         return loss * scale
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_hidden, grad_weight, scale = ctx.saved_tensors
+        if ctx.grads is None:
+            raise RuntimeError("linear_cross_entropy: backward can run only once per forward")
+        grad_hidden, grad_weight, scale = ctx.grads
+        ctx.grads = None
         factor = grad_loss * scale
-        has_h, has_w = ctx.has_grads
-        dh = grad_hidden * factor.to(grad_hidden.dtype) if has_h and ctx.needs_input_grad[0] else None
-        dw = (grad_weight * factor).to(ctx.weight_dtype) if has_w and ctx.needs_input_grad[1] else None
+        dh = grad_hidden.mul_(factor.to(grad_hidden.dtype)) if grad_hidden is not None else None
+        dw = grad_weight.mul_(factor).to(ctx.weight_dtype) if grad_weight is not None else None
         return dh, dw, None, None, None, None, None, None
 
 

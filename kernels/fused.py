@@ -2,8 +2,8 @@
 
 - RMSNorm through ``F.rms_norm`` (one fused kernel that saves only the input and rstd).
 - Rotary embedding on the two halves directly, without building rotate_half's copy.
-- SwiGLU as an autograd function that saves its two inputs only and recomputes the
-  sigmoid in backward (the composite saves three tensors of FFN width).
+- SwiGLU as an autograd function that saves its two inputs only and recomputes silu in
+  backward (the composite saves three tensors of FFN width).
 - Attention through ``F.scaled_dot_product_attention``: flash/efficient kernels on CUDA,
   the flash CPU kernel on CPU, native GQA, and an explicit mask only when packed
   documents or a sliding window require one.
@@ -41,10 +41,8 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         gate, up = ctx.saved_tensors
-        sig = torch.sigmoid(gate)
-        silu = gate * sig
-        grad_up = grad * silu
-        grad_gate = grad * up * sig * (1 + gate * (1 - sig))
+        grad_up = grad * F.silu(gate)
+        grad_gate = torch.ops.aten.silu_backward(grad * up, gate)
         return grad_gate, grad_up
 
 
