@@ -19,6 +19,19 @@ def _chunk_rows(vocab_size: int) -> int:
     return max(1, CHUNK_LOGIT_ELEMENTS // vocab_size)
 
 
+def _chunk_log_probs(h: torch.Tensor, weight: torch.Tensor, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+    """log_softmax(h @ weight.T) in fp32, written into buffers reused across chunks: on CPU
+    every fresh allocation of this size is a new mmap paid for in page faults."""
+    n = h.shape[0]
+    if "logits" not in buffers:
+        buffers["logits"] = torch.empty(n, weight.shape[0], dtype=weight.dtype, device=weight.device)
+        buffers["log_probs"] = torch.empty(n, weight.shape[0], dtype=torch.float32, device=weight.device)
+    logits = torch.matmul(h, weight.t(), out=buffers["logits"][:n])
+    if logits.dtype != torch.float32:
+        return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    return torch.ops.aten._log_softmax.out(logits, -1, False, out=buffers["log_probs"][:n])
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, reduction, chunk_rows, want_grad_h, want_grad_w):
@@ -26,12 +39,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if want_grad_h else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_grad_w else None
         valid = labels != ignore_index
+        ignored_rows = (~valid).nonzero().squeeze(1)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        buffers: dict[str, torch.Tensor] = {}
         for start in range(0, hidden.shape[0], chunk_rows):
             end = min(start + chunk_rows, hidden.shape[0])
             h, y, ok = hidden[start:end], labels[start:end], valid[start:end]
-            # log_softmax is one fused kernel; logsumexp is several passes over the chunk.
-            log_probs = torch.log_softmax((h @ weight.t()).float(), dim=-1)
+            log_probs = _chunk_log_probs(h, weight, buffers)
             rows = torch.arange(end - start, device=log_probs.device)
             target = y.clamp(min=0)
             loss -= torch.where(ok, log_probs[rows, target], 0.0).sum()
@@ -40,7 +54,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # d(sum of losses)/d(logits) = softmax - one_hot(target), zero on ignored rows.
             grad_logits = log_probs.exp_()
             grad_logits[rows, target] -= 1.0
-            grad_logits.mul_(ok.unsqueeze(1))
+            in_chunk = ignored_rows[(ignored_rows >= start) & (ignored_rows < end)] - start
+            grad_logits.index_fill_(0, in_chunk, 0.0)
             grad_logits = grad_logits.to(hidden.dtype)
             if grad_hidden is not None:
                 torch.matmul(grad_logits, weight, out=grad_hidden[start:end])
