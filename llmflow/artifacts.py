@@ -1,0 +1,138 @@
+"""Atomic stage outputs and their manifests.
+
+A stage's output is complete when its manifest exists: the manifest is written last, by
+rename, after every file it lists. A stage killed part-way leaves its previous good output
+(or nothing), never a half-written one that looks complete.
+
+Two shapes of output:
+- a directory (download, sample assets, checkpoints): built in a hidden sibling directory
+  and renamed into place, with ``manifest.json`` inside;
+- a file prefix (Megatron datasets ``{prefix}_text_document.bin/.idx``): each file written
+  beside its final name and renamed, then ``{prefix}.manifest.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import llmflow
+
+MANIFEST = "manifest.json"
+
+
+def sha256_file(path: str | Path, block: int = 1 << 20) -> str:
+    """Hex sha256 of a file, read in blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_record(path: Path, root: Path, with_hash: bool = True) -> dict[str, Any]:
+    """{"path", "size"[, "sha256"]} of ``path`` relative to ``root``."""
+    record: dict[str, Any] = {"path": path.relative_to(root).as_posix(), "size": path.stat().st_size}
+    if with_hash:
+        record["sha256"] = sha256_file(path)
+    return record
+
+
+def write_json_atomic(path: str | Path, payload: Any) -> Path:
+    """Write JSON to ``path`` through a temporary file and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=2, sort_keys=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def manifest_payload(stage: str, params: dict[str, Any], files: list[dict[str, Any]], **extra: Any) -> dict:
+    """The manifest body every stage writes: what ran, with which parameters, what it made."""
+    return {
+        "stage": stage,
+        "llmflow_version": llmflow.__version__,
+        "created_unix": time.time(),
+        "params": params,
+        "files": files,
+        **extra,
+    }
+
+
+def read_manifest(path: str | Path) -> dict[str, Any] | None:
+    """The manifest of a directory output (``path/manifest.json``) or of a prefix output
+    (``{path}.manifest.json``); None when the output is not complete."""
+    path = Path(path)
+    candidate = path / MANIFEST if path.is_dir() else Path(f"{path}.manifest.json")
+    if not candidate.is_file():
+        return None
+    try:
+        return json.loads(candidate.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
+@contextlib.contextmanager
+def atomic_directory(final: str | Path) -> Iterator[Path]:
+    """Yield an empty working directory; on success it replaces ``final`` in one rename.
+
+    The caller writes ``manifest.json`` into it last. On any exception the working
+    directory is removed and ``final`` is left as it was.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield work
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    replace_directory(work, final)
+
+
+def replace_directory(source: Path, final: Path) -> None:
+    """Move ``source`` to ``final``; a previous ``final`` is set aside first and removed
+    only once the new one is in place."""
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}-{time.monotonic_ns()}")
+        os.replace(final, old)
+    os.replace(source, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_file(final: str | Path, mode: str = "wb") -> Iterator[Any]:
+    """Open a temporary file beside ``final``; on success it is fsynced and renamed to
+    ``final``, on failure removed."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", dir=final.parent)
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,1 @@
+"""Data formats and tokenization stages."""
