@@ -32,12 +32,25 @@ def _chunk_log_probs(h: torch.Tensor, weight: torch.Tensor, buffers: dict[str, t
     return torch.ops.aten._log_softmax.out(logits, -1, False, out=buffers["log_probs"][:n])
 
 
+def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tensor, first: bool) -> None:
+    """grad_weight (fp32) = or += grad_logits.T @ h."""
+    if grad_logits.dtype == torch.float32 and first:
+        torch.mm(grad_logits.t(), h, out=grad_weight)
+    elif grad_logits.dtype == torch.float32:
+        grad_weight.addmm_(grad_logits.t(), h)
+    elif first:  # half precision: matmul in that precision, accumulated in fp32
+        grad_weight.copy_(grad_logits.t() @ h)
+    else:
+        grad_weight.add_(grad_logits.t() @ h)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, reduction, chunk_rows, want_grad_h, want_grad_w):
         # Grad mode is off inside forward, so the caller says which gradients are wanted.
         grad_hidden = torch.empty_like(hidden) if want_grad_h else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_grad_w else None
+        # Filled by the first chunk's matmul (no zero-fill pass over a vocab x hidden tensor).
+        grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if want_grad_w else None
         valid = labels != ignore_index
         ignored_rows = (~valid).nonzero().squeeze(1)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -59,10 +72,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_logits = grad_logits.to(hidden.dtype)
             if grad_hidden is not None:
                 torch.matmul(grad_logits, weight, out=grad_hidden[start:end])
-            if grad_weight is not None and grad_logits.dtype == torch.float32:
-                grad_weight.addmm_(grad_logits.t(), h)
-            elif grad_weight is not None:  # half-precision matmul, accumulated across chunks in fp32
-                grad_weight.add_(grad_logits.t() @ h)
+            if grad_weight is not None:
+                _accumulate_weight_grad(grad_weight, grad_logits, h, first=start == 0)
         scale = 1.0 / valid.sum().float() if reduction == "mean" else torch.ones((), device=hidden.device)
         # The gradients are scaled in place in backward: kept on ctx, not saved tensors.
         ctx.grads = (grad_hidden, grad_weight, scale)
