@@ -11,6 +11,7 @@ import sys
 
 from pydantic_settings import BaseSettings, CliApp, CliSubCommand, PydanticBaseSettingsSource, SettingsConfigDict
 
+from llmflow.data.tokenize_pretrain import TokenizeCommands
 from llmflow.demo import DemoCommand
 from llmflow.download import DownloadCommand
 from llmflow.envinfo import EnvCommand
@@ -32,6 +33,8 @@ class LLMFlow(BaseSettings):
     """Show the devices, backends, dtypes and kernels llmflow would use here."""
     demo: CliSubCommand[DemoCommand]
     """Run the built-in end-to-end demo on a tiny model (offline, CPU-friendly)."""
+    tokenize: CliSubCommand[TokenizeCommands]
+    """Tokenize text into training datasets (pretrain: Megatron .bin/.idx)."""
     download: CliSubCommand[DownloadCommand]
     """Download a model or data set (Hugging Face Hub, ModelScope, local directory) with a manifest."""
 
