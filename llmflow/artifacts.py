@@ -48,20 +48,9 @@ def file_record(path: Path, root: Path, with_hash: bool = True) -> dict[str, Any
 
 def write_json_atomic(path: str | Path, payload: Any) -> Path:
     """Write JSON to ``path`` through a temporary file and a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2, sort_keys=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    return path
+    with atomic_file(path, "w") as f:
+        json.dump(payload, f, indent=2)
+    return Path(path)
 
 
 def manifest_payload(stage: str, params: dict[str, Any], files: list[dict[str, Any]], **extra: Any) -> dict:
