@@ -125,3 +125,16 @@ def atomic_file(final: str | Path, mode: str = "wb") -> Iterator[Any]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def write_prefix_manifest(manifest: Path, files: list[Path], stage: str, params: dict[str, Any], **extra: Any) -> None:
+    """Write the manifest of a prefix output last; if that fails, remove ``files`` so no
+    unvouched output stays behind."""
+    try:
+        root = manifest.parent.resolve()
+        records = [file_record(f.resolve(), root) for f in files]
+        write_json_atomic(manifest, manifest_payload(stage, params, records, **extra))
+    except BaseException:
+        for f in files:
+            f.unlink(missing_ok=True)
+        raise

@@ -9,12 +9,28 @@ from __future__ import annotations
 
 import sys
 
+from pydantic import BaseModel, ConfigDict
 from pydantic_settings import BaseSettings, CliApp, CliSubCommand, PydanticBaseSettingsSource, SettingsConfigDict
 
-from llmflow.data.tokenize_pretrain import TokenizeCommands
+from llmflow.data.tokenize_instruction import InstructionCommand
+from llmflow.data.tokenize_pretrain import PretrainCommand
 from llmflow.demo import DemoCommand
 from llmflow.download import DownloadCommand
 from llmflow.envinfo import EnvCommand
+
+
+class TokenizeCommands(BaseModel):
+    """Tokenize text into training datasets."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    pretrain: CliSubCommand[PretrainCommand]
+    """Pretraining text -> Megatron indexed dataset ({out}_text_document.bin/.idx)."""
+    instruction: CliSubCommand[InstructionCommand]
+    """Instruction data -> input_ids/labels indexed datasets ({out}_packed_*_document)."""
+
+    def cli_cmd(self) -> None:
+        CliApp.run_subcommand(self)
 
 
 class LLMFlow(BaseSettings):
@@ -34,7 +50,7 @@ class LLMFlow(BaseSettings):
     demo: CliSubCommand[DemoCommand]
     """Run the built-in end-to-end demo on a tiny model (offline, CPU-friendly)."""
     tokenize: CliSubCommand[TokenizeCommands]
-    """Tokenize text into training datasets (pretrain: Megatron .bin/.idx)."""
+    """Tokenize text into training datasets (pretrain text, instruction data)."""
     download: CliSubCommand[DownloadCommand]
     """Download a model or data set (Hugging Face Hub, ModelScope, local directory) with a manifest."""
 

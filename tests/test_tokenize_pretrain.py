@@ -17,7 +17,8 @@ import pytest
 from llmflow.artifacts import read_manifest
 from llmflow.data.indexed import IndexedDataset
 from llmflow.data.readers import InputError
-from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig, TokenizeError, output_paths, tokenize_pretrain
+from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig, output_paths, tokenize_pretrain
+from llmflow.data.tokenizer import TokenizeError
 
 WORDS = (
     "the model learns tokens from text and data flows through every stage of training "
@@ -113,8 +114,9 @@ def test_roundtrip(tmp_path, tokenizer_dir, hf_tok, vocab_size, dtype, append_eo
     m = read_manifest(out)
     assert m["documents"] == len(DOCS) and m["tokens"] == sum(map(len, want))
     assert m["dtype"] == dtype and m["vocab_size"] == (vocab_size or len(hf_tok))
-    assert {f["path"] for f in m["files"]} == {"ds_text_document.bin", "ds_text_document.idx"}
-    assert m["bytes"]["bin"] == m["tokens"] * np.dtype(dtype).itemsize
+    sizes = {f["path"]: f["size"] for f in m["files"]}
+    assert set(sizes) == {"ds_text_document.bin", "ds_text_document.idx"}
+    assert sizes["ds_text_document.bin"] == m["tokens"] * np.dtype(dtype).itemsize
 
 
 @pytest.mark.parametrize("vocab_size,code,itemsize", [(None, 8, 2), (70000, 4, 4)])

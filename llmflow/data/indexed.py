@@ -5,8 +5,9 @@ megatron-core's ``IndexedDataset`` / ``IndexedDatasetBuilder``.
 sequence count N, u64 document-index count D (= documents + 1), int32[N] sequence lengths,
 int64[N] byte offsets of each sequence in .bin, int64[D] document indices (sequence index
 where each document starts, then N). .bin holds the raw tokens back to back.
-Here every document is one sequence, as ``tools/preprocess_data.py`` writes without
-sentence splitting.
+Pretraining data has one sequence per document, as ``tools/preprocess_data.py`` writes
+without sentence splitting; packed instruction data stores each sample as a sequence and
+each packed row as a document.
 """
 
 from __future__ import annotations
@@ -61,22 +62,34 @@ class IndexedDatasetWriter:
         fd, self._bin_tmp = tempfile.mkstemp(prefix=f".{self.path.name}.bin.", dir=self.path.parent)
         self._bin = os.fdopen(fd, "wb")
         self._lengths: list[np.ndarray] = []
+        self._documents: list[np.ndarray] = []
         self.num_tokens = 0
 
-    def add_document(self, tokens: np.ndarray | Iterable[int]) -> None:
-        self.add_documents([tokens])
+    def add_document(self, tokens: np.ndarray | Iterable[int], lengths: Iterable[int] | None = None) -> None:
+        """Append one document: ``tokens`` as a single sequence, or split into sequences of
+        ``lengths`` (which must sum to its size), as megatron-core's builder does."""
+        tokens = np.asarray(tokens, dtype=self.dtype)
+        sizes = np.fromiter(lengths, dtype=np.int64) if lengths is not None else np.array([tokens.size], np.int64)
+        if sizes.sum() != tokens.size or (sizes < 0).any():
+            raise ValueError(f"sequence lengths {sizes.tolist()} do not split a document of {tokens.size} tokens")
+        self._write(tokens, sizes, np.array([sizes.size], np.int64))
 
     def add_documents(self, documents: Iterable[np.ndarray | Iterable[int]]) -> None:
+        """Append documents of one sequence each."""
         arrays = [np.asarray(d, dtype=self.dtype) for d in documents]
-        if not arrays:
-            return
-        self._lengths.append(np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays)))
-        self._bin.write(np.concatenate(arrays).tobytes(order="C"))
-        self.num_tokens += sum(a.size for a in arrays)
+        if arrays:
+            sizes = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
+            self._write(np.concatenate(arrays), sizes, np.ones(len(arrays), np.int64))
+
+    def _write(self, tokens: np.ndarray, lengths: np.ndarray, sequences_per_document: np.ndarray) -> None:
+        self._bin.write(tokens.tobytes(order="C"))
+        self._lengths.append(lengths)
+        self._documents.append(sequences_per_document)
+        self.num_tokens += tokens.size
 
     @property
     def num_documents(self) -> int:
-        return sum(len(x) for x in self._lengths)
+        return sum(len(x) for x in self._documents)
 
     def finalize(self) -> None:
         self._bin.flush()
@@ -87,7 +100,9 @@ class IndexedDatasetWriter:
             raise IndexedDatasetError(f"{self.path}: a document longer than 2**31-1 tokens cannot be indexed")
         pointers = np.zeros(lengths.size, dtype=np.int64)
         np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
-        doc_index = np.arange(lengths.size + 1, dtype=np.int64)
+        doc_index = np.zeros(self.num_documents + 1, dtype=np.int64)
+        if self._documents:
+            np.cumsum(np.concatenate(self._documents), out=doc_index[1:])
         fd, idx_tmp = tempfile.mkstemp(prefix=f".{self.path.name}.idx.", dir=self.path.parent)
         try:
             with os.fdopen(fd, "wb") as f:
@@ -173,3 +188,13 @@ class IndexedDataset:
     @property
     def num_tokens(self) -> int:
         return int(self.sequence_lengths.sum(dtype=np.int64))
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.document_indices) - 1
+
+    def document_sequences(self, d: int) -> range:
+        """Indices of the sequences document ``d`` is made of."""
+        if not 0 <= d < self.num_documents:
+            raise IndexError(f"document {d} out of range for {self.num_documents} documents in {self.path}")
+        return range(int(self.document_indices[d]), int(self.document_indices[d + 1]))

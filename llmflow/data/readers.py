@@ -1,31 +1,34 @@
-"""Stream text records out of the corpus formats users have, never loading a whole file.
+"""Stream records out of the corpus formats users have, never loading a whole file.
 
 Supported inputs (chosen by extension, or by being a directory):
 
-- ``.parquet``: read by record batches, only the text column;
+- ``.parquet``: read by record batches, only the requested columns;
 - ``.jsonl`` / ``.ndjson``: one JSON object per line (blank lines skipped);
 - ``.json``: a JSON array of objects, parsed incrementally; a ``.json`` file whose first
   character is not ``[`` is read as JSON lines (what ``datasets.Dataset.to_json`` writes);
-- ``.csv``: with a header row, read in blocks, only the text column;
-- ``.txt``: one document per non-empty line (the line without its line ending);
+- ``.csv``: with a header row, read in blocks, only the requested columns;
+- ``.txt``: one document per non-empty line (the line without its line ending), seen as
+  a single text column;
 - a directory written by ``datasets`` ``save_to_disk`` (a ``Dataset``, or a
   ``DatasetDict`` with a single split), iterated in batches over its memory-mapped arrow files.
 
-``iter_texts`` yields ``(row, text)``. ``row`` locates the record for error messages:
-the 1-based line number in jsonl and txt files, the 0-based record index (header
-excluded) in every other format; ``describe_row`` words it ("line 7", "row 6").
+``iter_records`` yields ``(row, record)`` with the requested columns; ``iter_texts`` yields
+``(row, text)`` of one text column. ``row`` locates the record for error messages: the
+1-based line number in jsonl and txt files, the 0-based record index (header excluded) in
+every other format; ``describe_row`` words it ("line 7", "row 6").
 
-``validate_input`` checks a file up front (it exists, its format is known, the text column
-is there, it holds at least one record, the first record parses), so a caller can refuse
-bad input before writing anything.
+``validate_input`` checks a file up front (it exists, its format is known, the required
+columns are there, it holds at least one record, the first record parses), so a caller
+can refuse bad input before writing anything.
 """
 
 from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 SUPPORTED = (".parquet", ".jsonl", ".ndjson", ".json", ".csv", ".txt", "a datasets save_to_disk directory")
 LINE_FORMATS = (".jsonl", ".ndjson", ".txt")
@@ -59,97 +62,109 @@ def _json_is_lines(path: Path) -> bool:
     return False
 
 
-def _check_text(path: Path, row: int, value: object, text_key: str, where: str | None = None) -> str:
+def _check_text(path: Path, row: int, value: object, text_key: str) -> str:
     if isinstance(value, str):
         return value
-    where = where or describe_row(path, row)
-    raise InputError(f"{path}: {where}: column {text_key!r} holds {type(value).__name__}, not text")
+    raise InputError(f"{path}: {describe_row(path, row)}: column {text_key!r} holds {type(value).__name__}, not text")
 
 
-def validate_input(path: str | Path, text_key: str) -> None:
+def _names(columns: str | Sequence[str]) -> list[str]:
+    return [columns] if isinstance(columns, str) else list(columns)
+
+
+def validate_input(path: str | Path, required: str | Sequence[str]) -> None:
     """Raise ``InputError`` unless ``path`` exists, has a supported format, has the
-    ``text_key`` column and at least one record, and its first record reads."""
-    path = Path(path)
-    if not path.exists():
-        raise InputError(f"{path}: no such file or directory")
-    fmt = _format(path)
-    if fmt == "hf":
-        _hf_dataset(path, text_key)  # checks the column and the row count
-    elif fmt == ".parquet":
-        _parquet_check(path, text_key)
-    elif fmt == ".csv":
-        _csv_columns(path, text_key)
-    elif fmt not in (".jsonl", ".ndjson", ".json", ".txt"):
-        raise InputError(f"{path}: unknown input format {path.suffix or '(no extension)'!r}; supported: {', '.join(SUPPORTED)}")
-    # Reading the first record checks what the schema check cannot (jsonl keys, emptiness).
-    for _ in iter_texts(path, text_key):
+    ``required`` columns and at least one record, and its first record reads."""
+    for _ in iter_records(path, _names(required)):
         return
-    raise InputError(f"{path}: empty input (no records)")
+    raise InputError(f"{Path(path)}: empty input (no records)")
 
 
 def iter_texts(path: str | Path, text_key: str = "text", batch_rows: int = _BATCH_ROWS) -> Iterator[tuple[int, str]]:
     """Yield ``(row, text)`` for every record of ``path``, holding at most one batch in memory."""
     path = Path(path)
+    for row, record in iter_records(path, [text_key], batch_rows=batch_rows):
+        yield row, _check_text(path, row, record[text_key], text_key)
+
+
+def iter_records(
+    path: str | Path,
+    required: Sequence[str],
+    optional: Sequence[str] = (),
+    batch_rows: int = _BATCH_ROWS,
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield ``(row, record)`` for every record of ``path``: a dict with the ``required``
+    columns (a record or file without one is an ``InputError`` naming what is there) and
+    those ``optional`` columns the record has."""
+    path = Path(path)
     if not path.exists():
         raise InputError(f"{path}: no such file or directory")
+    required, optional = list(required), [c for c in optional if c not in required]
     fmt = _format(path)
     if fmt == "hf":
-        yield from _iter_hf(path, text_key, batch_rows)
+        yield from _iter_hf(path, required, optional, batch_rows)
     elif fmt == ".parquet":
-        yield from _iter_parquet(path, text_key, batch_rows)
+        yield from _iter_parquet(path, required, optional, batch_rows)
     elif fmt in (".jsonl", ".ndjson"):
-        yield from _iter_jsonl(path, text_key)
+        yield from _iter_jsonl(path, required, optional)
     elif fmt == ".json":
-        yield from (_iter_jsonl(path, text_key) if _json_is_lines(path) else _iter_json_array(path, text_key))
+        if _json_is_lines(path):
+            yield from _iter_jsonl(path, required, optional)
+        else:
+            yield from _iter_json_array(path, required, optional)
     elif fmt == ".csv":
-        yield from _iter_csv(path, text_key, batch_rows)
+        yield from _iter_csv(path, required, optional, batch_rows)
     elif fmt == ".txt":
-        yield from _iter_txt(path)
+        yield from _iter_txt(path, required)
     else:
         raise InputError(f"{path}: unknown input format {path.suffix or '(no extension)'!r}; supported: {', '.join(SUPPORTED)}")
+
+
+def _present(path: Path, columns: list[str], required: list[str], optional: list[str]) -> list[str]:
+    """The requested columns a schema holds; an ``InputError`` when a required one is missing."""
+    missing = [c for c in required if c not in columns]
+    if missing:
+        raise InputError(f"{path}: no column {missing[0]!r}; columns are {columns}")
+    return [c for c in (*required, *optional) if c in columns]
+
+
+def _rows(path: Path, batch, names: list[str], row: int) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Records of an arrow record batch (or table) whose columns are ``names``."""
+    for values in zip(*(batch.column(i).to_pylist() for i in range(len(names)))):
+        yield row, dict(zip(names, values))
+        row += 1
 
 
 # --- parquet -------------------------------------------------------------------------------
 
 
-def _parquet_check(path: Path, text_key: str):
-    import pyarrow as pa
+def _iter_parquet(path: Path, required: list[str], optional: list[str], batch_rows: int) -> Iterator[tuple[int, dict[str, Any]]]:
     import pyarrow.parquet as pq
 
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad file
         raise InputError(f"{path}: not a readable parquet file: {e}") from e
-    names = pf.schema_arrow.names
-    if text_key not in names:
-        raise InputError(f"{path}: no column {text_key!r}; columns are {names}")
-    typ = pf.schema_arrow.field(text_key).type
-    if not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_string_view(typ)):
-        raise InputError(f"{path}: column {text_key!r} has type {typ}, not string")
-    return pf
-
-
-def _iter_parquet(path: Path, text_key: str, batch_rows: int) -> Iterator[tuple[int, str]]:
-    pf = _parquet_check(path, text_key)
+    names = _present(path, pf.schema_arrow.names, required, optional)
     row = 0
-    for batch in pf.iter_batches(batch_size=batch_rows, columns=[text_key]):
-        for value in batch.column(0).to_pylist():
-            yield row, _check_text(path, row, value, text_key)
-            row += 1
+    for batch in pf.iter_batches(batch_size=batch_rows, columns=names):
+        yield from _rows(path, batch, names, row)
+        row += batch.num_rows
 
 
 # --- JSON lines and JSON arrays --------------------------------------------------------------
 
 
-def _record_text(path: Path, where: str, record: object, text_key: str) -> str:
+def _select(path: Path, where: str, record: object, required: list[str], optional: list[str]) -> dict[str, Any]:
     if not isinstance(record, dict):
         raise InputError(f"{path}: {where}: expected a JSON object, got {type(record).__name__}")
-    if text_key not in record:
-        raise InputError(f"{path}: {where}: no key {text_key!r}; keys are {sorted(record)}")
-    return _check_text(path, 0, record[text_key], text_key, where)
+    for key in required:
+        if key not in record:
+            raise InputError(f"{path}: {where}: no key {key!r}; keys are {sorted(record)}")
+    return {k: record[k] for k in (*required, *optional) if k in record}
 
 
-def _iter_jsonl(path: Path, text_key: str) -> Iterator[tuple[int, str]]:
+def _iter_jsonl(path: Path, required: list[str], optional: list[str]) -> Iterator[tuple[int, dict[str, Any]]]:
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -158,10 +173,10 @@ def _iter_jsonl(path: Path, text_key: str) -> Iterator[tuple[int, str]]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise InputError(f"{path}: line {lineno}: malformed JSON: {e.msg} (column {e.colno})") from e
-            yield lineno, _record_text(path, f"line {lineno}", record, text_key)
+            yield lineno, _select(path, f"line {lineno}", record, required, optional)
 
 
-def _iter_json_array(path: Path, text_key: str) -> Iterator[tuple[int, str]]:
+def _iter_json_array(path: Path, required: list[str], optional: list[str]) -> Iterator[tuple[int, dict[str, Any]]]:
     """Elements of a top-level JSON array, decoded one at a time from a sliding buffer."""
     decoder = json.JSONDecoder()
     with open(path, encoding="utf-8") as f:
@@ -204,7 +219,7 @@ def _iter_json_array(path: Path, text_key: str) -> Iterator[tuple[int, str]]:
                         msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
                         raise InputError(f"{path}: row {row}: malformed JSON array element: {msg}") from e
             pos = end
-            yield row, _record_text(path, f"row {row}", record, text_key)
+            yield row, _select(path, f"row {row}", record, required, optional)
             row += 1
             sep = skip_ws()
             if sep == "]":
@@ -218,51 +233,47 @@ def _iter_json_array(path: Path, text_key: str) -> Iterator[tuple[int, str]]:
 # --- CSV -------------------------------------------------------------------------------------
 
 
-def _csv_columns(path: Path, text_key: str) -> list[str]:
+def _iter_csv(path: Path, required: list[str], optional: list[str], batch_rows: int) -> Iterator[tuple[int, dict[str, Any]]]:
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
     with open(path, encoding="utf-8", newline="") as f:
         header = next(csv.reader(f), None)
     if not header:
         raise InputError(f"{path}: empty input (no header row)")
-    if text_key not in header:
-        raise InputError(f"{path}: no column {text_key!r}; columns are {header}")
-    return header
-
-
-def _iter_csv(path: Path, text_key: str, batch_rows: int) -> Iterator[tuple[int, str]]:
-    import pyarrow as pa
-    import pyarrow.csv as pacsv
-
-    _csv_columns(path, text_key)
+    names = _present(path, header, required, optional)
     reader = pacsv.open_csv(
         path,
         read_options=pacsv.ReadOptions(block_size=1 << 22),
         parse_options=pacsv.ParseOptions(newlines_in_values=True),
         convert_options=pacsv.ConvertOptions(
-            include_columns=[text_key], column_types={text_key: pa.string()}, strings_can_be_null=False
+            include_columns=names, column_types={c: pa.string() for c in names}, strings_can_be_null=False
         ),
     )
     row = 0
     for batch in reader:
-        for value in batch.column(0).to_pylist():
-            yield row, _check_text(path, row, value, text_key)
-            row += 1
+        yield from _rows(path, batch, names, row)
+        row += batch.num_rows
 
 
 # --- plain text ------------------------------------------------------------------------------
 
 
-def _iter_txt(path: Path) -> Iterator[tuple[int, str]]:
+def _iter_txt(path: Path, required: list[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+    if len(required) != 1:
+        raise InputError(f"{path}: a .txt file holds one text per line; columns {required} need a structured format")
+    key = required[0]
     with open(path, encoding="utf-8", newline="") as f:
         for lineno, line in enumerate(f, start=1):
             text = line.rstrip("\r\n")
             if text.strip():
-                yield lineno, text
+                yield lineno, {key: text}
 
 
 # --- Hugging Face datasets saved with save_to_disk -------------------------------------------
 
 
-def _hf_dataset(path: Path, text_key: str):
+def _iter_hf(path: Path, required: list[str], optional: list[str], batch_rows: int) -> Iterator[tuple[int, dict[str, Any]]]:
     try:
         from datasets import Dataset, DatasetDict, load_from_disk
     except ImportError as e:  # pragma: no cover - datasets is a dependency
@@ -278,15 +289,8 @@ def _hf_dataset(path: Path, text_key: str):
             raise InputError(f"{path}: a DatasetDict with splits {list(ds)}; pass one split directory, e.g. {path / next(iter(ds))}")
         ds = next(iter(ds.values()))
     assert isinstance(ds, Dataset)
-    if text_key not in ds.column_names:
-        raise InputError(f"{path}: no column {text_key!r}; columns are {ds.column_names}")
-    return ds
-
-
-def _iter_hf(path: Path, text_key: str, batch_rows: int) -> Iterator[tuple[int, str]]:
-    ds = _hf_dataset(path, text_key).select_columns([text_key])
+    names = _present(path, ds.column_names, required, optional)
     row = 0
-    for batch in ds.iter(batch_size=batch_rows):
-        for value in batch[text_key]:
-            yield row, _check_text(path, row, value, text_key)
-            row += 1
+    for batch in ds.select_columns(names).with_format("arrow").iter(batch_size=batch_rows):
+        yield from _rows(path, batch, names, row)
+        row += batch.num_rows

@@ -15,12 +15,9 @@ are skipped (counted in the manifest as ``skipped_empty``).
 
 from __future__ import annotations
 
-import json
 import logging
-import multiprocessing
 import os
 import time
-from collections import deque
 from collections.abc import Iterator
 from itertools import chain
 from pathlib import Path
@@ -28,19 +25,22 @@ from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
-from pydantic_settings import CliApp, CliSubCommand, CliVariadicArg
+from pydantic_settings import CliVariadicArg
 
-from llmflow.artifacts import file_record, manifest_payload, write_json_atomic
+from llmflow.artifacts import write_prefix_manifest
 from llmflow.data.indexed import IndexedDatasetWriter, optimal_token_dtype
+from llmflow.data.parallel import ordered_map
 from llmflow.data.readers import InputError, describe_row, iter_texts, validate_input
+from llmflow.data.tokenizer import (
+    TokenizeError,
+    load_tokenizer,
+    out_of_vocab_message,
+    resolve_vocab_size,
+    tokenizer_info,
+)
 
 STAGE = "tokenize-pretrain"
 log = logging.getLogger("llmflow.tokenize")
-
-
-class TokenizeError(ValueError):
-    """The tokenizer or the tokens do not fit the request (missing files, no EOD, ids
-    outside the model's vocabulary)."""
 
 
 class PretrainTokenizeConfig(BaseModel):
@@ -70,69 +70,6 @@ class PretrainTokenizeConfig(BaseModel):
     """Documents per tokenizer batch (the unit of work handed to a worker)."""
     log_every: int = Field(default=100_000, ge=1)
     """Log progress every this many documents."""
-
-
-# --- tokenizer ---------------------------------------------------------------------------------
-
-
-class TokenizerInfo(BaseModel):
-    """What the stage needs to know about a tokenizer directory."""
-
-    path: str
-    length: int
-    """len(tokenizer): ids in the vocabulary, added tokens included."""
-    eos_token: str | None
-    eos_token_id: int | None
-    config_vocab_size: int | None
-    """vocab_size of config.json beside the tokenizer, when there is one."""
-
-
-def _token_content(value: Any) -> str | None:
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def load_tokenizer(directory: str | Path):
-    """The fast tokenizer of a Hugging Face tokenizer directory (``tokenizers.Tokenizer``)."""
-    from tokenizers import Tokenizer
-
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise TokenizeError(f"tokenizer {directory}: no such directory")
-    path = directory / "tokenizer.json"
-    if not path.is_file():
-        present = sorted(p.name for p in directory.iterdir())
-        raise TokenizeError(
-            f"tokenizer {directory}: missing tokenizer.json (a fast tokenizer is required; "
-            f"save one with transformers' save_pretrained); found {present}"
-        )
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
-        raise TokenizeError(f"tokenizer {path}: cannot be loaded: {e}") from e
-
-
-def tokenizer_info(directory: str | Path) -> TokenizerInfo:
-    directory = Path(directory)
-    tok = load_tokenizer(directory)
-    eos = None
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        if (directory / name).is_file():
-            eos = _token_content(json.loads((directory / name).read_text()).get("eos_token"))
-            if eos is not None:
-                break
-    eos_id = tok.token_to_id(eos) if eos is not None else None
-    config_vocab = None
-    if (directory / "config.json").is_file():
-        config_vocab = json.loads((directory / "config.json").read_text()).get("vocab_size")
-    return TokenizerInfo(
-        path=str(directory),
-        length=tok.get_vocab_size(with_added_tokens=True),
-        eos_token=eos,
-        eos_token_id=eos_id,
-        config_vocab_size=config_vocab,
-    )
 
 
 # --- batch encoding (runs in worker processes) --------------------------------------------------
@@ -183,23 +120,6 @@ def output_paths(out: str | Path) -> dict[str, Path]:
     }
 
 
-def resolve_vocab_size(config: PretrainTokenizeConfig, info: TokenizerInfo) -> tuple[int, str]:
-    """The model vocabulary to check ids against, and where it came from."""
-    if config.vocab_size is not None:
-        vocab, source = config.vocab_size, "--vocab-size"
-    elif info.config_vocab_size is not None:
-        vocab, source = int(info.config_vocab_size), f"{info.path}/config.json"
-    else:
-        vocab, source = info.length, "len(tokenizer)"
-    if vocab < info.length:
-        raise TokenizeError(
-            f"vocab_size {vocab} (from {source}) is smaller than the tokenizer's {info.length} ids "
-            f"({info.path}): the model cannot embed every token this tokenizer produces. Use the "
-            "tokenizer that belongs to the model, or the model's real vocab_size."
-        )
-    return vocab, source
-
-
 def _batches(paths: list[Path], text_key: str, batch_size: int, skipped: list[int]) -> Iterator[tuple[int, list[int], list[str]]]:
     """(input index, rows, texts) batches; a batch never spans two inputs."""
     for i, path in enumerate(paths):
@@ -218,26 +138,6 @@ def _batches(paths: list[Path], text_key: str, batch_size: int, skipped: list[in
             yield i, rows, texts
 
 
-def _encoded(config: PretrainTokenizeConfig, init_args: tuple, batches) -> Iterator[tuple[tuple, tuple]]:
-    """(batch, encoded) in input order, with at most 2 * workers batches in flight."""
-    if config.workers == 1:
-        _init_worker(*init_args)
-        for batch in batches:
-            yield batch, _encode_batch(batch[2])
-        return
-    ctx = multiprocessing.get_context("spawn" if "fork" not in multiprocessing.get_all_start_methods() else "fork")
-    with ctx.Pool(config.workers, initializer=_init_worker, initargs=init_args) as pool:
-        pending: deque = deque()
-        for batch in batches:
-            pending.append((batch, pool.apply_async(_encode_batch, (batch[2],))))
-            if len(pending) >= 2 * config.workers:
-                b, result = pending.popleft()
-                yield b, result.get()
-        while pending:
-            b, result = pending.popleft()
-            yield b, result.get()
-
-
 def tokenize_pretrain(config: PretrainTokenizeConfig) -> Path:
     """Tokenize ``config.input`` into ``{out}_text_document.bin/.idx`` + manifest; returns ``out``."""
     started = time.perf_counter()
@@ -246,7 +146,7 @@ def tokenize_pretrain(config: PretrainTokenizeConfig) -> Path:
 
     # Everything that can be checked is checked before any output is touched.
     info = tokenizer_info(config.tokenizer)
-    vocab_size, vocab_source = resolve_vocab_size(config, info)
+    vocab_size, vocab_source = resolve_vocab_size(config.vocab_size, info)
     eod = None
     if config.append_eod:
         if info.eos_token_id is None:
@@ -270,7 +170,8 @@ def tokenize_pretrain(config: PretrainTokenizeConfig) -> Path:
     next_log = config.log_every
     try:
         batches = _batches(paths, config.text_key, config.batch_size, skipped)
-        for (file_index, rows, _texts), (tokens, lengths, bad) in _encoded(config, init_args, batches):
+        encoded = ordered_map(_encode_batch, batches, config.workers, _init_worker, init_args, key=lambda b: b[2])
+        for (file_index, rows, _texts), (tokens, lengths, bad) in encoded:
             if bad >= 0:
                 _raise_out_of_vocab(paths[file_index], rows[bad], _texts[bad], config, vocab_size, vocab_source, eod)
             flat = np.frombuffer(tokens, dtype=dtype)
@@ -288,29 +189,21 @@ def tokenize_pretrain(config: PretrainTokenizeConfig) -> Path:
         raise
 
     seconds = time.perf_counter() - started
-    try:
-        root = outputs["manifest"].parent
-        files = [file_record(outputs[k].resolve(), root.resolve()) for k in ("bin", "idx")]
-        stats = {
-            "documents": documents,
-            "tokens": writer.num_tokens,
-            "skipped_empty": skipped[0],
-            "dtype": dtype.name,
-            "vocab_size": vocab_size,
-            "vocab_size_source": vocab_source,
-            "tokenizer_length": info.length,
-            "eod_id": eod,
-            "bytes": {k: outputs[k].stat().st_size for k in ("bin", "idx")},
-            "seconds": round(seconds, 3),
-            "tokens_per_s": writer.num_tokens / seconds if seconds > 0 else 0.0,
-            "data_prefix": str(outputs["prefix"]),
-        }
-        params = config.model_dump(mode="json")
-        write_json_atomic(outputs["manifest"], manifest_payload(STAGE, params, files, **stats))
-    except BaseException:
-        for k in ("bin", "idx"):
-            outputs[k].unlink(missing_ok=True)
-        raise
+    stats = {
+        "documents": documents,
+        "tokens": writer.num_tokens,
+        "skipped_empty": skipped[0],
+        "dtype": dtype.name,
+        "vocab_size": vocab_size,
+        "vocab_size_source": vocab_source,
+        "tokenizer_length": info.length,
+        "eod_id": eod,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": writer.num_tokens / seconds if seconds > 0 else 0.0,
+        "data_prefix": str(outputs["prefix"]),
+    }
+    files = [outputs["bin"], outputs["idx"]]
+    write_prefix_manifest(outputs["manifest"], files, STAGE, config.model_dump(mode="json"), **stats)
     log.info(
         "wrote %s: %d documents, %d tokens (%s) in %.1f s, %.0f tokens/s",
         outputs["prefix"], documents, writer.num_tokens, dtype.name, seconds, stats["tokens_per_s"],
@@ -322,12 +215,7 @@ def _raise_out_of_vocab(path, row, text, config, vocab_size, vocab_source, eod) 
     tok = load_tokenizer(config.tokenizer)
     ids = tok.encode(text, add_special_tokens=False).ids + ([eod] if eod is not None else [])
     bad = next(i for i in ids if not 0 <= i < vocab_size)
-    raise TokenizeError(
-        f"{path}: {describe_row(path, row)}: token id {bad} is outside the model vocabulary "
-        f"(vocab_size {vocab_size}, from {vocab_source}); training on it would fail with "
-        f"'srcIndex < srcSelectDimSize'. Was the data tokenized for another model, or is "
-        f"vocab_size wrong? Tokenizer: {config.tokenizer}"
-    )
+    raise TokenizeError(out_of_vocab_message(f"{path}: {describe_row(path, row)}", bad, vocab_size, vocab_source, config.tokenizer))
 
 
 # --- command line -------------------------------------------------------------------------------
@@ -341,15 +229,3 @@ class PretrainCommand(PretrainTokenizeConfig):
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
         out = tokenize_pretrain(PretrainTokenizeConfig(**self.model_dump()))
         print(output_paths(out)["prefix"])
-
-
-class TokenizeCommands(BaseModel):
-    """Tokenize text into training datasets."""
-
-    model_config = ConfigDict(use_attribute_docstrings=True)
-
-    pretrain: CliSubCommand[PretrainCommand]
-    """Pretraining text -> Megatron indexed dataset ({out}_text_document.bin/.idx)."""
-
-    def cli_cmd(self) -> None:
-        CliApp.run_subcommand(self)

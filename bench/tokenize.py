@@ -15,23 +15,29 @@ for its main process and for its largest worker (ru_maxrss). The two outputs mus
 identical tokens. Prints tokens/s, peak RSS and the ratio; ``--record`` appends a table
 to bench/RESULTS.md.
 
-    python bench/tokenize_pretrain.py [--mb 50] [--workers N] [--tokenizer DIR] [--record]
+    python bench/tokenize.py [--mb 50] [--workers N] [--tokenizer DIR] [--record]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
-import resource
-import subprocess
 import sys
-import tempfile
-import time
-from pathlib import Path
 
-import numpy as np
+# This file is named after the stage it measures; its directory must not shadow the
+# standard library's ``tokenize`` module for everything imported below.
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import resource  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
 
 ROWS_PER_GROUP = 512
 
@@ -239,7 +245,7 @@ def main() -> None:
                     f"\n## Pretraining tokenization, {args.mb:g} MB text, {args.workers} workers ({m['date']})\n\n"
                     f"{m['cpu']}, {m['cores']} cores, Python {m['python']}, torch {m['torch']}, "
                     f"tokenizers {m['tokenizers']}, transformers {m['transformers']}. "
-                    "`python bench/tokenize_pretrain.py --mb "
+                    "`python bench/tokenize.py --mb "
                     f"{args.mb:g} --workers {args.workers}`\n\n{table}\n\nllmflow / baseline: {ratio:.2f}x tokens/s, "
                     "identical tokens.\n"
                 )

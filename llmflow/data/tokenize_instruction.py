@@ -1,0 +1,306 @@
+"""Instruction tokenization: conversations -> input_ids and labels indexed datasets.
+
+Each record (see ``llmflow.data.conversations`` for the layouts) becomes a conversation,
+rendered with a chat template (``llmflow.data.templates``, the same one generation and
+evaluation use) and split into prompt text and assistant text. Prompt tokens get label
+-100, assistant tokens (and the end-of-turn text the template closes them with) are
+trained, in every assistant turn of a multi-turn conversation.
+
+Output, named as MindSpeed-LLM names its instruction data:
+
+- ``{out}_packed_input_ids_document.bin/.idx``: token ids (uint16 under a 65500 vocabulary);
+- ``{out}_packed_labels_document.bin/.idx``: labels aligned with the ids (int32, -100 on
+  prompt tokens);
+- ``{out}.manifest.json`` last: counts, template, seq_length, pad id.
+
+Every sample is one sequence of the indexed datasets. Unpacked, every sample is also its
+own document; with ``pack`` a document is a row of samples whose lengths sum to at most
+``seq_length``: the document index is the boundary data that keeps attention inside each
+sample and restarts positions (``llmflow.data.instruction_dataset`` pads the rows and
+derives both). Samples longer than ``seq_length`` are dropped or truncated as
+``overlong`` says, and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic_settings import CliVariadicArg
+
+from llmflow.artifacts import write_prefix_manifest
+from llmflow.data.conversations import Format, Message, record_columns, resolve_keys, to_messages
+from llmflow.data.indexed import IndexedDatasetWriter, optimal_token_dtype
+from llmflow.data.packing import Packer
+from llmflow.data.parallel import ordered_map
+from llmflow.data.readers import InputError, describe_row, iter_records, validate_input
+from llmflow.data.templates import ChatTemplate, load_template
+from llmflow.data.tokenizer import TokenizeError, load_tokenizer, out_of_vocab_message, resolve_vocab_size, tokenizer_info
+
+STAGE = "tokenize-instruction"
+IGNORE_INDEX = -100
+LABEL_DTYPE = np.int32
+log = logging.getLogger("llmflow.tokenize")
+
+TemplateName = Literal["tokenizer", "alpaca", "chatml", "qwen", "llama2", "llama3"]
+
+
+class InstructionTokenizeConfig(BaseModel):
+    """Tokenize instruction data (alpaca, sharegpt, messages) into input_ids and labels datasets."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    input: CliVariadicArg[list[Path]] = Field(min_length=1)
+    """Input files, read in order: .parquet, .jsonl, .json (array or lines), .csv (alpaca
+    only), or a datasets save_to_disk directory."""
+    tokenizer: Path
+    """Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json with the chat
+    template; a config.json there supplies the model's vocab_size)."""
+    out: Path
+    """Output prefix: writes {out}_packed_input_ids_document.bin/.idx,
+    {out}_packed_labels_document.bin/.idx and {out}.manifest.json."""
+    format: Format
+    """Record layout: alpaca (instruction/input/output[/system/history]), sharegpt
+    (conversations of from/value) or messages (messages of role/content)."""
+    seq_length: int = Field(ge=1)
+    """Tokens per training sequence: longer samples are dropped or truncated (--overlong);
+    with --pack, the length of every packed row."""
+    map_keys: dict[str, str] = {}
+    """Rename the format's keys, as JSON: {"instruction": "prompt", "output": "answer"};
+    inner keys too ({"conversations": "dialog", "from": "speaker", "value": "text"})."""
+    template: TemplateName | None = None
+    """Chat template: the tokenizer's own (default when it has one) or a named one."""
+    pack: bool = False
+    """Pack several samples into each row of seq_length tokens (attention and positions
+    stay within each sample)."""
+    overlong: Literal["drop", "truncate"] = "drop"
+    """Samples longer than seq_length: drop them, or cut them to seq_length (a sample left
+    without a trained token is dropped). Either way the count is reported."""
+    vocab_size: int | None = Field(default=None, ge=1)
+    """The model's vocabulary size; every id must be below it. Default: config.json in the
+    tokenizer directory, else the tokenizer's length."""
+    workers: int = Field(default=1, ge=1)
+    """Tokenizer processes (1: in this process)."""
+    batch_size: int = Field(default=256, ge=1)
+    """Conversations per tokenizer batch."""
+
+
+def output_paths(out: str | Path) -> dict[str, Path]:
+    """The dataset prefixes and the manifest a run with prefix ``out`` writes."""
+    return {
+        "input_ids": Path(f"{out}_packed_input_ids_document"),
+        "labels": Path(f"{out}_packed_labels_document"),
+        "manifest": Path(f"{out}.manifest.json"),
+    }
+
+
+def dataset_files(out: str | Path) -> list[Path]:
+    paths = output_paths(out)
+    return [Path(f"{paths[k]}{ext}") for k in ("input_ids", "labels") for ext in (".bin", ".idx")]
+
+
+# --- encoding (runs in worker processes) ----------------------------------------------------------
+
+_worker: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer_dir: str, template: ChatTemplate, vocab_size: int, single_thread: bool) -> None:
+    if single_thread:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _worker.update(tokenizer=load_tokenizer(tokenizer_dir), template=template, vocab_size=vocab_size)
+
+
+def encode_conversations(
+    tokenizer, template: ChatTemplate, conversations: list[list[Message]]
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(input_ids, labels) of each conversation: every segment encoded on its own, labels
+    -100 on the prompt segments."""
+    pieces = [template.segments(messages) for messages in conversations]
+    texts = [text for segments in pieces for text, _ in segments]
+    encoded = iter(tokenizer.encode_batch_fast(texts, add_special_tokens=False))
+    samples = []
+    for segments in pieces:
+        ids: list[int] = []
+        labels: list[int] = []
+        for _, trained in segments:
+            seg = next(encoded).ids
+            ids += seg
+            labels += seg if trained else [IGNORE_INDEX] * len(seg)
+        samples.append((np.array(ids, dtype=np.int64), np.array(labels, dtype=LABEL_DTYPE)))
+    return samples
+
+
+def _encode_batch(conversations: list[list[Message]]) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+    """Encoded conversations and the index of the first one holding an id outside the
+    model vocabulary (-1 when none does)."""
+    samples = encode_conversations(_worker["tokenizer"], _worker["template"], conversations)
+    vocab = _worker["vocab_size"]
+    bad = next((i for i, (ids, _) in enumerate(samples) if ids.size and (ids.min() < 0 or ids.max() >= vocab)), -1)
+    return samples, bad
+
+
+# --- the stage ------------------------------------------------------------------------------------
+
+
+def minimum_seq_length(tokenizer, template: ChatTemplate) -> int:
+    """Tokens of a one-turn conversation with empty messages, plus one response token: no
+    sample fits in fewer."""
+    empty = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}]
+    ids, _ = encode_conversations(tokenizer, template, [empty])[0]
+    return int(ids.size) + 1
+
+
+def _batches(config: InstructionTokenizeConfig, keys: dict[str, str]) -> Iterator[tuple[Path, list[int], list[list[Message]]]]:
+    """(path, rows, conversations) batches; a batch never spans two inputs."""
+    required, optional = record_columns(config.format, keys)
+    for path in config.input:
+        rows: list[int] = []
+        conversations: list[list[Message]] = []
+        for row, record in iter_records(path, required, optional):
+            rows.append(row)
+            conversations.append(to_messages(config.format, record, keys, f"{path}: {describe_row(path, row)}"))
+            if len(rows) == config.batch_size:
+                yield path, rows, conversations
+                rows, conversations = [], []
+        if rows:
+            yield path, rows, conversations
+
+
+class _Counts(BaseModel):
+    samples: int = 0
+    written: int = 0
+    truncated: int = 0
+    dropped_overlong: int = 0
+    rows: int = 0
+    tokens: int = 0
+    trained_tokens: int = 0
+
+
+def tokenize_instruction(config: InstructionTokenizeConfig) -> Path:
+    """Tokenize ``config.input`` into the input_ids/labels datasets + manifest; returns ``out``."""
+    started = time.perf_counter()
+    outputs = output_paths(config.out)
+
+    # Everything that can be checked is checked before any output is touched.
+    keys = resolve_keys(config.format, config.map_keys)
+    info = tokenizer_info(config.tokenizer)
+    vocab_size, vocab_source = resolve_vocab_size(config.vocab_size, info)
+    template = load_template(config.tokenizer, config.template)
+    tokenizer = load_tokenizer(config.tokenizer)
+    minimum = minimum_seq_length(tokenizer, template)
+    if config.seq_length < minimum:
+        raise TokenizeError(
+            f"seq_length {config.seq_length} is below the minimum of {minimum} tokens for chat template "
+            f"{template.name!r}: its one-turn conversation with empty messages alone takes {minimum - 1}"
+        )
+    if info.pad_token_id is None:
+        raise TokenizeError(f"tokenizer {config.tokenizer}: no pad_token or eos_token to pad rows with")
+    required, optional = record_columns(config.format, keys)
+    for path in config.input:
+        validate_input(path, required)
+        for row, record in iter_records(path, required, optional):
+            template.segments(to_messages(config.format, record, keys, f"{path}: {describe_row(path, row)}"))
+            break
+
+    outputs["manifest"].unlink(missing_ok=True)
+    ids_writer = IndexedDatasetWriter(outputs["input_ids"], optimal_token_dtype(vocab_size))
+    labels_writer = IndexedDatasetWriter(outputs["labels"], LABEL_DTYPE)
+    counts = _Counts()
+    packer: Packer[tuple[np.ndarray, np.ndarray]] = Packer(config.seq_length)
+
+    def write_row(samples: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        lengths = [ids.size for ids, _ in samples]
+        ids_writer.add_document(np.concatenate([ids for ids, _ in samples]), lengths)
+        labels_writer.add_document(np.concatenate([labels for _, labels in samples]), lengths)
+        counts.rows += 1
+
+    try:
+        init_args = (str(config.tokenizer), template, vocab_size, config.workers > 1)
+        encoded = ordered_map(_encode_batch, _batches(config, keys), config.workers, _init_worker, init_args, key=lambda b: b[2])
+        for (path, rows, _), (samples, bad) in encoded:
+            if bad >= 0:
+                token = next(int(t) for t in samples[bad][0] if not 0 <= t < vocab_size)
+                where = f"{path}: {describe_row(path, rows[bad])}"
+                raise TokenizeError(out_of_vocab_message(where, token, vocab_size, vocab_source, config.tokenizer))
+            for ids, labels in samples:
+                counts.samples += 1
+                sample = _fit(ids, labels, config, counts)
+                if sample is None:
+                    continue
+                counts.written += 1
+                counts.tokens += sample[0].size
+                counts.trained_tokens += int((sample[1] != IGNORE_INDEX).sum())
+                for row in packer.add(sample[0].size, sample) if config.pack else [[sample]]:
+                    write_row(row)
+        for row in packer.flush():
+            write_row(row)
+        if counts.written == 0:
+            raise InputError(
+                f"no sample fits seq_length {config.seq_length}: all {counts.samples} are longer "
+                "(raise --seq-length, or pass --overlong truncate)"
+            )
+        ids_writer.finalize()
+        labels_writer.finalize()
+    except BaseException:
+        ids_writer.abort()
+        labels_writer.abort()
+        for f in dataset_files(config.out):
+            f.unlink(missing_ok=True)
+        raise
+
+    seconds = time.perf_counter() - started
+    stats = {
+        **counts.model_dump(),
+        "packing_efficiency": counts.tokens / (counts.rows * config.seq_length),
+        "seq_length": config.seq_length,
+        "pack": config.pack,
+        "template": template.name,
+        "template_sha256": template.digest,
+        "pad_id": info.pad_token_id,
+        "ignore_index": IGNORE_INDEX,
+        "vocab_size": vocab_size,
+        "vocab_size_source": vocab_source,
+        "seconds": round(seconds, 3),
+        "data_prefix": str(config.out),
+    }
+    write_prefix_manifest(outputs["manifest"], dataset_files(config.out), STAGE, config.model_dump(mode="json"), **stats)
+    if counts.dropped_overlong or counts.truncated:
+        log.warning(
+            "%d of %d samples were longer than seq_length %d: %d dropped, %d truncated",
+            counts.dropped_overlong + counts.truncated, counts.samples, config.seq_length,
+            counts.dropped_overlong, counts.truncated,
+        )
+    log.info(
+        "wrote %s: %d samples in %d rows, %d tokens (%d trained), %.1f s",
+        config.out, counts.written, counts.rows, counts.tokens, counts.trained_tokens, seconds,
+    )
+    return Path(config.out)
+
+
+def _fit(ids: np.ndarray, labels: np.ndarray, config: InstructionTokenizeConfig, counts: _Counts):
+    """The sample cut to ``seq_length`` as ``overlong`` says, or None when it is dropped."""
+    if ids.size <= config.seq_length:
+        return ids, labels
+    if config.overlong == "truncate":
+        ids, labels = ids[: config.seq_length], labels[: config.seq_length]
+        if (labels != IGNORE_INDEX).any():
+            counts.truncated += 1
+            return ids, labels
+    counts.dropped_overlong += 1
+    return None
+
+
+class InstructionCommand(InstructionTokenizeConfig):
+    """Tokenize instruction data into input_ids/labels indexed datasets ({out}_packed_*_document)."""
+
+    def cli_cmd(self) -> None:
+        if not logging.getLogger().handlers:
+            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        out = tokenize_instruction(InstructionTokenizeConfig(**self.model_dump()))
+        print(out)
