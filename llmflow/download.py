@@ -262,7 +262,7 @@ def download(config: DownloadConfig) -> Path:
     manifest = read_manifest(out) if out.is_dir() else None
     if manifest is not None and manifest.get("params") == config.params():
         bad = bad_files(out, manifest)
-        if not bad:
+        if not bad and scheme != "local":  # a local source may have changed in place: compare it
             return out
         for rel in bad:  # huggingface_hub's local_dir mode re-fetches only what is missing
             _unlink(out, rel)

@@ -2,17 +2,54 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefect.cache_policies import INPUTS, TASK_SOURCE
+from prefect.cache_policies import INPUTS, TASK_SOURCE, CachePolicy
+from prefect.utilities.hashing import hash_objects
 from pydantic import BaseModel
 
 from llmflow.artifacts import read_manifest
 
 # A stage reruns when its inputs or its code change, and is served from cache otherwise:
-# retrying a failed flow run skips the stages that finished.
+# retrying a failed flow run skips the stages that finished. Tasks that read local files add
+# ``InputFiles`` so that a file changed in place (same path, new content) counts as a new input.
 STAGE_CACHE_POLICY = INPUTS + TASK_SOURCE
+
+
+@dataclass
+class InputFiles(CachePolicy):
+    """Cache-key part: path, size and mtime of every local file a stage reads, found through
+    the ``fields`` of the task's ``config`` (a file, a directory — every file under it, hidden
+    ones aside — or a list of those). Values that are no local path (``hf://org/name``) add
+    only themselves. Only metadata is read, so the key stays cheap for terabyte corpora."""
+
+    fields: tuple[str, ...] = ()
+
+    def compute_key(self, task_ctx, inputs, flow_parameters, **kwargs) -> str | None:
+        config = (inputs or {}).get("config")
+        entries: list[Any] = []
+        for name in self.fields:
+            value = config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+            for item in value if isinstance(value, (list, tuple)) else [value]:
+                if item is not None:
+                    entries.extend(_file_stats(Path(str(item)).expanduser()))
+        return hash_objects(entries, raise_on_failure=True)
+
+
+def _file_stats(path: Path) -> list[tuple]:
+    if path.is_file():
+        files = [path]
+    elif path.is_dir():
+        files = [
+            p for p in sorted(path.rglob("*"))
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        ]
+    else:
+        return [(str(path), None)]  # not (yet) there, or not a local path
+    return [(str(f), st.st_size, st.st_mtime_ns) for f in files for st in [f.stat()]]
 
 
 class StageArtifact(BaseModel):

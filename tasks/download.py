@@ -8,10 +8,10 @@ from prefect import task
 
 from llmflow import tracking
 from llmflow.download import DownloadConfig, download, summary
-from llmflow.tasks.common import STAGE_CACHE_POLICY, StageArtifact, artifact_for
+from llmflow.tasks.common import STAGE_CACHE_POLICY, InputFiles, StageArtifact, artifact_for
 
 
-@task(name="download", cache_policy=STAGE_CACHE_POLICY)
+@task(name="download", cache_policy=STAGE_CACHE_POLICY + InputFiles(fields=("source",)))
 def download_task(config: DownloadConfig) -> StageArtifact:
     """Download (or verify and complete) ``config.out``; returns its artifact record.
 

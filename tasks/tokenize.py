@@ -6,10 +6,10 @@ from prefect import task
 
 from llmflow import tracking
 from llmflow.data.tokenize_pretrain import STAGE, PretrainTokenizeConfig, tokenize_pretrain
-from llmflow.tasks.common import STAGE_CACHE_POLICY, StageArtifact, artifact_for
+from llmflow.tasks.common import STAGE_CACHE_POLICY, InputFiles, StageArtifact, artifact_for
 
 
-@task(name=STAGE, cache_policy=STAGE_CACHE_POLICY)
+@task(name=STAGE, cache_policy=STAGE_CACHE_POLICY + InputFiles(fields=("input", "tokenizer")))
 def tokenize_pretrain_task(config: PretrainTokenizeConfig) -> StageArtifact:
     """Tokenize pretraining text into ``{out}_text_document.bin/.idx``; tracked in MLflow."""
     params = config.model_dump(mode="json")

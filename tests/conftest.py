@@ -85,3 +85,88 @@ def tokens():
         return torch.randint(0, vocab, (batch, seq), generator=g)
 
     return factory
+
+
+# --- Prefect + MLflow: an isolated backend for tests of the task and flow layers ---------------
+
+
+class PrefectBackend:
+    """What ``prefect_server`` started: its settings and the MLflow store beside it."""
+
+    def __init__(self, root, settings: dict, mlflow_uri: str):
+        self.root = root
+        self.settings = settings
+        """Prefect settings (home, result storage, API URL of the harness server)."""
+        self.mlflow_uri = mlflow_uri
+        """sqlite:/// URI of the session's MLflow store."""
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """One embedded Prefect server (``prefect_test_harness``) for the whole session, started
+    on first use, with PREFECT_HOME and result storage in a temporary directory.
+
+    The harness's settings are entered in a private ``contextvars`` context and the harness's
+    process-global settings are put back at once, so nothing leaks into tests that do not ask
+    for it: tests use the ``prefect_env`` fixture, which applies the settings per test.
+    """
+    import contextvars
+    from contextlib import ExitStack
+
+    import prefect.context
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_HOME,
+        PREFECT_RESULTS_LOCAL_STORAGE_PATH,
+        PREFECT_SERVER_ANALYTICS_ENABLED,
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+        temporary_settings,
+    )
+    from prefect.testing.utilities import prefect_test_harness
+
+    root = tmp_path_factory.mktemp("prefect")
+    settings = {
+        PREFECT_HOME: root / "home",
+        PREFECT_RESULTS_LOCAL_STORAGE_PATH: root / "results",
+        PREFECT_SERVER_ANALYTICS_ENABLED: False,
+        # The embedded server takes 15-25 s to start on a 2-core machine.
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 180,
+    }
+    context = contextvars.copy_context()
+    stack = ExitStack()
+    global_settings = prefect.context.GLOBAL_SETTINGS_CONTEXT
+    try:
+        # The server subprocess inherits these settings (home, storage, no analytics).
+        context.run(stack.enter_context, temporary_settings(updates=settings))
+        context.run(stack.enter_context, prefect_test_harness(server_startup_timeout=180))
+        settings[PREFECT_API_URL] = context.run(PREFECT_API_URL.value)
+    except BaseException:
+        context.run(stack.close)
+        raise
+    finally:
+        # The harness also swaps the process-global settings; keep them for prefect_env only.
+        prefect.context.GLOBAL_SETTINGS_CONTEXT = global_settings
+    try:
+        yield PrefectBackend(root, settings, f"sqlite:///{root / 'mlflow.db'}")
+    finally:
+        context.run(stack.close)
+
+
+@pytest.fixture
+def prefect_env(prefect_server, monkeypatch, request):
+    """Run flows in this test against the session's Prefect server, with MLflow logging to the
+    session's SQLite store in an experiment of this test's own (MLFLOW_EXPERIMENT_NAME).
+    Everything is restored when the test ends."""
+    import re
+
+    import mlflow.tracking._tracking_service.utils as mlflow_uri_state
+    from prefect.settings import temporary_settings
+
+    experiment = "test-" + re.sub(r"[^\w.-]+", "-", request.node.nodeid)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", prefect_server.mlflow_uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", experiment)
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    # A tracking URI set in-process (mlflow.set_tracking_uri) would win over the environment.
+    monkeypatch.setattr(mlflow_uri_state, "_tracking_uri", None)
+    with temporary_settings(updates=prefect_server.settings):
+        yield {"mlflow_uri": prefect_server.mlflow_uri, "experiment": experiment, "root": prefect_server.root}
