@@ -1,7 +1,34 @@
-"""The Llama/Qwen2-family decoder, its configuration and Hugging Face checkpoint I/O."""
+"""The Llama/Qwen2-family decoder, its configuration, Hugging Face checkpoint I/O and LoRA."""
 
 from llmflow.models.config import ConfigError, ModelConfig
 from llmflow.models.decoder import CausalLM
 from llmflow.models.hf_checkpoint import CheckpointError, load_hf_model, save_hf_model
+from llmflow.models.lora import (
+    LoraConfig,
+    LoraLinear,
+    LoraParallel,
+    apply_lora,
+    init_lora_weights,
+    is_lora_param,
+    lora_state_dict,
+    lora_tp_plan,
+    merge_lora,
+)
 
-__all__ = ["CausalLM", "CheckpointError", "ConfigError", "ModelConfig", "load_hf_model", "save_hf_model"]
+__all__ = [
+    "CausalLM",
+    "CheckpointError",
+    "ConfigError",
+    "LoraConfig",
+    "LoraLinear",
+    "LoraParallel",
+    "ModelConfig",
+    "apply_lora",
+    "init_lora_weights",
+    "is_lora_param",
+    "load_hf_model",
+    "lora_state_dict",
+    "lora_tp_plan",
+    "merge_lora",
+    "save_hf_model",
+]

@@ -1,0 +1,202 @@
+"""LoRA: low-rank adapters on the decoder's Linear layers, named as PEFT names them.
+
+An adapted Linear keeps its own ``weight`` and ``bias`` (``...q_proj.weight``, so a Hugging
+Face checkpoint still loads into it) and gains ``lora_A`` (in -> r) and ``lora_B`` (r -> out)
+children: ``y = x @ W.T + b + alpha / r * lora_B(lora_A(dropout(x)))``. Adapters go on before
+tensor or data parallelism; a tensor-parallel plan must then come from ``lora_tp_plan``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+ADAPTER_NAMES = ("lora_A", "lora_B")
+
+
+class LoraConfig(BaseModel):
+    """Low-rank adapters (LoRA): the base weights stay frozen, only the adapters train."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    rank: int = Field(8, ge=1)
+    """Rank r of the adapters: lora_A maps in_features -> r, lora_B maps r -> out_features."""
+    alpha: float = 16.0
+    """The adapters' output is scaled by alpha / rank."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout probability on the adapters' input during training."""
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+    )
+    """Linear layers to adapt: a module matches when its name is, or ends with '.' plus, one of
+    these (PEFT semantics), e.g. 'q_proj' or 'self_attn.q_proj'."""
+
+
+class LoraLinear(nn.Linear):
+    """A Linear with a LoRA adapter; ``weight`` and ``bias`` are the base Linear's own Parameters."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float) -> None:
+        # Built on meta so nothing is allocated; the base's Parameters replace the placeholders.
+        super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
+        self.weight = base.weight
+        self.bias = base.bias
+        self.scaling = alpha / rank
+        factory = {"device": base.weight.device, "dtype": base.weight.dtype}
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False, **factory)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.lora_A.out_features}, scaling={self.scaling}"
+
+
+def is_lora_param(name: str) -> bool:
+    """Whether the parameter (or state-dict key) ``name`` belongs to a LoRA adapter."""
+    return any(part in ADAPTER_NAMES for part in name.split("."))
+
+
+def _matches(name: str, targets: list[str]) -> bool:
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def apply_lora(model: nn.Module, config: LoraConfig, generator: torch.Generator | None = None) -> list[str]:
+    """Replace every Linear that ``config.target_modules`` names by a ``LoraLinear``, in place,
+    and freeze every other parameter. Returns the names of the adapted modules.
+
+    Adapters are initialised at once (lora_A with ``generator``), or, on the meta device, left
+    for ``init_lora_weights`` once the model has real storage.
+    """
+    if any(isinstance(m, LoraLinear) for m in model.modules()):
+        raise ValueError("the model already has LoRA adapters")
+    matched = [(name, m) for name, m in model.named_modules() if name and _matches(name, config.target_modules)]
+    not_linear = [f"{name} ({type(m).__name__})" for name, m in matched if not isinstance(m, nn.Linear)]
+    if not_linear:
+        raise ValueError(
+            f"LoRA target_modules {config.target_modules} match modules that are not nn.Linear: {not_linear}"
+        )
+    if not matched:
+        leaves = sorted({name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ValueError(
+            f"LoRA target_modules {config.target_modules} match no module of the model; "
+            f"its nn.Linear leaf names are {leaves}"
+        )
+    for param in model.parameters():
+        param.requires_grad_(False)
+    for name, base in matched:
+        parent_name, _, leaf = name.rpartition(".")
+        adapted = LoraLinear(base, config.rank, config.alpha, config.dropout)
+        setattr(model.get_submodule(parent_name), leaf, adapted)
+        if not adapted.weight.is_meta:
+            _init_adapter(adapted, generator)
+    return [name for name, _ in matched]
+
+
+def init_lora_weights(model: nn.Module, generator: torch.Generator | None = None) -> None:
+    """(Re-)initialise every adapter as PEFT does: lora_A kaiming-uniform(a=sqrt(5)), lora_B zero,
+    so an adapted model starts out computing exactly what the base model does.
+
+    Works on tensor- or data-parallel (DTensor) adapters too, with the same values as in one process.
+    """
+    for module in model.modules():
+        if isinstance(module, LoraLinear):
+            _init_adapter(module, generator)
+
+
+@torch.no_grad()
+def _init_adapter(module: LoraLinear, generator: torch.Generator | None) -> None:
+    _fill(module.lora_A.weight, lambda t: nn.init.kaiming_uniform_(t, a=math.sqrt(5), generator=generator))
+    module.lora_B.weight.zero_()
+
+
+def _fill(param: torch.Tensor, init: Callable[[torch.Tensor], object]) -> None:
+    if isinstance(param, DTensor):
+        # Initialise the full tensor and hand each rank its shard, so values match one process.
+        full = torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device)
+        init(full)
+        param.copy_(distribute_tensor(full, param.device_mesh, param.placements))
+    else:
+        init(param)
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' tensors only, keyed like ``model.layers.0.self_attn.q_proj.lora_A.weight``."""
+    return {name: tensor for name, tensor in model.state_dict().items() if is_lora_param(name)}
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> None:
+    """Fold every adapter into its base weight (W += alpha / r * B @ A) and turn each
+    ``LoraLinear`` back into a plain ``nn.Linear`` with the same parameter names."""
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, LoraLinear):
+            continue
+        delta = module.lora_B.weight.float() @ module.lora_A.weight.float()
+        module.weight.add_((delta * module.scaling).to(module.weight.dtype))
+        plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+        plain.weight, plain.bias = module.weight, module.bias
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), leaf, plain)
+
+
+class LoraParallel(ParallelStyle):
+    """Any parallel style ``base`` made safe for a model with LoRA adapters.
+
+    On a ``LoraLinear`` under ColwiseParallel or RowwiseParallel, the adapters are sharded to
+    match the base weight. Colwise base (W sharded on out): lora_A replicated, lora_B sharded on
+    out. Rowwise base (W sharded on in): lora_A sharded on in, lora_B replicated, so the
+    adapter's output is partial like the base's and both go through the one reduction of ``base``.
+    Frozen parameters stay frozen (SequenceParallel, for one, makes new trainable Parameters).
+    """
+
+    def __init__(self, base: ParallelStyle) -> None:
+        super().__init__()
+        self.base = base
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.base.src_data_rank = self.src_data_rank
+        frozen = {name for name, param in module.named_parameters() if not param.requires_grad}
+        if isinstance(module, LoraLinear) and isinstance(self.base, (ColwiseParallel, RowwiseParallel)):
+            self._apply_to_lora_linear(module, device_mesh)
+        else:
+            self.base._apply(module, device_mesh)
+        for name, param in module.named_parameters():
+            param.requires_grad_(name not in frozen)
+        return module
+
+    def _apply_to_lora_linear(self, module: LoraLinear, device_mesh: DeviceMesh) -> None:
+        # The stock styles treat every submodule as a Linear to shard their way: hide the children.
+        children = dict(module._modules)
+        module._modules.clear()
+        try:
+            self.base._apply(module, device_mesh)
+        finally:
+            module._modules.update(children)
+        colwise = isinstance(self.base, ColwiseParallel)
+        placements = {"lora_A": Replicate() if colwise else Shard(1), "lora_B": Shard(0) if colwise else Replicate()}
+        for name, placement in placements.items():
+            adapter = module.get_submodule(name)
+            weight = distribute_tensor(adapter.weight, device_mesh, [placement], src_data_rank=self.src_data_rank)
+            adapter.weight = nn.Parameter(weight)
+
+    def __repr__(self) -> str:
+        return f"LoraParallel({self.base!r})"
+
+
+def lora_tp_plan(base_plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """The tensor-parallel plan for a model with LoRA adapters: every entry of ``base_plan``
+    wrapped in ``LoraParallel``. Use it in place of ``base_plan``
+    (``parallelize_module(layer, mesh, lora_tp_plan(plan))``): the stock Colwise/Rowwise styles
+    fail on an adapted Linear, and SequenceParallel unfreezes the frozen norms.
+    """
+    return {key: LoraParallel(style) for key, style in base_plan.items()}
