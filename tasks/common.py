@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,6 +11,7 @@ from prefect.cache_policies import INPUTS, TASK_SOURCE, CachePolicy
 from prefect.utilities.hashing import hash_objects
 from pydantic import BaseModel
 
+from llmflow import tracking
 from llmflow.artifacts import read_manifest
 
 # A stage reruns when its inputs or its code change, and is served from cache otherwise:
@@ -69,3 +70,12 @@ def artifact_for(stage: str, path: str | Path) -> StageArtifact:
     if manifest is None:
         raise RuntimeError(f"stage {stage}: output {path} has no manifest; the stage did not finish")
     return StageArtifact(stage=stage, path=str(path), manifest=manifest)
+
+
+def run_stage(stage: str, config: BaseModel, run: Callable[[Any], str | Path], metrics: tuple[str, ...]) -> StageArtifact:
+    """Run ``run(config)`` inside the stage's MLflow run (params: the config), log the
+    ``metrics`` keys of the manifest it wrote, and return its artifact record."""
+    with tracking.stage_run(stage, config.model_dump(mode="json")) as run_id:
+        artifact = artifact_for(stage, run(config))
+        tracking.log_metrics(run_id, {key: artifact.manifest[key] for key in metrics})
+    return artifact

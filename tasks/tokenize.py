@@ -4,20 +4,21 @@ from __future__ import annotations
 
 from prefect import task
 
-from llmflow import tracking
-from llmflow.data.tokenize_pretrain import STAGE, PretrainTokenizeConfig, tokenize_pretrain
-from llmflow.tasks.common import STAGE_CACHE_POLICY, InputFiles, StageArtifact, artifact_for
+from llmflow.data import tokenize_instruction as instruction
+from llmflow.data import tokenize_pretrain as pretrain
+from llmflow.tasks.common import STAGE_CACHE_POLICY, InputFiles, StageArtifact, run_stage
+
+TOKENIZE_CACHE_POLICY = STAGE_CACHE_POLICY + InputFiles(fields=("input", "tokenizer"))
 
 
-@task(name=STAGE, cache_policy=STAGE_CACHE_POLICY + InputFiles(fields=("input", "tokenizer")))
-def tokenize_pretrain_task(config: PretrainTokenizeConfig) -> StageArtifact:
+@task(name=pretrain.STAGE, cache_policy=TOKENIZE_CACHE_POLICY)
+def tokenize_pretrain_task(config: pretrain.PretrainTokenizeConfig) -> StageArtifact:
     """Tokenize pretraining text into ``{out}_text_document.bin/.idx``; tracked in MLflow."""
-    params = config.model_dump(mode="json")
-    with tracking.stage_run(STAGE, params) as run_id:
-        out = tokenize_pretrain(config)
-        artifact = artifact_for(STAGE, out)
-        m = artifact.manifest
-        tracking.log_metrics(
-            run_id, {"documents": m["documents"], "tokens": m["tokens"], "tokens_per_s": m["tokens_per_s"]}
-        )
-    return artifact
+    return run_stage(pretrain.STAGE, config, pretrain.tokenize_pretrain, ("documents", "tokens", "tokens_per_s"))
+
+
+@task(name=instruction.STAGE, cache_policy=TOKENIZE_CACHE_POLICY)
+def tokenize_instruction_task(config: instruction.InstructionTokenizeConfig) -> StageArtifact:
+    """Tokenize instruction data into ``{out}_packed_{input_ids,labels}_document``; tracked in MLflow."""
+    metrics = ("samples", "written", "truncated", "dropped_overlong", "rows", "tokens", "trained_tokens", "packing_efficiency")
+    return run_stage(instruction.STAGE, config, instruction.tokenize_instruction, metrics)

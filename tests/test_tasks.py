@@ -20,11 +20,12 @@ import pytest
 from prefect import flow
 
 from llmflow.artifacts import read_manifest, sha256_file
+from llmflow.data.tokenize_instruction import InstructionTokenizeConfig
 from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig, output_paths
 from llmflow.download import DownloadConfig
 from llmflow.tasks.common import StageArtifact
 from llmflow.tasks.download import download_task
-from llmflow.tasks.tokenize import tokenize_pretrain_task
+from llmflow.tasks.tokenize import tokenize_instruction_task, tokenize_pretrain_task
 
 pytestmark = pytest.mark.usefixtures("prefect_env")
 
@@ -88,6 +89,11 @@ def download_flow(config: DownloadConfig) -> dict[str, Any]:
 @flow(name="test-tokenize-pretrain-stage")
 def tokenize_flow(config: PretrainTokenizeConfig) -> dict[str, Any]:
     return outcome(tokenize_pretrain_task(config, return_state=True))
+
+
+@flow(name="test-tokenize-instruction-stage")
+def instruction_flow(config: InstructionTokenizeConfig) -> dict[str, Any]:
+    return outcome(tokenize_instruction_task(config, return_state=True))
 
 
 # --- MLflow ----------------------------------------------------------------------------------
@@ -271,3 +277,21 @@ def test_tokenize_bad_input_fails_task_and_mlflow_run(prefect_env, tiny_tokenize
     assert result["name"] == "Completed"
     assert read_manifest(out_dir / "corpus")["documents"] == 10
     assert [r.info.status for r in mlflow_runs(prefect_env, "tokenize-pretrain")] == ["FAILED", "FINISHED"]
+
+
+def test_instruction_task_logs_counts_and_is_cached(prefect_env, tiny_tokenizer, tmp_path):
+    docs = make_docs(30, seed=6)
+    data = tmp_path / "alpaca.jsonl"
+    data.write_text("".join(json.dumps({"instruction": d, "input": "", "output": d[::-1]}) + "\n" for d in docs))
+    config = InstructionTokenizeConfig(
+        input=[data], tokenizer=tiny_tokenizer, out=tmp_path / "sft", format="alpaca", template="chatml", seq_length=512, pack=True
+    )
+    result = instruction_flow(config)
+    assert result["name"] == "Completed"
+    manifest = result["result"].manifest
+    assert manifest["samples"] == manifest["written"] == 30 and manifest["rows"] < 30
+    (run,) = mlflow_runs(prefect_env, "tokenize-instruction")
+    assert run.data.metrics["written"] == 30 and run.data.metrics["rows"] == manifest["rows"]
+    assert run.data.metrics["trained_tokens"] == manifest["trained_tokens"] > 0
+    assert instruction_flow(config)["name"] == "Cached"
+    assert len(mlflow_runs(prefect_env, "tokenize-instruction")) == 1
