@@ -27,7 +27,7 @@ demo: $(STAMP)
 	$(VENV)/bin/llmflow demo --out $(WORK)/demo
 
 bench: $(STAMP)
-	$(PY) bench/train_step.py
+	$(PY) -m bench.train_step
 
 clean:
 	rm -rf $(VENV) $(WORK) build *.egg-info

@@ -15,29 +15,25 @@ for its main process and for its largest worker (ru_maxrss). The two outputs mus
 identical tokens. Prints tokens/s, peak RSS and the ratio; ``--record`` appends a table
 to bench/RESULTS.md.
 
-    python bench/tokenize.py [--mb 50] [--workers N] [--tokenizer DIR] [--record]
+    python -m bench.tokenize [--mb 50] [--workers N] [--tokenizer DIR] [--record]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import platform
+import resource
+import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
-# This file is named after the stage it measures; its directory must not shadow the
-# standard library's ``tokenize`` module for everything imported below.
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)
+import numpy as np
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import resource  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import numpy as np  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 ROWS_PER_GROUP = 512
 
@@ -155,9 +151,9 @@ def side_main(args) -> None:
 
 def run_side(side: str, corpus: Path, tokenizer: Path, out: Path, workers: int) -> dict:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    cmd = [sys.executable, __file__, "--side", side, "--corpus", str(corpus), "--tokenizer", str(tokenizer),
+    cmd = [sys.executable, "-m", "bench.tokenize", "--side", side, "--corpus", str(corpus), "--tokenizer", str(tokenizer),
            "--out", str(out), "--workers", str(workers)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
     if proc.returncode:
         sys.exit(f"{side} failed:\n{proc.stderr[-4000:]}")
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
@@ -245,7 +241,7 @@ def main() -> None:
                     f"\n## Pretraining tokenization, {args.mb:g} MB text, {args.workers} workers ({m['date']})\n\n"
                     f"{m['cpu']}, {m['cores']} cores, Python {m['python']}, torch {m['torch']}, "
                     f"tokenizers {m['tokenizers']}, transformers {m['transformers']}. "
-                    "`python bench/tokenize.py --mb "
+                    "`python -m bench.tokenize --mb "
                     f"{args.mb:g} --workers {args.workers}`\n\n{table}\n\nllmflow / baseline: {ratio:.2f}x tokens/s, "
                     "identical tokens.\n"
                 )

@@ -6,7 +6,7 @@ Each side runs in its own subprocess (both import the same libraries) so that pe
 resident memory is measured per side. Prints tokens/s, peak RSS and the ratios, and with
 --record appends the result to bench/RESULTS.md.
 
-    python bench/train_step.py [--steps 4] [--batch 4] [--seq 512] [--record]
+    python -m bench.train_step [--steps 4] [--batch 4] [--seq 512] [--record]
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 
 import torch
+
+REPO = Path(__file__).resolve().parent.parent
 
 CONFIGS = {
     "50m": dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
@@ -114,9 +116,9 @@ def main() -> None:
             make_model(name, model_dir)
             result = {}
             for side in ("transformers", "llmflow"):
-                cmd = [sys.executable, __file__, "--child", side, model_dir,
+                cmd = [sys.executable, "-m", "bench.train_step", "--child", side, model_dir,
                        "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]
-                out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ).stdout
+                out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ, cwd=REPO).stdout
                 result[side] = json.loads(out.strip().splitlines()[-1])
         hf, ours = result["transformers"], result["llmflow"]
         row = {

@@ -58,5 +58,17 @@ def linear_cross_entropy(
     reduction: str = "mean",
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T`` against labels; the fused paths never hold
-    the logits of all tokens at once."""
+    the logits of all tokens at once. A tensor-parallel run passes the output projection as
+    a replicated DTensor; every rank then computes the same loss on its full copy."""
+    weight = _replicated_local(weight)
     return kernels_for(hidden.device.type).linear_cross_entropy(hidden, weight, labels, ignore_index, reduction)
+
+
+def _replicated_local(weight: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(weight, DTensor):
+        return weight
+    if not all(p.is_replicate() for p in weight.placements):
+        raise NotImplementedError(f"the fused cross-entropy needs a replicated output projection, got {weight.placements}")
+    return weight.to_local()

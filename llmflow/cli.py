@@ -12,11 +12,14 @@ import sys
 from pydantic import BaseModel, ConfigDict
 from pydantic_settings import BaseSettings, CliApp, CliSubCommand, PydanticBaseSettingsSource, SettingsConfigDict
 
+from llmflow.convert import ConvertCommand
 from llmflow.data.tokenize_instruction import InstructionCommand
 from llmflow.data.tokenize_pretrain import PretrainCommand
 from llmflow.demo import DemoCommand
 from llmflow.download import DownloadCommand
 from llmflow.envinfo import EnvCommand
+from llmflow.export import ExportCommand
+from llmflow.train.command import TrainCommand
 
 
 class TokenizeCommands(BaseModel):
@@ -53,6 +56,12 @@ class LLMFlow(BaseSettings):
     """Tokenize text into training datasets (pretrain text, instruction data)."""
     download: CliSubCommand[DownloadCommand]
     """Download a model or data set (Hugging Face Hub, ModelScope, local directory) with a manifest."""
+    convert: CliSubCommand[ConvertCommand]
+    """Hugging Face model directory -> training checkpoint (DCP, vocabulary padded for tensor parallelism)."""
+    export: CliSubCommand[ExportCommand]
+    """Training checkpoint -> Hugging Face model directory (or PEFT adapter / merged LoRA model)."""
+    train: CliSubCommand[TrainCommand]
+    """Pretrain or finetune (full or LoRA) on torchrun workers; resumes from the run's last checkpoint."""
 
     @classmethod
     def settings_customise_sources(

@@ -105,7 +105,7 @@ class DecoderModel(nn.Module):
         document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         h = self.embed_tokens(tokens_or_hidden) if self.embed_tokens is not None else tokens_or_hidden
-        batch, seq = h.shape[:2]
+        batch, seq = tokens_or_hidden.shape[:2]  # h may hold a sequence shard (sequence parallel)
         if position_ids is None:
             if document_ids is not None:
                 position_ids = positions_from_documents(document_ids)

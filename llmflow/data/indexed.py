@@ -189,6 +189,12 @@ class IndexedDataset:
     def num_tokens(self) -> int:
         return int(self.sequence_lengths.sum(dtype=np.int64))
 
+    def tokens(self, start: int, length: int) -> np.ndarray:
+        """``length`` tokens from position ``start`` of the concatenation of all sequences."""
+        if start < 0 or start + length > self.num_tokens:
+            raise IndexError(f"tokens {start}..{start + length} out of range for {self.num_tokens} tokens in {self.path}")
+        return np.frombuffer(self._bin, dtype=self.dtype, count=length, offset=start * self.dtype.itemsize)
+
     @property
     def num_documents(self) -> int:
         return len(self.document_indices) - 1

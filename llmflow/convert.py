@@ -1,0 +1,289 @@
+"""The convert stage: a Hugging Face model directory -> a training checkpoint (llmflow.checkpoint).
+
+The output root holds one step directory, ``step_00000000``, with the model's weights under
+the DCP key "model", the vocabulary rows of the embedding (and untied output) matrix padded
+with zeros to a multiple of ``pad_vocab_to_multiple * tp``, the tokenizer files, ``latest``
+and a ``manifest.json`` written last.
+
+Conversion streams: the safetensors files are read with plain file reads, one tensor at a
+time, straight into the DCP writer, one DCP file per tensor. Peak memory is about the
+largest tensor, whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import json
+import math
+import shutil
+import struct
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItem
+
+from llmflow.artifacts import MANIFEST, atomic_directory, file_record, manifest_payload, write_json_atomic
+from llmflow.checkpoint import (
+    LATEST,
+    META,
+    MODEL_KEY,
+    TOKENIZER_DIR,
+    CheckpointMeta,
+    check_replaceable,
+    dcp_save,
+    padded_vocab_size,
+    step_name,
+)
+from llmflow.models.config import ConfigError, ModelConfig
+from llmflow.models.decoder import CausalLM
+from llmflow.models.hf_checkpoint import CheckpointError, safetensors_files
+from llmflow.models.hf_names import TIED_INPUT, TIED_OUTPUT, hf_to_ours
+
+STAGE = "convert"
+# Megatron's default for --make-vocab-size-divisible-by.
+DEFAULT_VOCAB_MULTIPLE = 128
+VOCAB_PARAMS = (TIED_INPUT, TIED_OUTPUT)
+TOKENIZER_PATTERNS = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "*.tiktoken",
+    "chat_template*",
+    "generation_config.json",
+)
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class ConvertConfig(BaseModel):
+    """Convert a Hugging Face model directory into a training checkpoint."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    hf: Path
+    """Hugging Face model directory: config.json, safetensors weights (one file or sharded
+    with model.safetensors.index.json) and tokenizer files."""
+    out: Path
+    """Checkpoint root to write (latest, step_00000000/, tokenizer/, manifest.json)."""
+    tp: int = Field(default=1, ge=1)
+    """Tensor-parallel size the checkpoint will be trained with; only sets the vocabulary
+    padding (any layout loads the checkpoint)."""
+    pad_vocab_to_multiple: int = Field(default=DEFAULT_VOCAB_MULTIPLE, ge=1)
+    """Pad the vocabulary rows to a multiple of this times tp (Megatron's
+    make-vocab-size-divisible-by); 1 turns padding off."""
+
+    def params(self) -> dict[str, Any]:
+        """The parameters recorded in the manifest."""
+        return {
+            "hf": str(self.hf),
+            "tp": self.tp,
+            "pad_vocab_to_multiple": self.pad_vocab_to_multiple,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor lies in a safetensors file."""
+
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    """Byte offset of the data from the start of the file."""
+    nbytes: int
+
+
+def safetensors_header(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> bytes:
+    """The header of a safetensors file whose tensors (name -> dtype, shape) follow it
+    back to back in this order, so the data can be written one tensor at a time after it."""
+    names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, (dtype, shape) in specs.items():
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
+    """The tensors of a safetensors file, by name, from its header alone."""
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) != 8:
+            raise CheckpointError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+        (header_len,) = struct.unpack("<Q", prefix)
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: not a safetensors file (header is not JSON: {e})") from None
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {entry['dtype']}")
+        begin, end = entry["data_offsets"]
+        tensors[name] = StoredTensor(path, dtype, tuple(entry["shape"]), 8 + header_len + begin, end - begin)
+    return tensors
+
+
+def read_tensor(stored: StoredTensor, rows: int | None = None) -> torch.Tensor:
+    """The tensor, read with a plain file read (no mmap, so the file's pages never count
+    against this process); with ``rows``, zero-padded along dim 0 to that many rows."""
+    shape = (rows or stored.shape[0], *stored.shape[1:]) if stored.shape else ()
+    tensor = torch.empty(shape, dtype=stored.dtype)
+    if rows:
+        tensor[stored.shape[0]:].zero_()
+    target = memoryview(tensor.view(-1).view(torch.uint8).numpy())[: stored.nbytes]
+    with open(stored.path, "rb", buffering=0) as f:
+        f.seek(stored.offset)
+        while target:
+            n = f.readinto(target)
+            if not n:
+                raise CheckpointError(f"{stored.path}: file ends inside a tensor; the file is truncated")
+            target = target[n:]
+    return tensor
+
+
+def index_hf_tensors(directory: Path) -> dict[str, StoredTensor]:
+    """Every tensor of an HF checkpoint directory by HF name, from the file headers."""
+    tensors: dict[str, StoredTensor] = {}
+    for path in safetensors_files(directory):
+        tensors.update(read_safetensors_header(path))
+    return tensors
+
+
+def plan_sources(
+    hf_dir: Path, model_config: ModelConfig, hf_tensors: dict[str, StoredTensor], padded: int
+) -> dict[str, str]:
+    """For each key of the checkpoint's model state (``CausalLM.state_dict()`` of the padded
+    model), the HF tensor it is read from; checks names and shapes before anything is written."""
+    with torch.device("meta"):
+        model = CausalLM(dataclasses.replace(model_config, vocab_size=padded))
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    sources = {}
+    for name, shape in shapes.items():
+        source = TIED_INPUT if model_config.tie_word_embeddings and name == TIED_OUTPUT else name
+        stored = hf_tensors.get(source)
+        if stored is None:
+            continue
+        expected = (model_config.vocab_size, *shape[1:]) if name in VOCAB_PARAMS else shape
+        if stored.shape != expected:
+            raise CheckpointError(
+                f"{stored.path}: tensor {source!r} has shape {stored.shape}, config.json implies {expected}"
+            )
+        sources[name] = source
+    missing = sorted(set(shapes) - set(sources))
+    if missing:
+        raise CheckpointError(f"{hf_dir}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+    unknown = sorted(n for n in hf_tensors if hf_to_ours(n, model_config.tie_word_embeddings) not in (None, *shapes))
+    if unknown:
+        raise CheckpointError(
+            f"{hf_tensors[unknown[0]].path}: tensors with no place in a {model_config.model_type} model: {unknown[:5]}"
+        )
+    return sources
+
+
+class StreamingSavePlanner(DefaultSavePlanner):
+    """Plans from a state dict of meta tensors (shapes only) and reads each tensor only when
+    the writer asks for it."""
+
+    def __init__(self, read: Callable[[str], torch.Tensor]) -> None:
+        super().__init__()
+        self._read = read
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        return self._read(write_item.index.fqn)
+
+
+def write_model_state(
+    step_dir: Path, hf_tensors: dict[str, StoredTensor], sources: dict[str, str], padded: int
+) -> None:
+    """The DCP directory of the model state, read tensor by tensor from the HF files."""
+    meta_state = {}
+    for name, source in sources.items():
+        stored = hf_tensors[source]
+        shape = (padded, *stored.shape[1:]) if name in VOCAB_PARAMS else stored.shape
+        meta_state[name] = torch.empty(shape, dtype=stored.dtype, device="meta")
+
+    def read(fqn: str) -> torch.Tensor:
+        name = fqn.removeprefix(f"{MODEL_KEY}.")
+        return read_tensor(hf_tensors[sources[name]], padded if name in VOCAB_PARAMS else None)
+
+    # One file per tensor: the writer keeps every tensor of a file alive until the file is done.
+    writer = FileSystemWriter(str(step_dir), single_file_per_rank=False)
+    dcp_save({MODEL_KEY: meta_state}, step_dir, writer=writer, planner=StreamingSavePlanner(read))
+
+
+def copy_tokenizer_files(source: Path, target: Path) -> None:
+    """Copy the tokenizer (and generation config) files of an HF directory into ``target``."""
+    target.mkdir(parents=True, exist_ok=True)
+    for path in sorted(source.iterdir()):
+        if path.is_file() and any(fnmatch.fnmatch(path.name, pattern) for pattern in TOKENIZER_PATTERNS):
+            shutil.copyfile(path, target / path.name)
+
+
+def convert(config: ConvertConfig) -> Path:
+    """Run the stage; returns the checkpoint root."""
+    hf_dir = config.hf
+    if not hf_dir.is_dir():
+        raise CheckpointError(f"--hf {hf_dir}: not a directory")
+    model_config = ModelConfig.from_file(hf_dir)
+    hf_tensors = index_hf_tensors(hf_dir)
+    padded = padded_vocab_size(model_config.vocab_size, config.pad_vocab_to_multiple, config.tp)
+    sources = plan_sources(hf_dir, model_config, hf_tensors, padded)
+    check_replaceable(config.out, STAGE)
+    meta = CheckpointMeta(hf_config=model_config.hf_config, padded_vocab_size=padded)
+    with atomic_directory(config.out) as work:
+        step_dir = work / step_name(0)
+        write_model_state(step_dir, hf_tensors, sources, padded)
+        write_json_atomic(step_dir / META, meta.model_dump(mode="json"))
+        copy_tokenizer_files(hf_dir, work / TOKENIZER_DIR)
+        (work / LATEST).write_text(step_dir.name + "\n")
+        files = [file_record(p, work, with_hash=False) for p in sorted(work.rglob("*")) if p.is_file()]
+        payload = manifest_payload(
+            STAGE, config.params(), files, step_dir=step_dir.name, padded_vocab_size=padded,
+            vocab_size=model_config.vocab_size, model_type=model_config.model_type,
+        )
+        write_json_atomic(work / MANIFEST, payload)
+    return config.out
+
+
+class ConvertCommand(ConvertConfig):
+    """Convert a Hugging Face model directory (config.json, safetensors, tokenizer) into a
+    training checkpoint (DCP step directory, vocabulary padded for tensor parallelism)."""
+
+    def cli_cmd(self) -> None:
+        start = time.monotonic()
+        try:
+            out = convert(ConvertConfig(**self.model_dump()))
+        except (ConfigError, CheckpointError, ValueError) as error:
+            raise SystemExit(f"llmflow convert: {error}") from None
+        size = sum(p.stat().st_size for p in (out / step_name(0)).iterdir())
+        elapsed = time.monotonic() - start
+        print(f"{out}: {size / 1e9:.3f} GB of weights in {elapsed:.1f} s ({size / 1e9 / elapsed:.2f} GB/s)")

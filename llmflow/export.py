@@ -1,0 +1,367 @@
+"""The export stage: a training checkpoint (llmflow.checkpoint) -> a Hugging Face model directory.
+
+Any step directory exports, whatever layout it was saved under: DCP reshards while one
+process reads the model tensors (and only those: optimizer state is never read). The
+output is safetensors (sharded with an index past ``max_shard_mb``), the original
+config.json (vocabulary padding removed) and the tokenizer files, which transformers
+loads. Each safetensors file is written header first and then tensor by tensor, so memory
+stays near READ_BATCH_BYTES (or the largest tensor), whatever the model's size.
+
+A LoRA checkpoint (meta.lora set) holds only adapters. With ``merge_lora`` the base
+weights (meta.base_checkpoint: a checkpoint, or the Hugging Face directory training
+started from) are written with ``W + alpha / rank * B @ A`` merged into every adapted
+weight; without it the adapters are written in PEFT's layout (adapter_config.json +
+adapter_model.safetensors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from safetensors.torch import save_file
+
+from llmflow.artifacts import MANIFEST, atomic_directory, file_record, manifest_payload, write_json_atomic
+from llmflow.checkpoint import (
+    META,
+    MODEL_KEY,
+    TOKENIZER_DIR,
+    CheckpointMeta,
+    check_replaceable,
+    dcp_load,
+    read_meta,
+    resolve_step_dir,
+    stored_tensors,
+)
+from llmflow.convert import StoredTensor, copy_tokenizer_files, index_hf_tensors, read_tensor, safetensors_header
+from llmflow.models.config import ConfigError, ModelConfig
+from llmflow.models.decoder import CausalLM
+from llmflow.models.hf_checkpoint import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, CheckpointError
+from llmflow.models.hf_names import TIED_INPUT, TIED_OUTPUT, expected_names, ours_to_hf
+
+STAGE = "export"
+LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
+PEFT_PREFIX = "base_model.model."
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# Most bytes read from the checkpoint at once (a bigger tensor is read alone).
+READ_BATCH_BYTES = 64 * 2**20
+# Tensors whose dim 0 runs over the (padded) vocabulary.
+_VOCAB_ROWS = (TIED_INPUT, TIED_OUTPUT, "lm_head" + LORA_B)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+log = logging.getLogger(__name__)
+
+
+class ExportConfig(BaseModel):
+    """Export a training checkpoint as a Hugging Face model directory (or a PEFT adapter)."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    ckpt: Path
+    """Checkpoint root (its latest step is exported) or one step directory."""
+    out: Path
+    """Hugging Face directory to write: safetensors, config.json, tokenizer files, manifest.json."""
+    step: int | None = None
+    """Export this step (CKPT/step_NNNNNNNN) instead of the latest."""
+    merge_lora: bool = False
+    """LoRA checkpoints: write the base model with the adapters merged in (W + alpha/rank * B @ A)
+    instead of a PEFT adapter (adapter_config.json + adapter_model.safetensors)."""
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Cast floating-point weights to this dtype (default: as stored in the checkpoint)."""
+    max_shard_mb: float = Field(default=4096, gt=0)
+    """Largest safetensors file in MiB; bigger models are split into shards with an index."""
+    base_model: str | None = None
+    """PEFT adapters: base_model_name_or_path written to adapter_config.json (default: the
+    checkpoint's base_checkpoint)."""
+
+    def params(self) -> dict[str, Any]:
+        """The parameters recorded in the manifest."""
+        return self.model_dump(mode="json", exclude={"out"})
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """Global shape and dtype of a stored tensor."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """What an export reads weights from: a checkpoint step directory, or (as the base of a
+    LoRA checkpoint trained straight from one) a Hugging Face model directory."""
+
+    path: Path
+    meta: CheckpointMeta
+    tensors: dict[str, TensorInfo]
+    """Model tensors by name (``model.layers.0.self_attn.q_proj.weight``)."""
+    hf_files: dict[str, StoredTensor] | None = None
+    """Where each tensor lies, for a Hugging Face directory; None for a checkpoint."""
+
+    @classmethod
+    def checkpoint(cls, step_dir: Path) -> Source:
+        stored = stored_tensors(step_dir)
+        tensors = {n: TensorInfo(tuple(md.size), md.properties.dtype) for n, md in stored.items()}
+        return cls(step_dir, read_meta(step_dir), tensors)
+
+    @classmethod
+    def hf_directory(cls, directory: Path) -> Source:
+        config = ModelConfig.from_file(directory)
+        files = index_hf_tensors(directory)
+        tensors = {n: TensorInfo(t.shape, t.dtype) for n, t in files.items()}
+        meta = CheckpointMeta(hf_config=config.hf_config, padded_vocab_size=config.vocab_size)
+        return cls(directory, meta, tensors, files)
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.path if self.hf_files is not None else self.path.parent / TOKENIZER_DIR
+
+    def load(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The full (unsharded) tensors ``names``; DCP reshards them from however they were saved."""
+        if self.hf_files is not None:
+            return {n: read_tensor(self.hf_files[n]) for n in names}
+        state = {n: torch.empty(self.tensors[n].shape, dtype=self.tensors[n].dtype) for n in names}
+        dcp_load({MODEL_KEY: state}, self.path, collective=False)
+        return state
+
+
+def weight_names(source: Source) -> list[str]:
+    """The HF tensors of the model (a tied output projection appears once, as the
+    embedding), checked against what the source stores."""
+    config = ModelConfig.from_hf(source.meta.hf_config, source=str(source.path))
+    with torch.device("meta"):
+        model = CausalLM(dataclasses.replace(config, vocab_size=source.meta.padded_vocab_size))
+    names = expected_names(model)
+    missing = [n for n in names if n not in source.tensors]
+    if missing:
+        raise CheckpointError(f"{source.path}: lacks {len(missing)} model tensors, e.g. {missing[:5]}")
+    for name in names:
+        stored, expected = source.tensors[name].shape, tuple(model.get_parameter(name).shape)
+        if stored != expected:
+            raise CheckpointError(f"{source.path}: tensor {name!r} has shape {stored}, its config implies {expected}")
+    return names
+
+
+def lora_modules(source: Source) -> list[str]:
+    """The adapted modules of a LoRA checkpoint (``model.layers.0.self_attn.q_proj``)."""
+    others = sorted(n for n in source.tensors if not n.endswith((LORA_A, LORA_B)))
+    if others:
+        raise CheckpointError(f"{source.path}: LoRA checkpoint holds non-adapter tensors, e.g. {others[:5]}")
+    modules = sorted({n.removesuffix(LORA_A).removesuffix(LORA_B) for n in source.tensors})
+    unpaired = [m for m in modules if m + LORA_A not in source.tensors or m + LORA_B not in source.tensors]
+    if unpaired:
+        raise CheckpointError(f"{source.path}: adapters without both lora_A and lora_B: {unpaired[:5]}")
+    if not modules:
+        raise CheckpointError(f"{source.path}: LoRA checkpoint holds no adapter tensors")
+    return modules
+
+
+def lora_scale(source: Source) -> float:
+    """alpha / rank of a LoRA checkpoint."""
+    lora = source.meta.lora or {}
+    if "rank" not in lora or "alpha" not in lora:
+        raise CheckpointError(f"{source.path / META}: lora {lora} needs 'rank' and 'alpha'")
+    return float(lora["alpha"]) / float(lora["rank"])
+
+
+def base_source(lora: Source) -> Source:
+    """The frozen base weights of a LoRA checkpoint: a checkpoint, or the Hugging Face
+    directory it was trained from."""
+    if not lora.meta.base_checkpoint:
+        raise CheckpointError(f"{lora.path / META}: LoRA checkpoint names no base_checkpoint to merge into")
+    path = Path(lora.meta.base_checkpoint)
+    path = path if path.is_absolute() else lora.path.parent / path
+    base = Source.hf_directory(path) if (path / "config.json").is_file() else Source.checkpoint(resolve_step_dir(path))
+    if base.meta.padded_vocab_size != lora.meta.padded_vocab_size:
+        raise CheckpointError(
+            f"{base.path}: base vocabulary of {base.meta.padded_vocab_size} rows differs from the LoRA "
+            f"checkpoint's padded_vocab_size {lora.meta.padded_vocab_size} ({lora.path})"
+        )
+    return base
+
+
+def check_adapter_shapes(lora: Source, weights: Source, names: list[str], modules: list[str]) -> None:
+    """Every adapter belongs to a written weight W [out, in], with A [r, in] and B [out, r]."""
+    for module in modules:
+        a, b = lora.tensors[module + LORA_A].shape, lora.tensors[module + LORA_B].shape
+        name = module + ".weight"
+        weight = weights.tensors[name].shape if name in names else None
+        if weight is None or len(a) != 2 or len(b) != 2 or a[0] != b[1] or (b[0], a[1]) != weight:
+            raise CheckpointError(
+                f"{lora.path}: adapter of {module} (A {a}, B {b}) does not fit a base weight "
+                f"({'none written' if weight is None else weight}) in {weights.path}"
+            )
+
+
+def merge_adapters(weights: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], scale: float) -> None:
+    """``W += scale * B @ A`` (computed in float32) for every adapted weight in ``weights``."""
+    for name, weight in weights.items():
+        module = name.removesuffix(".weight")
+        if module + LORA_A in adapters:
+            a, b = adapters[module + LORA_A].float(), adapters[module + LORA_B].float()
+            weights[name] = (weight.float() + scale * (b @ a)).to(weight.dtype)
+
+
+def output_info(info: TensorInfo, name: str, vocab_size: int, dtype: torch.dtype | None) -> TensorInfo:
+    """Shape and dtype of a tensor as written: vocabulary padding dropped, cast applied."""
+    shape = (vocab_size, *info.shape[1:]) if name.endswith(_VOCAB_ROWS) else info.shape
+    return TensorInfo(shape, dtype if dtype is not None and info.dtype.is_floating_point else info.dtype)
+
+
+def _finish(name: str, tensor: torch.Tensor, vocab_size: int, dtype: torch.dtype | None) -> torch.Tensor:
+    """Drop the vocabulary padding and cast to the output dtype."""
+    if name.endswith(_VOCAB_ROWS):
+        tensor = tensor[:vocab_size]
+    if dtype is not None and tensor.is_floating_point():
+        tensor = tensor.to(dtype)
+    return tensor.contiguous()
+
+
+def plan_shards(names: list[str], sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    """Consecutive groups of ``names`` of at most ``max_bytes`` each (a bigger tensor alone)."""
+    shards: list[list[str]] = [[]]
+    total = 0
+    for name in names:
+        if shards[-1] and total + sizes[name] > max_bytes:
+            shards.append([])
+            total = 0
+        shards[-1].append(name)
+        total += sizes[name]
+    return shards
+
+
+def write_weights(
+    work: Path, weights: Source, vocab_size: int, config: ExportConfig, lora: Source | None = None
+) -> torch.dtype:
+    """The model's safetensors (with the adapters of ``lora`` merged in), each file written
+    header first and then tensor by tensor, reading at most READ_BATCH_BYTES at a time.
+    Returns the dtype of the written embedding."""
+    dtype = _DTYPES[config.dtype] if config.dtype else None
+    names = weight_names(weights)
+    out_info = {n: output_info(weights.tensors[n], n, vocab_size, dtype) for n in names}
+    modules = lora_modules(lora) if lora is not None else []
+    if lora is not None:
+        check_adapter_shapes(lora, weights, names, modules)
+    scale = lora_scale(lora) if lora is not None else 0.0
+    shards = plan_shards(names, {n: out_info[n].nbytes for n in names}, int(config.max_shard_mb * 2**20))
+    read_bytes = {n: weights.tensors[n].nbytes for n in names}
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards, 1):
+        fname = SAFETENSORS_SINGLE if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        with open(work / fname, "wb") as f:
+            f.write(safetensors_header({ours_to_hf(n): (out_info[n].dtype, out_info[n].shape) for n in shard}))
+            for batch in plan_shards(shard, read_bytes, READ_BATCH_BYTES):
+                tensors = weights.load(batch)
+                adapted = [m for m in modules if m + ".weight" in tensors]
+                if adapted:
+                    merge_adapters(tensors, lora.load([m + s for m in adapted for s in (LORA_A, LORA_B)]), scale)
+                for name in batch:
+                    f.write(_finish(name, tensors.pop(name), vocab_size, dtype).view(-1).view(torch.uint8).numpy())
+            f.flush()
+            os.fsync(f.fileno())
+        weight_map.update(dict.fromkeys(map(ours_to_hf, shard), fname))
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(i.nbytes for i in out_info.values())}, "weight_map": weight_map}
+        (work / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2))
+    return out_info[TIED_INPUT].dtype
+
+
+def hf_config(meta: CheckpointMeta, dtype: torch.dtype) -> dict[str, Any]:
+    """config.json: the original, with the dtype the weights were written in."""
+    config = dict(meta.hf_config)
+    config["dtype" if "dtype" in config else "torch_dtype"] = str(dtype).removeprefix("torch.")
+    return config
+
+
+def write_peft_adapter(work: Path, lora: Source, vocab_size: int, config: ExportConfig) -> None:
+    """adapter_model.safetensors and adapter_config.json in PEFT's layout."""
+    modules = lora_modules(lora)
+    if any(m.endswith("embed_tokens") for m in modules):
+        raise CheckpointError(f"{lora.path}: PEFT export of embed_tokens adapters is not supported; use merge_lora")
+    dtype = _DTYPES[config.dtype] if config.dtype else None
+    tensors = lora.load([m + s for m in modules for s in (LORA_A, LORA_B)])
+    out = {PEFT_PREFIX + ours_to_hf(n): _finish(n, t, vocab_size, dtype) for n, t in tensors.items()}
+    save_file(out, str(work / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    lora_config = lora.meta.lora or {}
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": config.base_model or lora.meta.base_checkpoint,
+        "r": lora_config["rank"],
+        "lora_alpha": lora_config["alpha"],
+        "lora_dropout": lora_config.get("dropout", 0.0),
+        "target_modules": sorted({m.rpartition(".")[2] for m in modules}),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+    (work / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2))
+
+
+def copy_tokenizer(work: Path, sources: list[Source]) -> Path | None:
+    """Copy the tokenizer files of the first source that has a tokenizer; returns where from."""
+    for source in sources:
+        directory = source.tokenizer_dir
+        if directory.is_dir() and any(directory.glob("tokenizer*")):
+            copy_tokenizer_files(directory, work)
+            return directory
+    log.warning("no tokenizer beside %s: the export has no tokenizer files", sources[0].path)
+    return None
+
+
+def export(config: ExportConfig) -> Path:
+    """Run the stage; returns the output directory."""
+    source = Source.checkpoint(resolve_step_dir(config.ckpt, config.step))
+    vocab_size = ModelConfig.from_hf(source.meta.hf_config, source=str(source.path / META)).vocab_size
+    lora = source if source.meta.lora is not None else None
+    if lora is not None:  # a malformed LoRA checkpoint fails before anything is written
+        lora_scale(lora)
+        lora_modules(lora)
+    weights = base_source(lora) if lora is not None and config.merge_lora else source
+    check_replaceable(config.out, STAGE)
+    with atomic_directory(config.out) as work:
+        if lora is not None and not config.merge_lora:
+            write_peft_adapter(work, lora, vocab_size, config)
+            kind = "peft_adapter"
+        else:
+            dtype = write_weights(work, weights, vocab_size, config, lora)
+            (work / "config.json").write_text(json.dumps(hf_config(source.meta, dtype), indent=2))
+            kind = "merged" if lora is not None else "model"
+        tokenizer = copy_tokenizer(work, [source, weights])
+        files = [file_record(p, work, with_hash=False) for p in sorted(work.rglob("*")) if p.is_file()]
+        payload = manifest_payload(
+            STAGE, config.params(), files, step_dir=str(source.path), step=source.meta.step, kind=kind,
+            base=str(weights.path) if weights is not source else None,
+            tokenizer=str(tokenizer) if tokenizer else None,
+        )
+        write_json_atomic(work / MANIFEST, payload)
+    return config.out
+
+
+class ExportCommand(ExportConfig):
+    """Export a training checkpoint (root or step directory) as a Hugging Face model directory
+    that transformers loads, or a LoRA checkpoint as a PEFT adapter or merged model."""
+
+    def cli_cmd(self) -> None:
+        start = time.monotonic()
+        try:
+            out = export(ExportConfig(**self.model_dump()))
+        except (ConfigError, CheckpointError, ValueError) as error:
+            raise SystemExit(f"llmflow export: {error}") from None
+        size = sum(p.stat().st_size for p in out.iterdir() if p.suffix == ".safetensors")
+        print(f"{out}: {size / 1e9:.3f} GB of weights in {time.monotonic() - start:.1f} s")

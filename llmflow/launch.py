@@ -1,0 +1,98 @@
+"""Starting ``torchrun`` workers and watching them.
+
+The workers run in their own process group: when the caller is cancelled or fails, the
+whole group is terminated (SIGTERM, then SIGKILL after a grace period), so no rank
+outlives the stage. Every output line is handed to a callback as it arrives (the Prefect
+log, or the terminal), and the last lines are kept to quote when a worker fails.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+
+class WorkerError(RuntimeError):
+    """torchrun workers exited with an error; the message quotes their last output lines."""
+
+    def __init__(self, returncode: int, tail: list[str]) -> None:
+        self.returncode = returncode
+        self.tail = tail
+        error_lines = [line for line in tail if "Error" in line or "error" in line] or tail
+        super().__init__(f"workers exited with code {returncode}; last output:\n" + "\n".join(error_lines[-20:]))
+
+
+def torchrun_command(
+    module: str,
+    args: Sequence[str],
+    nproc: int,
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
+) -> list[str]:
+    """``torchrun`` running ``python -m module args`` on ``nproc`` processes per node;
+    one node uses --standalone, more use the c10d rendezvous at ``rdzv_endpoint``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    if nnodes == 1 and rdzv_endpoint is None:
+        cmd.append("--standalone")
+    else:
+        if rdzv_endpoint is None:
+            raise ValueError("a multi-node launch needs rdzv_endpoint (host:port of the rendezvous)")
+        cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
+    return [*cmd, "-m", module, *args]
+
+
+def run_workers(
+    cmd: Sequence[str],
+    on_line: Callable[[str], None] = print,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+    grace_s: float = 10.0,
+    tail_lines: int = 50,
+) -> None:
+    """Run ``cmd`` in a new process group, streaming its merged output line by line to
+    ``on_line``; raise ``WorkerError`` on a non-zero exit. If this function is interrupted
+    (cancellation, KeyboardInterrupt, a failing callback), the whole group is killed."""
+    child_env = {**os.environ, **(env or {})}
+    child_env["PYTHONUNBUFFERED"] = "1"
+    tail: deque[str] = deque(maxlen=tail_lines)
+    proc = subprocess.Popen(
+        list(cmd),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=child_env,
+        cwd=cwd,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            tail.append(line)
+            on_line(line)
+        returncode = proc.wait()
+    except BaseException:
+        kill_group(proc, grace_s)
+        raise
+    if returncode != 0:
+        raise WorkerError(returncode, list(tail))
+
+
+def kill_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM the process group of ``proc``, SIGKILL it if still alive after ``grace_s``."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue

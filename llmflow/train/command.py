@@ -1,0 +1,43 @@
+"""``llmflow train CONFIG.yaml [--nproc N] [key=value ...]``: validate the config here,
+then run it on ``nproc`` torchrun workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic_settings import CliPositionalArg
+
+from llmflow.artifacts import write_json_atomic
+from llmflow.launch import run_workers, torchrun_command
+from llmflow.train.config import TrainConfig, load_train_config
+
+CONFIG_NAME = "train_config.json"
+
+
+def launch_training(config: TrainConfig, nproc: int, on_line=print, env: dict[str, str] | None = None) -> Path:
+    """Write the resolved config into the run directory and run it on ``nproc`` workers;
+    returns the run (checkpoint) directory."""
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config_path = write_json_atomic(out / CONFIG_NAME, config.model_dump(mode="json"))
+    run_workers(torchrun_command("llmflow.train", [str(config_path)], nproc), on_line=on_line, env=env)
+    return out
+
+
+class TrainCommand(BaseModel):
+    """Pretrain or finetune (full or LoRA) on torchrun workers; resumes when the run's
+    output directory holds a checkpoint."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    config: CliPositionalArg[Path]
+    """Training config (YAML or JSON); see TrainConfig for every option."""
+    overrides: CliPositionalArg[list[str]] = Field(default_factory=list)
+    """key=value overrides of the config (dotted for sections: optim.lr=1e-4 data.paths='["a"]')."""
+    nproc: int = Field(default=1, ge=1)
+    """Worker processes on this machine (one per accelerator; CPU runs use gloo)."""
+
+    def cli_cmd(self) -> None:
+        config = load_train_config(self.config, self.overrides)
+        launch_training(config, self.nproc)

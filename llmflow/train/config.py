@@ -1,0 +1,153 @@
+"""The training configuration: one typed model, read from YAML/JSON and ``key=value``
+overrides, documented per field (the docstrings are the CLI help and the Prefect form)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from llmflow.models.lora import LoraConfig
+
+
+class DataConfig(BaseModel):
+    """What the model trains on."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    kind: Literal["pretrain", "sft"] = "pretrain"
+    """pretrain: Megatron indexed datasets ({prefix}_text_document), samples of seq_length+1
+    tokens cut from the concatenated documents; sft: instruction datasets written by
+    ``llmflow tokenize instruction`` (their own seq_length, packed or padded rows)."""
+    paths: list[str] = Field(min_length=1)
+    """Dataset prefixes: for pretrain the {prefix} of {prefix}_text_document.bin/.idx (or the
+    full ..._text_document path); for sft the --out of the tokenize stage."""
+    weights: list[float] | None = None
+    """Blend weights, one per path (pretrain only); default: equal."""
+    document_attention: bool = False
+    """pretrain: keep attention and positions inside each document of a sample (Megatron's
+    --reset-attention-mask --reset-position-ids). sft rows always keep samples apart."""
+
+    @model_validator(mode="after")
+    def _weights_match(self) -> DataConfig:
+        if self.weights is not None:
+            if len(self.weights) != len(self.paths):
+                raise ValueError(f"data.weights has {len(self.weights)} entries for {len(self.paths)} data.paths")
+            if any(w <= 0 for w in self.weights):
+                raise ValueError(f"data.weights must be positive, got {self.weights}")
+            if self.kind == "sft" and len(self.paths) > 1:
+                raise ValueError("data.weights blends pretraining datasets; sft takes one dataset")
+        if self.kind == "sft" and len(self.paths) != 1:
+            raise ValueError(f"sft trains on one instruction dataset, got {len(self.paths)} data.paths")
+        return self
+
+
+class OptimConfig(BaseModel):
+    """AdamW with linear warmup and a decay schedule."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    lr: float = Field(default=3e-4, gt=0)
+    """Peak learning rate."""
+    min_lr: float = Field(default=0.0, ge=0)
+    """Learning rate at the end of the decay."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Steps of linear warmup from 0 to lr."""
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay from lr to min_lr over the steps after warmup."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW weight decay (not applied to norms and biases)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    clip_grad: float | None = Field(default=1.0, gt=0)
+    """Clip the global gradient norm to this value; null to only measure it."""
+
+
+class TrainConfig(BaseModel):
+    """One training run: model, data, parallel layout, optimizer, checkpoints, logging."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    model: Path
+    """Initial weights: a Hugging Face model directory (config.json + safetensors) or a
+    checkpoint written by ``llmflow convert`` / a previous run."""
+    out: Path
+    """Checkpoint directory of this run. When it holds a checkpoint, training resumes from it."""
+    data: DataConfig
+    """Training data."""
+    steps: int = Field(ge=1)
+    """Optimizer steps to train for (in total, across resumes)."""
+    seq_length: int | None = Field(default=None, ge=1)
+    """Tokens per sample for pretraining (sft rows take the dataset's seq_length)."""
+    micro_batch_size: int = Field(default=1, ge=1)
+    """Samples per rank per forward/backward."""
+    global_batch_size: int = Field(default=8, ge=1)
+    """Samples per optimizer step over all data-parallel ranks; a multiple of
+    micro_batch_size * dp (the quotient is the gradient accumulation)."""
+    optim: OptimConfig = OptimConfig()
+    """Optimizer and learning-rate schedule."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters on frozen base weights instead of every weight."""
+    tp: int = Field(default=1, ge=1)
+    """Tensor-parallel degree (heads, KV heads and FFN width must divide by it)."""
+    dp: int | None = Field(default=None, ge=1)
+    """Data-parallel degree; default: world size / tp."""
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """Compute dtype: auto = bf16 on accelerators, fp32 on CPU. Master weights, optimizer
+    state and gradient reduction stay fp32."""
+    activation_checkpointing: bool = False
+    """Recompute each layer's activations in backward (less memory, ~30% more compute)."""
+    compile: bool = False
+    """torch.compile each decoder layer (slow to start on CPU)."""
+    seed: int = 1234
+    """Seed of the data order, LoRA initialisation and dropout."""
+    save_interval: int | None = Field(default=None, ge=1)
+    """Save a checkpoint every this many steps (and always at the end)."""
+    keep_last: int | None = Field(default=2, ge=1)
+    """Checkpoints to keep (older ones are deleted); null keeps all."""
+    log_interval: int = Field(default=1, ge=1)
+    """Print and log metrics every this many steps."""
+    mlflow_run_id: str | None = None
+    """MLflow run to log metrics to (rank 0); default: the LLMFLOW_MLFLOW_RUN_ID variable."""
+
+
+def _set(tree: dict[str, Any], dotted: str, value: str) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        elif not isinstance(child, dict):
+            raise ValueError(f"override {dotted}={value}: {key} is not a section")
+        node = child
+    try:
+        node[keys[-1]] = json.loads(value)
+    except json.JSONDecodeError:
+        node[keys[-1]] = value
+
+
+def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    """The config in ``path`` (YAML or JSON) with ``key=value`` overrides (dotted keys
+    for sections: ``optim.lr=1e-4``; values parsed as JSON when they are JSON)."""
+    import yaml
+
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"training config {path}: no such file")
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"training config {path}: expected a mapping of options, got {type(loaded).__name__}")
+        tree = loaded
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r}: expected key=value (dotted keys for sections, e.g. optim.lr=1e-4)")
+        _set(tree, key, value)
+    return TrainConfig.model_validate(tree)

@@ -1,0 +1,61 @@
+"""Throughput, model FLOPs utilisation and memory of training steps."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import torch
+
+from llmflow.models import ModelConfig
+
+# Dense bf16 peak FLOP/s per device (vendor datasheets); CPUs have no meaningful figure.
+PEAK_FLOPS: dict[str, float] = {
+    "Ascend910B": 313e12,
+    "A100": 312e12,
+    "H100": 989e12,
+    "H200": 989e12,
+}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's peak bf16 FLOP/s from ``PEAK_FLOPS``; None on CPU or an unlisted device."""
+    if device.type == "cpu":
+        return None
+    name = torch.get_device_module(device.type).get_device_name(device)
+    for key, flops in PEAK_FLOPS.items():
+        if key.lower() in name.replace(" ", "").lower():
+            return flops
+    return None
+
+
+def flops_per_token(config: ModelConfig, seq_length: int) -> float:
+    """Training FLOPs per token: 6 x the matmul parameters (forward + backward) plus the
+    attention score and value products (12 x layers x hidden x seq), as in PaLM's MFU."""
+    h, f, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * f
+    matmul_params = layers * per_layer + config.vocab_size * h
+    return 6 * matmul_params + 12 * layers * q * seq_length
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak device memory allocated by tensors (accelerators), or peak RSS (CPU), in GiB."""
+    if device.type == "cpu":
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return torch.get_device_module(device.type).max_memory_allocated(device) / 2**30
+
+
+class StepTimer:
+    """Seconds since the previous lap (device work included)."""
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+
+    def lap(self) -> float:
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+        now = time.perf_counter()
+        seconds, self._last = now - self._last, now
+        return seconds

@@ -1,0 +1,118 @@
+"""Parallel plans for the decoder, applied from outside the model.
+
+- ``apply_tp``: tensor parallel with DTensor and a sequence-parallel plan (Megatron's
+  column/row split of attention and MLP; norms and the residual stream sharded along the
+  sequence). Every parameter becomes a DTensor, so gradient clipping and checkpoints see
+  one kind of tensor. The embedding and the output projection stay whole on every rank of
+  the tensor-parallel group: the fused cross-entropy then runs on full rows.
+- ``apply_ac``: activation checkpointing of every decoder layer.
+- ``apply_fsdp``: FSDP2 ``fully_shard`` of every layer and of the root over the
+  data-parallel mesh, with a mixed-precision policy (bf16 compute, fp32 master weights
+  and gradient reduction) on accelerators.
+
+Order: LoRA (if any), then ``apply_tp``, ``apply_ac``, ``apply_fsdp``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from llmflow.models.decoder import CausalLM
+
+
+def layer_tp_plan() -> dict[str, ParallelStyle]:
+    """The sequence-parallel plan of one decoder layer, keyed by HF module names."""
+    return {
+        "input_layernorm": SequenceParallel(),
+        "self_attn": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None),
+            use_local_output=True,
+        ),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "post_attention_layernorm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def _replicate_embedding(embed: nn.Embedding, mesh: DeviceMesh) -> None:
+    """Whole embedding on every rank; its output enters the sequence-parallel region."""
+
+    def to_replicated(_module, inputs, device_mesh):
+        return tuple(DTensor.from_local(x, device_mesh, [Replicate()], run_check=False) for x in inputs)
+
+    def to_sequence_shard(_module, output, device_mesh):
+        return output.redistribute(device_mesh, [Shard(1)]).to_local()
+
+    distribute_module(embed, mesh, input_fn=to_replicated, output_fn=to_sequence_shard)
+
+
+def _replicate_output_projection(lm_head: nn.Linear, mesh: DeviceMesh, distribute_weight: bool) -> None:
+    def to_replicated(_module, inputs, device_mesh):
+        return tuple(DTensor.from_local(x, device_mesh, [Replicate()], run_check=False) for x in inputs)
+
+    def to_local(_module, output, _device_mesh):
+        return output.to_local()
+
+    keep = None if distribute_weight else (lambda _name, _module, _mesh: None)
+    distribute_module(lm_head, mesh, partition_fn=keep, input_fn=to_replicated, output_fn=to_local)
+
+
+def apply_tp(model: CausalLM, mesh: DeviceMesh, extra_layer_plan: dict[str, ParallelStyle] | None = None) -> None:
+    """Shard ``model`` over the 1-D tensor-parallel ``mesh`` in place. ``extra_layer_plan``
+    adds entries to every layer's plan (LoRA adapters)."""
+    decoder = model.model
+    plan = {**layer_tp_plan(), **(extra_layer_plan or {})}
+    for layer in decoder.layers.values():
+        parallelize_module(layer, mesh, plan)
+    if decoder.embed_tokens is not None:
+        _replicate_embedding(decoder.embed_tokens, mesh)
+    if decoder.norm is not None:
+        parallelize_module(decoder.norm, mesh, SequenceParallel())
+        parallelize_module(
+            decoder, mesh, PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)
+        )
+    if model.lm_head is not None:
+        tied = model.config.tie_word_embeddings and decoder.embed_tokens is not None
+        if tied:
+            model.lm_head.weight = decoder.embed_tokens.weight  # already distributed with the embedding
+        _replicate_output_projection(model.lm_head, mesh, distribute_weight=not tied)
+
+
+def apply_ac(model: CausalLM) -> None:
+    """Recompute each decoder layer's activations in the backward pass."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    layers = model.model.layers
+    for name, layer in list(layers.items()):
+        layers[name] = checkpoint_wrapper(layer, preserve_rng_state=True)
+
+
+def apply_fsdp(model: CausalLM, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32) -> None:
+    """FSDP2 over the data-parallel ``mesh``: one unit per layer, the rest in the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    layers = list(model.model.layers.values())
+    for i, layer in enumerate(layers):
+        # The last layer's parameters are needed again at once by backward: keep them.
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
