@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import glob
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +25,11 @@ STAGE_CACHE_POLICY = INPUTS + TASK_SOURCE
 @dataclass
 class InputFiles(CachePolicy):
     """Cache-key part: path, size and mtime of every local file a stage reads, found through
-    the ``fields`` of the task's ``config`` (a file, a directory — every file under it, hidden
-    ones aside — or a list of those). Values that are no local path (``hf://org/name``) add
-    only themselves. Only metadata is read, so the key stays cheap for terabyte corpora."""
+    the ``fields`` of the task's ``config`` (dotted for nested sections: ``data.paths``). A
+    field holds a file, a directory (every file under it, hidden ones aside), a file prefix
+    (the files named ``{prefix}_*`` or ``{prefix}.*`` beside it, as Megatron datasets are)
+    or a list of those. Values that are no local path (``hf://org/name``) add only
+    themselves. Only metadata is read, so the key stays cheap for terabyte corpora."""
 
     fields: tuple[str, ...] = ()
 
@@ -33,11 +37,18 @@ class InputFiles(CachePolicy):
         config = (inputs or {}).get("config")
         entries: list[Any] = []
         for name in self.fields:
-            value = config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+            value = _field(config, name)
             for item in value if isinstance(value, (list, tuple)) else [value]:
                 if item is not None:
                     entries.extend(_file_stats(Path(str(item)).expanduser()))
         return hash_objects(entries, raise_on_failure=True)
+
+
+def _field(config: Any, dotted: str) -> Any:
+    value = config
+    for name in dotted.split("."):
+        value = value.get(name) if isinstance(value, Mapping) else getattr(value, name, None)
+    return value
 
 
 def _file_stats(path: Path) -> list[tuple]:
@@ -49,7 +60,10 @@ def _file_stats(path: Path) -> list[tuple]:
             if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
         ]
     else:
-        return [(str(path), None)]  # not (yet) there, or not a local path
+        siblings = path.parent.glob(glob.escape(path.name) + "[._]*") if path.parent.is_dir() else []
+        files = sorted(p for p in siblings if p.is_file())
+        if not files:
+            return [(str(path), None)]  # not (yet) there, or not a local path
     return [(str(f), st.st_size, st.st_mtime_ns) for f in files for st in [f.stat()]]
 
 
@@ -72,10 +86,20 @@ def artifact_for(stage: str, path: str | Path) -> StageArtifact:
     return StageArtifact(stage=stage, path=str(path), manifest=manifest)
 
 
+def output_summary(manifest: dict[str, Any]) -> dict[str, float]:
+    """Files and bytes a stage output's manifest lists."""
+    files = manifest.get("files", [])
+    return {"files": len(files), "bytes": sum(f["size"] for f in files)}
+
+
 def run_stage(stage: str, config: BaseModel, run: Callable[[Any], str | Path], metrics: tuple[str, ...]) -> StageArtifact:
     """Run ``run(config)`` inside the stage's MLflow run (params: the config), log the
-    ``metrics`` keys of the manifest it wrote, and return its artifact record."""
+    ``metrics`` keys of the manifest it wrote with the files, bytes and seconds of the
+    output, and return its artifact record."""
     with tracking.stage_run(stage, config.model_dump(mode="json")) as run_id:
+        start = time.monotonic()
         artifact = artifact_for(stage, run(config))
-        tracking.log_metrics(run_id, {key: artifact.manifest[key] for key in metrics})
+        seconds = time.monotonic() - start
+        listed = {key: artifact.manifest[key] for key in metrics}
+        tracking.log_metrics(run_id, {**output_summary(artifact.manifest), "seconds": seconds, **listed})
     return artifact

@@ -266,6 +266,7 @@ def train(config: TrainConfig) -> dict[str, float]:
                 metrics["mfu"] = flops_token * tokens / seconds / (peak * env.world_size)
             if env.is_main:
                 _report(step, config.steps, metrics, run_id)
+                timer.lap()  # logging time is not step time (the first MLflow call imports mlflow)
         if step == config.steps or (config.save_interval and step % config.save_interval == 0):
             _save(model, optimizer, config, step, meta_template, device_type)
             timer.lap()  # checkpoint time is not step time

@@ -1,0 +1,60 @@
+"""Prefect task of the train stage: pretraining or finetuning on torchrun workers.
+
+The workers stream every output line into the Prefect log as it arrives and log their
+step metrics (rank 0) to the stage's MLflow run. When the task fails or its flow run is
+cancelled, the whole torchrun process group is killed (``llmflow.launch.run_workers``).
+
+The cache key holds the config (``out`` names the run) and the metadata of the model and
+data files, never anything of one attempt: a retry after a failure or a cancellation runs
+the same config again, and the workers resume from the last checkpoint in ``out``.
+
+The checkpoint root has no manifest.json: it is a directory that resumes keep writing
+into, and each step directory is published by ``latest``, written last. The run is
+complete when the step ``latest`` names is ``config.steps``; the artifact's manifest is
+that step's meta.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from prefect import get_run_logger, task
+
+from llmflow import tracking
+from llmflow.checkpoint import latest_step_dir, read_meta
+from llmflow.tasks.common import STAGE_CACHE_POLICY, InputFiles, StageArtifact
+from llmflow.train.command import launch_training
+from llmflow.train.config import TrainConfig
+
+STAGE = "train"
+RUN_ID_ENV = "LLMFLOW_MLFLOW_RUN_ID"
+
+
+@task(name=STAGE, cache_policy=STAGE_CACHE_POLICY + InputFiles(fields=("model", "data.paths")))
+def train_task(config: TrainConfig, nproc: int = 1) -> StageArtifact:
+    """Train (or resume) ``config`` on ``nproc`` torchrun workers on this node; returns the
+    checkpoint root ``config.out`` with the final step's meta. Tracked in MLflow: params are
+    the config, metrics the workers' per-step loss, lr, grad_norm, throughput and memory."""
+    import mlflow
+
+    logger = get_run_logger()
+    with tracking.stage_run(STAGE, config.model_dump(mode="json") | {"nproc": nproc}) as run_id:
+        env = {RUN_ID_ENV: run_id, "MLFLOW_TRACKING_URI": mlflow.get_tracking_uri()}
+        start = time.monotonic()
+        out = launch_training(config, nproc, on_line=logger.info, env=env)
+        artifact = checkpoint_artifact(out, config.steps)
+        tracking.log_metrics(run_id, {"seconds": time.monotonic() - start}, step=config.steps)
+    return artifact
+
+
+def checkpoint_artifact(out: Path, steps: int) -> StageArtifact:
+    """The artifact record of a finished run: its checkpoint root, with the meta of the
+    latest step (which must be step ``steps``) and that step's directory name."""
+    step_dir = latest_step_dir(out)
+    if step_dir is None:
+        raise RuntimeError(f"stage {STAGE}: {out} holds no checkpoint; the run did not finish")
+    meta = read_meta(step_dir)
+    if meta.step != steps:
+        raise RuntimeError(f"stage {STAGE}: the latest checkpoint in {out} is step {meta.step}, the config asks for {steps}")
+    return StageArtifact(stage=STAGE, path=str(out), manifest={"step_dir": step_dir.name, **meta.model_dump(mode="json")})

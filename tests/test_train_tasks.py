@@ -1,0 +1,374 @@
+"""The convert, export and train tasks inside flows, against the temporary Prefect server:
+artifact records and MLflow runs, the workers' lines in the Prefect log and their step
+metrics in the stage's MLflow run, a failing worker failing the task with its error, a
+cancelled flow run leaving no worker behind, and a rerun resuming from the checkpoint.
+
+Every torchrun launch costs 6-9 s here, so there are four, on a model of a few thousand
+parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from prefect import flow
+
+from llmflow.artifacts import read_manifest
+from llmflow.checkpoint import read_meta
+from llmflow.convert import ConvertConfig
+from llmflow.data.indexed import IndexedDatasetWriter
+from llmflow.export import ExportConfig
+from llmflow.models import CausalLM, ModelConfig, save_hf_model
+from llmflow.models.hf_checkpoint import safetensors_files
+from llmflow.tasks.common import InputFiles, StageArtifact
+from llmflow.tasks.convert import convert_task
+from llmflow.tasks.export import export_task
+from llmflow.tasks.train import train_task
+from llmflow.train.config import TrainConfig
+
+VOCAB = 96
+HF_CONFIG = {
+    "model_type": "qwen2",
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+}
+STEP_LINE = re.compile(r"^step (\d+)/(\d+) \| loss ([0-9.]+)")
+
+# A flow run in its own process, as a worker or serve() runs it: cancelling it sends SIGTERM.
+CANCELLED_FLOW = """
+import sys
+
+from prefect import flow
+from prefect.runtime import flow_run
+
+from llmflow.tasks.train import train_task
+from llmflow.train.config import TrainConfig
+
+
+@flow(name="test-train-cancelled")
+def train_flow(config: TrainConfig, nproc: int) -> None:
+    print("flow run id", flow_run.id, flush=True)
+    train_task(config, nproc=nproc)
+
+
+if __name__ == "__main__":
+    train_flow(TrainConfig.model_validate_json(open(sys.argv[1]).read()), int(sys.argv[2]))
+"""
+
+pytestmark = pytest.mark.usefixtures("prefect_env")
+
+
+@pytest.fixture(autouse=True)
+def worker_env(monkeypatch):
+    """Workers on CPU, one thread each (two ranks share two cores)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("LLMFLOW_DEVICE", "cpu")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, Path]:
+    """A tiny Qwen2 model (Hugging Face directory) and a pretraining corpus of random ids."""
+    root = tmp_path_factory.mktemp("train_tasks")
+    model = CausalLM(ModelConfig.from_hf(HF_CONFIG))
+    model.init_weights(generator=torch.Generator().manual_seed(0))
+    save_hf_model(model, root / "model")
+    rng = np.random.default_rng(0)
+    write_corpus(root / "corpus", [rng.integers(0, VOCAB, rng.integers(20, 80)) for _ in range(200)])
+    return {"root": root, "model": root / "model", "corpus": root / "corpus"}
+
+
+def write_corpus(prefix: Path, documents: list[np.ndarray]) -> Path:
+    writer = IndexedDatasetWriter(f"{prefix}_text_document", np.uint16)
+    writer.add_documents(d.astype(np.uint16) for d in documents)
+    writer.finalize()
+    return prefix
+
+
+def train_config(assets: dict[str, Path], out: Path, **overrides: Any) -> TrainConfig:
+    base = {
+        "model": str(assets["model"]),
+        "out": str(out),
+        "data": {"paths": [str(assets["corpus"])]},
+        "steps": 3,
+        "seq_length": 32,
+        "micro_batch_size": 2,
+        "global_batch_size": 4,
+        "optim": {"lr": 1e-3},
+    }
+    return TrainConfig.model_validate(base | overrides)
+
+
+# --- flows and what they report ------------------------------------------------------------------
+
+
+def outcome(state) -> dict[str, Any]:
+    return {
+        "name": state.name,
+        "completed": state.is_completed(),
+        "failed": state.is_failed(),
+        "message": state.message or "",
+        "result": state.result(raise_on_failure=False),
+    }
+
+
+@flow(name="test-convert-export-stages")
+def round_trip_flow(convert: ConvertConfig, export: ExportConfig) -> list[dict[str, Any]]:
+    converted = convert_task(convert, return_state=True)
+    return [outcome(converted), outcome(export_task(export, return_state=True))]
+
+
+@flow(name="test-train-stage")
+def train_flow(config: TrainConfig, nproc: int) -> dict[str, Any]:
+    return outcome(train_task(config, nproc=nproc, return_state=True))
+
+
+def run_train_flow(config: TrainConfig, nproc: int) -> tuple[dict[str, Any], list[str]]:
+    """The task's outcome and every line the flow run logged to the Prefect API."""
+    state = train_flow(config, nproc, return_state=True)
+    return state.result(), flow_run_logs(state.state_details.flow_run_id)
+
+
+def flow_run_logs(flow_run_id) -> list[str]:
+    """Messages of the flow run's logs (its tasks' included) on the Prefect server, in order."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()  # send what is still queued
+    log_filter = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
+    messages: list[str] = []
+    with get_client(sync_client=True) as client:
+        while page := client.read_logs(log_filter, limit=200, offset=len(messages)):
+            messages += [log.message for log in page]
+    return messages
+
+
+def step_losses(lines: list[str]) -> dict[int, float]:
+    return {int(m.group(1)): float(m.group(3)) for line in lines if (m := STEP_LINE.match(line))}
+
+
+# --- MLflow ----------------------------------------------------------------------------------------
+
+
+def mlflow_runs(env: dict, stage: str) -> list:
+    """The runs of ``stage`` in this test's experiment, oldest first."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(env["mlflow_uri"])
+    experiment = client.get_experiment_by_name(env["experiment"])
+    if experiment is None:
+        return []
+    return client.search_runs(
+        [experiment.experiment_id], filter_string=f"attributes.run_name = '{stage}'", order_by=["attributes.start_time ASC"]
+    )
+
+
+def metric_history(env: dict, run, key: str) -> dict[int, float]:
+    from mlflow import MlflowClient
+
+    history = MlflowClient(env["mlflow_uri"]).get_metric_history(run.info.run_id, key)
+    steps = [m.step for m in history]
+    assert len(steps) == len(set(steps)), f"{key} logged more than once per step (by more than rank 0?): {steps}"
+    return {m.step: m.value for m in history}
+
+
+# --- convert and export ----------------------------------------------------------------------------
+
+
+def test_convert_then_export_round_trip(prefect_env, assets, tmp_path):
+    from safetensors.torch import load_file
+
+    ckpt, hf = tmp_path / "ckpt", tmp_path / "hf"
+    converted, exported = round_trip_flow(ConvertConfig(hf=assets["model"], out=ckpt), ExportConfig(ckpt=ckpt, out=hf))
+
+    assert converted["name"] == exported["name"] == "Completed"
+    for record, stage, path in ((converted["result"], "convert", ckpt), (exported["result"], "export", hf)):
+        assert isinstance(record, StageArtifact) and record.stage == stage and Path(record.path) == path
+        assert record.manifest == read_manifest(path) and record.manifest["stage"] == stage
+    assert converted["result"].manifest["padded_vocab_size"] == 128
+    assert exported["result"].manifest["step"] == 0 and exported["result"].manifest["kind"] == "model"
+
+    def tensors(directory: Path) -> dict[str, torch.Tensor]:
+        return {k: v for f in safetensors_files(directory) for k, v in load_file(f).items()}
+
+    original, round_tripped = tensors(assets["model"]), tensors(hf)
+    assert original.keys() == round_tripped.keys()
+    assert all(torch.equal(original[k], round_tripped[k]) for k in original)
+    assert json.loads((hf / "config.json").read_text())["vocab_size"] == VOCAB
+
+    for stage, record in (("convert", converted["result"]), ("export", exported["result"])):
+        (run,) = mlflow_runs(prefect_env, stage)
+        assert run.info.status == "FINISHED"
+        files = record.manifest["files"]
+        assert run.data.metrics["files"] == len(files) and run.data.metrics["bytes"] == sum(f["size"] for f in files)
+        assert run.data.metrics["seconds"] > 0
+    assert mlflow_runs(prefect_env, "convert")[0].data.params["hf"] == str(assets["model"])
+    assert mlflow_runs(prefect_env, "convert")[0].data.metrics["padded_vocab_size"] == 128
+    assert mlflow_runs(prefect_env, "export")[0].data.params["ckpt"] == str(ckpt)
+
+    # Same inputs again: both served from cache.
+    again = round_trip_flow(ConvertConfig(hf=assets["model"], out=ckpt), ExportConfig(ckpt=ckpt, out=hf))
+    assert [o["name"] for o in again] == ["Cached", "Cached"]
+
+
+# --- train -----------------------------------------------------------------------------------------
+
+
+def test_train_cache_key_covers_model_and_data_files_not_the_checkpoints(assets, tmp_path):
+    (files_policy,) = [p for p in train_task.cache_policy.policies if isinstance(p, InputFiles)]
+    corpus = write_corpus(tmp_path / "corpus", [np.arange(50) % VOCAB])
+    config = train_config(assets, tmp_path / "run", data={"paths": [str(corpus)]})
+
+    def key() -> str:
+        return files_policy.compute_key(None, {"config": config, "nproc": 1}, {})
+
+    first = key()
+    (tmp_path / "run" / "step_00000001").mkdir(parents=True)  # what the run writes
+    (tmp_path / "run" / "latest").write_text("step_00000001\n")
+    assert key() == first
+    write_corpus(corpus, [np.arange(60) % VOCAB])  # the dataset rewritten in place, same prefix
+    assert key() != first
+
+
+def test_train_task_streams_worker_lines_and_tracks_rank0_metrics(prefect_env, assets, tmp_path):
+    config = train_config(assets, tmp_path / "run", steps=3)
+    result, logs = run_train_flow(config, nproc=2)
+
+    assert result["name"] == "Completed", result["message"]
+    artifact = result["result"]
+    assert artifact.stage == "train" and Path(artifact.path) == tmp_path / "run"
+    meta = read_meta(tmp_path / "run" / "step_00000003")
+    assert artifact.manifest == {"step_dir": "step_00000003", **meta.model_dump(mode="json")}
+    assert meta.step == 3 and meta.consumed_samples == 12
+    assert artifact.manifest["layout"] == {"pp": 1, "dp": 2, "tp": 1}
+
+    # Each worker line is one Prefect log record, as printed (rank 0 prints the steps).
+    losses = step_losses(logs)
+    assert sorted(losses) == [1, 2, 3]
+    assert sum(bool(STEP_LINE.match(line)) for line in logs) == 3
+    assert any(line == f"saved checkpoint {tmp_path / 'run' / 'step_00000003'}" for line in logs)
+
+    (run,) = mlflow_runs(prefect_env, "train")
+    assert run.info.status == "FINISHED"
+    assert run.data.params["nproc"] == "2" and run.data.params["steps"] == "3"
+    assert run.data.params["data.paths"] == str([str(assets["corpus"])])
+    loss = metric_history(prefect_env, run, "loss")
+    assert loss.keys() == losses.keys() and all(abs(loss[s] - losses[s]) < 1e-6 for s in loss)
+    for key in ("lr", "grad_norm", "tokens_per_s", "samples_per_s", "memory_gib"):
+        assert metric_history(prefect_env, run, key).keys() == {1, 2, 3}, key
+    assert metric_history(prefect_env, run, "lr")[1] > metric_history(prefect_env, run, "lr")[3]  # cosine decay
+    assert run.data.metrics["seconds"] > 0
+
+    rerun, _ = run_train_flow(config, nproc=2)
+    assert rerun["name"] == "Cached" and rerun["result"] == artifact
+    assert len(mlflow_runs(prefect_env, "train")) == 1
+
+
+def test_failing_worker_fails_the_task_with_its_error(prefect_env, assets, tmp_path):
+    bad = write_corpus(tmp_path / "bad", [np.arange(VOCAB, VOCAB + 40) % 2**16 for _ in range(20)])
+    config = train_config(assets, tmp_path / "run", data={"paths": [str(bad)]})
+    result, logs = run_train_flow(config, nproc=1)
+
+    assert result["failed"]
+    assert "workers exited with code 1" in result["message"]
+    error = rf"ValueError: .*bad_text_document sample \d+ .*outside the model vocabulary \(vocab_size {VOCAB}\)"
+    assert re.search(error, result["message"])
+    assert any("outside the model vocabulary" in line for line in logs)  # streamed before the failure
+    assert not (tmp_path / "run" / "latest").exists()
+    (run,) = mlflow_runs(prefect_env, "train")
+    assert run.info.status == "FAILED"
+
+
+def test_cancelled_flow_kills_every_worker_and_the_rerun_resumes(prefect_env, prefect_server, assets, tmp_path):
+    out = tmp_path / "run"
+    # Enough steps after the first checkpoint that workers left running would still be training.
+    config = train_config(assets, out, steps=24, save_interval=4)
+    config_path = tmp_path / "config.json"
+    config_path.write_text(config.model_dump_json())
+    script = tmp_path / "cancelled_flow.py"
+    script.write_text(CANCELLED_FLOW)
+    settings = {setting.name: str(value) for setting, value in prefect_server.settings.items()}
+
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(config_path), "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, env={**os.environ, **settings, "PYTHONUNBUFFERED": "1"},
+    )
+    workers: list[psutil.Process] = []
+    try:
+        lines = output_lines(proc)
+        flow_run_id = wait_for(lines, "flow run id").split()[-1]
+        wait_for(lines, f"saved checkpoint {out / 'step_00000004'}")
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        assert sum("llmflow.train" in " ".join(p.cmdline()) for p in workers) == 3  # torchrun and two ranks
+
+        proc.send_signal(signal.SIGTERM)  # what cancelling a flow run served by serve() or a worker does
+        proc.wait(timeout=60)
+        survivors = [p for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert survivors == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for worker in workers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                worker.kill()
+
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(flow_run_id).state.name == "Crashed"
+    (cancelled,) = mlflow_runs(prefect_env, "train")
+    assert cancelled.info.status == "FAILED"
+    saved = int((out / "latest").read_text().strip().removeprefix("step_"))
+    assert 4 <= saved < 24
+
+    # The same config again (same cache key): nothing was cached, the workers resume.
+    result, logs = run_train_flow(config, nproc=2)
+    assert result["name"] == "Completed", result["message"]
+    assert any(line.startswith(f"resumed from {out / f'step_{saved:08d}'} at step {saved}") for line in logs)
+    assert sorted(step_losses(logs)) == list(range(saved + 1, 25))
+    assert result["result"].manifest["step"] == 24
+    resumed = mlflow_runs(prefect_env, "train")[1]
+    assert sorted(metric_history(prefect_env, resumed, "loss")) == list(range(saved + 1, 25))
+    assert train_flow(config, 2)["name"] == "Cached"
+
+
+def output_lines(proc: subprocess.Popen) -> queue.Queue[str]:
+    """The lines ``proc`` prints, read by a background thread."""
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.put(line.rstrip("\n"))
+
+    threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
+def wait_for(lines: queue.Queue[str], text: str, timeout_s: float = 120) -> str:
+    """The first line containing ``text`` (raises queue.Empty after ``timeout_s`` of silence)."""
+    while True:
+        line = lines.get(timeout=timeout_s)
+        if text in line:
+            return line
