@@ -19,6 +19,7 @@ from llmflow.demo import DemoCommand
 from llmflow.download import DownloadCommand
 from llmflow.envinfo import EnvCommand
 from llmflow.export import ExportCommand
+from llmflow.sample import SampleCommand
 from llmflow.train.command import TrainCommand
 
 
@@ -52,6 +53,8 @@ class LLMFlow(BaseSettings):
     """Show the devices, backends, dtypes and kernels llmflow would use here."""
     demo: CliSubCommand[DemoCommand]
     """Run the built-in end-to-end demo on a tiny model (offline, CPU-friendly)."""
+    sample: CliSubCommand[SampleCommand]
+    """Write the built-in sample assets: tokenizer, tiny model, corpus, instructions, MMLU-style set."""
     tokenize: CliSubCommand[TokenizeCommands]
     """Tokenize text into training datasets (pretrain text, instruction data)."""
     download: CliSubCommand[DownloadCommand]

@@ -25,9 +25,11 @@ import torch
 import torch.distributed as dist
 
 from llmflow import runtime
-from llmflow.checkpoint import CheckpointMeta, latest_step_dir, load_checkpoint, load_rng_state, read_meta, save_checkpoint
+from llmflow.checkpoint import TOKENIZER_DIR, CheckpointMeta, latest_step_dir, load_checkpoint, load_rng_state, save_checkpoint
+from llmflow.convert import copy_tokenizer_files
 from llmflow.mesh import ParallelLayout, build_mesh, validate_layout
-from llmflow.models import CausalLM, ModelConfig, apply_lora, is_lora_param, load_hf_model, lora_tp_plan
+from llmflow.model_loading import load_model, tokenizer_dir
+from llmflow.models import ModelConfig, apply_lora, is_lora_param, lora_tp_plan
 from llmflow.models.parallelize import apply_ac, apply_fsdp, apply_tp, layer_tp_plan
 from llmflow.train.config import TrainConfig
 from llmflow.train.data import BlendedSamples, PretrainSamples, SftSamples, check_token_ids, collate
@@ -36,25 +38,6 @@ from llmflow.train.metrics import StepTimer, flops_per_token, memory_gib, peak_f
 
 
 # --- model ----------------------------------------------------------------------------------------
-
-
-def initial_model(source: Path, device: torch.device) -> tuple[CausalLM, dict[str, Any]]:
-    """The full model from a HF directory or a checkpoint, and its HF config dict."""
-    if (source / "latest").is_file() or (source / "meta.json").is_file():
-        step_dir = latest_step_dir(source) if (source / "latest").is_file() else source
-        meta = read_meta(step_dir)
-        config = ModelConfig.from_hf({**meta.hf_config, "vocab_size": meta.padded_vocab_size})
-        with torch.device(device):
-            model = CausalLM(config)
-        state = {k: v for k, v in model.state_dict().items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
-        load_checkpoint(step_dir, {"model": state})
-        model.model.reset_rope(device)
-        return model, meta.hf_config
-    if not (source / "config.json").is_file():
-        raise FileNotFoundError(f"model {source}: neither a Hugging Face model directory (config.json) nor a checkpoint (latest)")
-    import json
-
-    return load_hf_model(source, device=device), json.loads((source / "config.json").read_text())
 
 
 def trainable_state(model: torch.nn.Module, lora: bool) -> dict[str, torch.Tensor]:
@@ -149,7 +132,9 @@ def train(config: TrainConfig) -> dict[str, float]:
     dtype = runtime.resolve_dtype(config.dtype, device_type)
     torch.manual_seed(config.seed)
 
-    model, hf_config = initial_model(Path(config.model), env.device)
+    model, hf_config = load_model(config.model, env.device)
+    if env.is_main:
+        _copy_tokenizer(Path(config.model), Path(config.out))
     topo = topology(config, env, model.config)
     dp = topo.layout.dp
     per_step = config.micro_batch_size * dp
@@ -273,6 +258,13 @@ def train(config: TrainConfig) -> dict[str, float]:
 
     runtime.destroy_distributed()
     return metrics
+
+
+def _copy_tokenizer(source: Path, out: Path) -> None:
+    """The run directory carries the tokenizer, so export and inference find it."""
+    found = tokenizer_dir(source)
+    if found is not None and not (out / TOKENIZER_DIR / "tokenizer.json").is_file():
+        copy_tokenizer_files(found, out / TOKENIZER_DIR)
 
 
 def _save(model, optimizer, config: TrainConfig, step: int, meta: CheckpointMeta, device_type: str) -> None:

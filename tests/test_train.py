@@ -1,0 +1,266 @@
+"""Training: the data addressing, the schedule, bad input, and — through real torchrun
+launches on gloo — loss parity across (dp, tp) layouts, exact resume after SIGKILL and
+resume onto another layout."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from llmflow.checkpoint import latest_step_dir, load_checkpoint, read_meta, stored_tensors
+from llmflow.data.indexed import IndexedDatasetWriter
+from llmflow.data.tokenize_instruction import InstructionTokenizeConfig, tokenize_instruction
+from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig, tokenize_pretrain
+from llmflow.export import ExportConfig, export
+from llmflow.launch import run_workers
+from llmflow.models import LoraConfig, apply_lora, is_lora_param, load_hf_model, lora_state_dict
+from llmflow.train.command import launch_training
+from llmflow.train.config import TrainConfig, load_train_config
+from llmflow.train.data import PretrainSamples, blend_assignments
+from llmflow.model_loading import load_model
+from llmflow.train.loop import learning_rate, train
+
+STEP_LINE = re.compile(r"^step (\d+)/\d+ \| loss ([0-9.]+)")
+TOLERANCE = 1e-5  # fp32 losses of different layouts
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, Path]:
+    """Sample model and data, tokenized for pretraining and (packed) finetuning."""
+    from llmflow.sample import SampleConfig, write_sample
+
+    root = tmp_path_factory.mktemp("train")
+    sample = write_sample(SampleConfig(out=root / "sample", instruct_rows=300, documents=60))
+    model = sample / "model"
+    tokenize_pretrain(PretrainTokenizeConfig(input=[sample / "pretrain" / "corpus.parquet"], tokenizer=model, out=root / "wiki", append_eod=True))
+    tokenize_instruction(
+        InstructionTokenizeConfig(
+            input=[sample / "instruct" / "alpaca.jsonl"], tokenizer=model, out=root / "sft", format="alpaca", seq_length=128, pack=True
+        )
+    )
+    return {"root": root, "model": model, "wiki": root / "wiki", "sft": root / "sft"}
+
+
+def config(assets, out: Path, kind: str = "pretrain", **overrides) -> TrainConfig:
+    base = {
+        "model": str(assets["model"]),
+        "out": str(out),
+        "data": {"kind": kind, "paths": [str(assets["wiki" if kind == "pretrain" else "sft"])]},
+        "steps": 10,
+        "seq_length": 64,
+        "micro_batch_size": 2,
+        "global_batch_size": 8,
+        "optim": {"lr": 3e-3, "warmup_steps": 2},
+        "log_interval": 1,
+    }
+    for key, value in overrides.items():
+        base[key] = value
+    return TrainConfig.model_validate(base)
+
+
+def losses(lines: list[str]) -> dict[int, float]:
+    return {int(m.group(1)): float(m.group(2)) for line in lines if (m := STEP_LINE.match(line))}
+
+
+def run(cfg: TrainConfig, nproc: int) -> dict[int, float]:
+    lines: list[str] = []
+    launch_training(cfg, nproc, on_line=lines.append, env={"OMP_NUM_THREADS": "1", "LLMFLOW_DEVICE": "cpu"})
+    return losses(lines)
+
+
+def assert_close(got: dict[int, float], want: dict[int, float]) -> None:
+    assert got and set(got) <= set(want)
+    for step, loss in got.items():
+        assert abs(loss - want[step]) <= TOLERANCE, (step, loss, want[step])
+
+
+# --- pieces ---------------------------------------------------------------------------------------
+
+
+def test_pretrain_samples_cut_the_token_stream(tmp_path):
+    writer = IndexedDatasetWriter(tmp_path / "d_text_document", np.uint16)
+    docs = [np.arange(n, dtype=np.uint16) + 100 * i for i, n in enumerate([5, 17, 3, 40, 9])]
+    writer.add_documents(docs)
+    writer.finalize()
+    stream = np.concatenate(docs)
+    samples = PretrainSamples(tmp_path / "d", seq_length=8, seed=3, document_attention=True)
+    assert samples.num_samples == (len(stream) - 1) // 8
+    seen = set()
+    for g in range(samples.num_samples):
+        s = samples[g]
+        start = int(re.search(r"tokens (\d+)", s.source).group(1))
+        seen.add(start)
+        assert s.input_ids.tolist() == stream[start : start + 8].tolist()
+        assert s.targets.tolist() == stream[start + 1 : start + 9].tolist()
+        doc_of = np.repeat(np.arange(len(docs)), [len(d) for d in docs])[start : start + 8]
+        assert s.document_ids.tolist() == (doc_of - doc_of[0]).tolist()
+    assert seen == {8 * i for i in range(samples.num_samples)}  # one epoch visits every sample once
+    again = PretrainSamples(tmp_path / "d", seq_length=8, seed=3)
+    assert [again[g].input_ids.tolist() for g in range(12)] == [samples[g].input_ids.tolist() for g in range(12)]
+
+
+def test_blend_follows_the_weights():
+    chosen, within = blend_assignments([0.7, 0.2, 0.1], 1000)
+    counts = np.bincount(chosen, minlength=3)
+    assert counts.tolist() == [700, 200, 100]
+    for d in range(3):
+        assert within[chosen == d].tolist() == list(range(counts[d]))
+
+
+def test_learning_rate_schedule(assets, tmp_path):
+    cfg = config(assets, tmp_path, steps=10, optim={"lr": 1.0, "min_lr": 0.1, "warmup_steps": 2})
+    lrs = [learning_rate(cfg, s) for s in range(1, 11)]
+    assert lrs[:2] == [0.5, 1.0] and lrs[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
+
+
+def test_config_file_and_overrides(tmp_path, assets):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model: {assets['model']}\nout: {tmp_path / 'o'}\ndata: {{paths: [{assets['wiki']}]}}\nsteps: 3\nseq_length: 32\n")
+    cfg = load_train_config(path, ["optim.lr=1e-4", "tp=2", 'data.paths=["a", "b"]', "data.weights=[1, 3]"])
+    assert cfg.optim.lr == 1e-4 and cfg.tp == 2 and cfg.data.weights == [1, 3] and cfg.data.paths == ["a", "b"]
+    with pytest.raises(ValueError, match="data.weights has 1 entries for 2 data.paths"):
+        load_train_config(path, ['data.paths=["a", "b"]', "data.weights=[1]"])
+    with pytest.raises(ValueError, match="expected key=value"):
+        load_train_config(path, ["steps"])
+
+
+def test_batch_that_does_not_divide_is_refused(assets, tmp_path):
+    with pytest.raises(ValueError, match="global_batch_size 6 is not a multiple of micro_batch_size \\* dp = 4 \\* 1"):
+        train(config(assets, tmp_path / "o", micro_batch_size=4, global_batch_size=6))
+
+
+def test_out_of_vocabulary_id_names_the_sample(assets, tmp_path):
+    vocab = json.loads((assets["model"] / "config.json").read_text())["vocab_size"]
+    writer = IndexedDatasetWriter(tmp_path / "bad_text_document", np.int32)
+    writer.add_documents([np.arange(50) % 7, np.array([1, 2, vocab + 5, 3] * 20)])
+    writer.finalize()
+    cfg = config(assets, tmp_path / "o", seq_length=16, global_batch_size=8, micro_batch_size=8)
+    cfg.data.paths = [str(tmp_path / "bad")]
+    with pytest.raises(ValueError, match=rf"bad_text_document sample \d+ .*token id {vocab + 5} .*outside the model vocabulary \(vocab_size {vocab}\)"):
+        train(cfg)
+
+
+# --- distributed (torchrun, gloo) -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference(assets) -> dict[str, dict[int, float]]:
+    """Single-process losses of 10 pretraining and 10 packed-SFT steps."""
+    root = assets["root"]
+    return {
+        "pretrain": train_in_subprocess(config(assets, root / "ref-pretrain")),
+        "sft": train_in_subprocess(config(assets, root / "ref-sft", kind="sft", seq_length=None)),
+    }
+
+
+def train_in_subprocess(cfg: TrainConfig) -> dict[int, float]:
+    path = Path(cfg.out).parent / f"{Path(cfg.out).name}.json"
+    path.write_text(cfg.model_dump_json())
+    lines: list[str] = []
+    run_workers([sys.executable, "-m", "llmflow.train", str(path)], on_line=lines.append, env={"LLMFLOW_DEVICE": "cpu"})
+    return losses(lines)
+
+
+@pytest.mark.parametrize("kind", ["pretrain", "sft"])
+@pytest.mark.parametrize("layout", [{"dp": 2}, {"tp": 2}], ids=["dp2", "tp2"])
+def test_loss_matches_one_process(assets, reference, tmp_path, kind, layout):
+    cfg = config(assets, tmp_path / "run", kind=kind, seq_length=64 if kind == "pretrain" else None, **layout)
+    got = run(cfg, nproc=2)
+    assert sorted(got) == list(range(1, 11))
+    assert_close(got, reference[kind])
+
+
+def test_sigkill_then_resume_is_exact_and_resumes_onto_another_layout(assets, reference, tmp_path):
+    cfg = config(assets, tmp_path / "run", save_interval=3)
+    path = tmp_path / "run.json"
+    path.write_text(cfg.model_dump_json())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmflow.train", str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "LLMFLOW_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"},
+    )
+    before = []
+    for line in proc.stdout:
+        before.append(line)
+        if line.startswith("step 7/"):
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert (Path(cfg.out) / "latest").read_text().strip() == "step_00000006"
+    other = tmp_path / "other"
+    shutil.copytree(Path(cfg.out) / "step_00000006", other / "step_00000006")
+    (other / "latest").write_text("step_00000006\n")
+
+    resumed = train_in_subprocess(cfg)
+    assert sorted(resumed) == list(range(7, 11))
+    assert all(resumed[s] == reference["pretrain"][s] for s in resumed)  # bitwise, same layout
+
+    # The step-6 checkpoint again, resumed by two tensor-parallel ranks.
+    got = run(config(assets, other, tp=2), nproc=2)
+    assert sorted(got) == list(range(7, 11))
+    assert_close(got, reference["pretrain"])
+
+
+
+# --- what training produces, read back by transformers ------------------------------------------------
+
+
+def hf_logits(directory: Path, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_export_of_a_trained_checkpoint_matches_our_model(assets, tmp_path):
+    cfg = config(assets, tmp_path / "run", steps=2)
+    train(cfg)
+    exported = export(ExportConfig(ckpt=cfg.out, out=tmp_path / "hf"))
+    ours, _ = load_model(cfg.out)
+    ids = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ours(ids)[..., : json.loads((assets["model"] / "config.json").read_text())["vocab_size"]]
+    assert (hf_logits(exported, ids) - want).abs().max() <= 1e-5
+
+
+def test_lora_trains_only_adapters_and_merged_export_matches(assets, tmp_path):
+    lora = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    cfg = config(assets, tmp_path / "run", steps=3, lora=lora, optim={"lr": 1e-2})
+    train(cfg)
+    step_dir = latest_step_dir(cfg.out)
+    stored = stored_tensors(step_dir)
+    assert stored and all(is_lora_param(name) for name in stored)
+    assert read_meta(step_dir).lora["rank"] == 4
+
+    ours = load_hf_model(assets["model"])
+    base = {k: v.clone() for k, v in ours.state_dict().items()}
+    apply_lora(ours, LoraConfig(**lora))
+    adapters = lora_state_dict(ours)
+    load_checkpoint(step_dir, {"model": adapters})
+    assert all(adapters[k].abs().sum() > 0 for k in adapters if "lora_B" in k)  # trained away from zero
+    assert all(torch.equal(v, ours.state_dict()[k]) for k, v in base.items())  # base untouched
+
+    merged = export(ExportConfig(ckpt=cfg.out, out=tmp_path / "merged", merge_lora=True))
+    ids = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ours.eval()(ids)
+    assert (hf_logits(merged, ids) - want).abs().max() <= 1e-5
+
+
+def test_activation_checkpointing_keeps_the_loss(assets, tmp_path):
+    plain = train(config(assets, tmp_path / "plain", steps=2, lora={"rank": 4}))
+    recomputed = train(config(assets, tmp_path / "ac", steps=2, lora={"rank": 4}, activation_checkpointing=True))
+    assert recomputed["loss"] == pytest.approx(plain["loss"], abs=1e-6)
+    assert stored_tensors(latest_step_dir(tmp_path / "ac")).keys() == stored_tensors(latest_step_dir(tmp_path / "plain")).keys()
