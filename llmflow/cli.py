@@ -10,7 +10,13 @@ from __future__ import annotations
 import sys
 
 from pydantic import BaseModel, ConfigDict
-from pydantic_settings import BaseSettings, CliApp, CliSubCommand, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    CliApp,
+    CliSubCommand,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from llmflow.convert import ConvertCommand
 from llmflow.data.tokenize_instruction import InstructionCommand
@@ -18,7 +24,9 @@ from llmflow.data.tokenize_pretrain import PretrainCommand
 from llmflow.demo import DemoCommand
 from llmflow.download import DownloadCommand
 from llmflow.envinfo import EnvCommand
+from llmflow.evaluate.mmlu import MMLUCommand
 from llmflow.export import ExportCommand
+from llmflow.infer.command import ChatCommand, GenerateCommand
 from llmflow.sample import SampleCommand
 from llmflow.train.command import TrainCommand
 
@@ -32,6 +40,18 @@ class TokenizeCommands(BaseModel):
     """Pretraining text -> Megatron indexed dataset ({out}_text_document.bin/.idx)."""
     instruction: CliSubCommand[InstructionCommand]
     """Instruction data -> input_ids/labels indexed datasets ({out}_packed_*_document)."""
+
+    def cli_cmd(self) -> None:
+        CliApp.run_subcommand(self)
+
+
+class EvalCommands(BaseModel):
+    """Evaluate models on benchmarks."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    mmlu: CliSubCommand[MMLUCommand]
+    """MMLU accuracy with lm-evaluation-harness's prompts and scoring (results.json, predictions.jsonl)."""
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)
@@ -65,6 +85,12 @@ class LLMFlow(BaseSettings):
     """Training checkpoint -> Hugging Face model directory (or PEFT adapter / merged LoRA model)."""
     train: CliSubCommand[TrainCommand]
     """Pretrain or finetune (full or LoRA) on torchrun workers; resumes from the run's last checkpoint."""
+    generate: CliSubCommand[GenerateCommand]
+    """Continue prompts with a model (greedy or sampled, streamed, optionally in a chat template)."""
+    chat: CliSubCommand[ChatCommand]
+    """Chat with a model on the terminal (streamed replies; /reset, /exit)."""
+    eval: CliSubCommand[EvalCommands]
+    """Evaluate a model on benchmarks (MMLU)."""
 
     @classmethod
     def settings_customise_sources(

@@ -9,16 +9,61 @@ own and the rest keep their names. Stages may also drop ``embed_tokens``, ``norm
 
 Shapes are read from the weights at run time (``view(B, S, -1, head_dim)``), so a
 tensor-parallel plan that shards heads needs no change to this file.
+
+Generation passes a ``KVCache``: each attention layer appends its new keys and values to
+preallocated buffers and its queries attend over every cached position. Training passes
+none and runs exactly as without it.
 """
 
 from __future__ import annotations
 
 import torch
+from llmflow.models.config import ModelConfig
+from llmflow.models.rope import (
+    inverse_frequencies,
+    positions_from_documents,
+    rotary_cos_sin,
+)
 from torch import nn
 
 from llmflow import kernels
-from llmflow.models.config import ModelConfig
-from llmflow.models.rope import inverse_frequencies, positions_from_documents, rotary_cos_sin
+
+
+class KVCache:
+    """Keys and values of the positions processed so far, in buffers [B, Hkv, max_len, D]
+    allocated on each layer's first write (so their shapes follow the weights, sharded or
+    not), plus the keys' document ids when the batch has any (left padding as a document of
+    its own keeps pad positions out of every real token's attention)."""
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+        self.filled = 0
+        """Positions already written by every layer."""
+        self._keys: dict[str, torch.Tensor] = {}
+        self._values: dict[str, torch.Tensor] = {}
+        self._documents: torch.Tensor | None = None
+
+    def documents(self, document_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """Store the new positions' document ids [B, S]; the ids of every key up to them."""
+        if document_ids is None:
+            return None
+        if self._documents is None:
+            self._documents = document_ids.new_zeros(document_ids.shape[0], self.max_len)
+        end = self.filled + document_ids.shape[1]
+        self._documents[:, self.filled : end] = document_ids
+        return self._documents[:, :end]
+
+    def update(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new k/v [B, Hkv, S, D] of ``layer``; its keys and values up to them."""
+        if layer not in self._keys:
+            shape = (k.shape[0], k.shape[1], self.max_len, k.shape[3])
+            self._keys[layer], self._values[layer] = k.new_empty(shape), v.new_empty(shape)
+        end = self.filled + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache of {self.max_len} positions cannot hold {end}")
+        self._keys[layer][:, :, self.filled : end] = k
+        self._values[layer][:, :, self.filled : end] = v
+        return self._keys[layer][:, :, :end], self._values[layer][:, :, :end]
 
 
 class RMSNorm(nn.Module):
@@ -44,7 +89,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.num_attention_heads * hd, config.hidden_size, bias=config.o_bias)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, document_ids: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        document_ids: torch.Tensor | None,
+        cache: tuple[KVCache, str] | None = None,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
@@ -52,6 +102,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q = kernels.apply_rotary(q, cos, sin)
         k = kernels.apply_rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache[0].update(cache[1], k, v)
         out = kernels.attention(q, k, v, self.scale, document_ids, self.sliding_window)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -77,9 +129,16 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, document_ids: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        document_ids: torch.Tensor | None,
+        cache: tuple[KVCache, str] | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, document_ids)
+        # Tensor-parallel plans give self_attn fixed input layouts: pass a cache only when there is one.
+        cached = (cache,) if cache is not None else ()
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, document_ids, *cached)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -103,17 +162,25 @@ class DecoderModel(nn.Module):
         tokens_or_hidden: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
+        """With ``kv_cache``, the input holds the positions after the cached ones: positions
+        default to continuing from them, and ``document_ids`` are the new positions' ids."""
         h = self.embed_tokens(tokens_or_hidden) if self.embed_tokens is not None else tokens_or_hidden
         batch, seq = tokens_or_hidden.shape[:2]  # h may hold a sequence shard (sequence parallel)
+        start = kv_cache.filled if kv_cache is not None else 0
         if position_ids is None:
-            if document_ids is not None:
+            if document_ids is not None and kv_cache is None:
                 position_ids = positions_from_documents(document_ids)
             else:
-                position_ids = torch.arange(seq, device=h.device).expand(batch, seq)
+                position_ids = torch.arange(start, start + seq, device=h.device).expand(batch, seq)
         cos, sin = rotary_cos_sin(self.inv_freq, position_ids, h.dtype)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin, document_ids)
+        if kv_cache is not None:
+            document_ids = kv_cache.documents(document_ids)
+        for name, layer in self.layers.items():
+            h = layer(h, cos, sin, document_ids, (kv_cache, name) if kv_cache is not None else None)
+        if kv_cache is not None:
+            kv_cache.filled += seq
         return self.norm(h) if self.norm is not None else h
 
 
@@ -135,6 +202,7 @@ class CausalLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         loss_reduction: str = "mean",
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Logits [B, S, vocab], or the cross-entropy loss when ``labels`` is given.
 
@@ -142,8 +210,9 @@ class CausalLM(nn.Module):
         is the token after input_ids[:, i]), -100 where no loss is taken. The loss path
         never materialises the logits of the whole batch. ``document_ids`` [B, S] marks
         packed documents: attention stays inside a document and positions restart.
+        ``kv_cache`` (generation) holds the earlier positions; see ``DecoderModel.forward``.
         """
-        h = self.model(input_ids, position_ids, document_ids)
+        h = self.model(input_ids, position_ids, document_ids, kv_cache)
         if self.lm_head is None:
             return h
         if labels is None:

@@ -1,0 +1,2 @@
+"""Evaluation of models on multiple-choice benchmarks (MMLU), scored as
+lm-evaluation-harness scores them."""

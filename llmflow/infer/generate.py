@@ -1,0 +1,258 @@
+"""Batched text generation with a KV cache: greedy or sampled, with stop tokens, stop
+strings and streamed text.
+
+Prompts of different lengths are left-padded. Pad positions form a document of their own
+(they never enter a real token's attention) and every row's positions start at 0 at its
+first real token, so a batched row generates exactly what it generates alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmflow.models.decoder import CausalLM, KVCache
+
+FinishReason = Literal["eos", "stop", "length"]
+
+
+class GenerateConfig(BaseModel):
+    """How to continue the prompts."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    max_new_tokens: int = Field(default=128, ge=1)
+    """Most tokens generated per prompt."""
+    temperature: float = Field(default=0.0, ge=0.0)
+    """Sampling temperature; 0 picks the most likely token (greedy decoding)."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling: sample from the smallest set of tokens whose probability reaches top_p."""
+    top_k: int = Field(default=0, ge=0)
+    """Sample from the k most likely tokens only; 0 keeps all."""
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    """Divide positive (multiply negative) logits of tokens already in the prompt or output
+    by this (CTRL's penalty, as transformers applies it); 1 turns it off."""
+    seed: int = 0
+    """Seed of the sampling generator: the same seed gives the same samples."""
+    eos_token_ids: list[int] = Field(default_factory=list)
+    """Token ids that end a row's generation (kept as its last token); the generate and chat
+    commands use the model's (generation_config.json, else its tokenizer's eos) when empty."""
+    stop: list[str] = Field(default_factory=list)
+    """Strings that end a row's generation; the text stops before the first one."""
+
+
+class GenerationResult(BaseModel):
+    """One prompt's continuation."""
+
+    prompt_tokens: list[int]
+    """The prompt's token ids."""
+    tokens: list[int]
+    """Generated token ids (an ending eos id included)."""
+    text: str
+    """Generated text (special tokens skipped, cut before a stop string)."""
+    finish_reason: FinishReason
+    """eos: an eos token; stop: a stop string; length: max_new_tokens reached."""
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """New text of one row, and that row's result once it has finished."""
+
+    row: int
+    text: str
+    result: GenerationResult | None = None
+
+
+@dataclass
+class _Row:
+    """Decoding state of one prompt."""
+
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    emitted: str = ""
+    finish_reason: FinishReason | None = None
+
+
+def encode_prompts(tokenizer, prompts: list[str] | list[list[int]], add_special_tokens: bool = True) -> list[list[int]]:
+    """Token ids of each prompt (lists of ids pass through)."""
+    return [p if isinstance(p, list) else tokenizer.encode(p, add_special_tokens=add_special_tokens).ids for p in prompts]
+
+
+def left_pad(prompts: list[list[int]], max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Input ids [B, P] (left-padded with 0), position ids [B, P + max_new_tokens] starting
+    at 0 at each row's first real token, and document ids (pads 0, real tokens 1) of the same
+    shape, or None when no row is padded."""
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    real = torch.ones(len(prompts), width + max_new_tokens, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        real[i, : width - len(p)] = 0
+    positions = (real.cumsum(dim=1) - 1).clamp(min=0)
+    padded = any(len(p) < width for p in prompts)
+    return ids, positions, real if padded else None
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """transformers' RepetitionPenaltyLogitsProcessor on logits [B, V] with ``seen`` [B, V]
+    marking tokens already present."""
+    penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Logits with everything outside the top k and outside the top-p nucleus set to -inf
+    (transformers' TopK then TopP warpers)."""
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=False, dim=-1)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative <= 1 - top_p
+        drop_sorted[..., -1:] = False  # always keep the most likely token
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def next_tokens(
+    logits: torch.Tensor, seen: torch.Tensor, config: GenerateConfig, generator: torch.Generator
+) -> torch.Tensor:
+    """The next token of each row [B] from the last logits [B, V]."""
+    logits = logits.float()
+    if config.repetition_penalty != 1.0:
+        logits = apply_repetition_penalty(logits, seen, config.repetition_penalty)
+    if config.temperature == 0.0:
+        return logits.argmax(dim=-1)
+    logits = filter_top_k_top_p(logits / config.temperature, config.top_k, config.top_p)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(logits.device)
+
+
+def safe_text(text: str, stop: list[str]) -> str:
+    """The part of ``text`` that can be shown now: not ending in an incomplete UTF-8
+    character (decoded as U+FFFD) nor in what may be the start of a stop string."""
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":
+        end -= 1
+    for s in stop:
+        for n in range(min(len(s) - 1, end), 0, -1):
+            if text[:end].endswith(s[:n]):
+                end -= n
+                break
+    return text[:end]
+
+
+def _row_text(tokenizer, row: _Row, stop: list[str]) -> tuple[str, bool]:
+    """The row's text so far (cut before a stop string) and whether a stop string occurred."""
+    text = tokenizer.decode(row.tokens, skip_special_tokens=True)
+    cuts = [i for s in stop if (i := text.find(s)) >= 0]
+    return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+def _advance(tokenizer, row: _Row, token: int, config: GenerateConfig, streaming: bool) -> str:
+    """Append ``token`` to the row, settle its finish reason; the new text to show."""
+    row.tokens.append(token)
+    if token in config.eos_token_ids:
+        row.finish_reason = "eos"
+    elif len(row.tokens) >= config.max_new_tokens:
+        row.finish_reason = "length"
+    if not (streaming or config.stop):
+        return ""
+    text, stopped = _row_text(tokenizer, row, config.stop)
+    if stopped:
+        row.finish_reason = "stop"
+    shown = text if row.finish_reason else safe_text(text, config.stop)
+    delta, row.emitted = shown[len(row.emitted) :], shown
+    return delta
+
+
+def _result(tokenizer, row: _Row, stop: list[str]) -> GenerationResult:
+    return GenerationResult(
+        prompt_tokens=row.prompt, tokens=row.tokens, text=_row_text(tokenizer, row, stop)[0], finish_reason=row.finish_reason
+    )
+
+
+def stream_generate(
+    model: CausalLM,
+    tokenizer,
+    prompts: list[str] | list[list[int]],
+    config: GenerateConfig,
+    vocab_size: int | None = None,
+) -> Iterator[TextDelta]:
+    """Generate for every prompt at once, yielding each row's new text token by token (only
+    complete UTF-8 text) and, with its last delta, the row's result. ``vocab_size`` cuts off
+    padded vocabulary rows of the output projection."""
+    return _generate_events(model, tokenizer, prompts, config, vocab_size, streaming=True)
+
+
+@torch.no_grad()
+def _generate_events(
+    model: CausalLM,
+    tokenizer,
+    prompts: list[str] | list[list[int]],
+    config: GenerateConfig,
+    vocab_size: int | None,
+    streaming: bool,
+) -> Iterator[TextDelta]:
+    rows = [_Row(prompt=p) for p in encode_prompts(tokenizer, prompts)]
+    device = next(model.parameters()).device
+    ids, positions, documents = left_pad([r.prompt for r in rows], config.max_new_tokens)
+    ids, positions = ids.to(device), positions.to(device)
+    documents = documents.to(device) if documents is not None else None
+    vocab = vocab_size or model.config.vocab_size
+    seen = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
+    for i, r in enumerate(rows):
+        seen[i, r.prompt] = True
+    generator = torch.Generator().manual_seed(config.seed)
+    cache = KVCache(ids.shape[1] + config.max_new_tokens)
+    logits = _last_logits(model, ids, positions, documents, cache)
+    for _ in range(config.max_new_tokens):
+        chosen = next_tokens(logits[:, :vocab], seen, config, generator)
+        seen[torch.arange(len(rows), device=device), chosen] = True
+        for i, (r, token) in enumerate(zip(rows, chosen.tolist())):
+            if r.finish_reason is not None:
+                continue
+            delta = _advance(tokenizer, r, token, config, streaming)
+            result = _result(tokenizer, r, config.stop) if r.finish_reason else None
+            if delta or result:
+                yield TextDelta(i, delta, result)
+        if all(r.finish_reason for r in rows):
+            return
+        logits = _last_logits(model, chosen[:, None], positions, documents, cache)
+
+
+def _last_logits(
+    model: CausalLM, ids: torch.Tensor, positions: torch.Tensor, documents: torch.Tensor | None, cache: KVCache
+) -> torch.Tensor:
+    """Run ``ids`` [B, S] after the cached positions; the logits [B, V] of the last one only."""
+    span = slice(cache.filled, cache.filled + ids.shape[1])
+    documents = documents[:, span] if documents is not None else None
+    hidden = model.model(ids, position_ids=positions[:, span], document_ids=documents, kv_cache=cache)
+    return model.lm_head(hidden[:, -1])
+
+
+def generate(
+    model: CausalLM,
+    tokenizer,
+    prompts: list[str] | list[list[int]],
+    config: GenerateConfig,
+    on_text: Callable[[int, str], None] | None = None,
+    vocab_size: int | None = None,
+) -> list[GenerationResult]:
+    """Continue every prompt (text, encoded with the tokenizer's special tokens, or token
+    ids); ``on_text(row, delta)`` receives the text as it is generated."""
+    results: list[GenerationResult | None] = [None] * len(prompts)
+    for delta in _generate_events(model, tokenizer, prompts, config, vocab_size, streaming=on_text is not None):
+        if on_text is not None and delta.text:
+            on_text(delta.row, delta.text)
+        if delta.result is not None:
+            results[delta.row] = delta.result
+    return results

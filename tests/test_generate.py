@@ -1,0 +1,179 @@
+"""Generation with the KV cache: token-for-token parity with transformers' generate, batched
+rows equal to single rows, sampling, stop strings, streaming, the CLI and the chat loop."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmflow.data.tokenizer import load_tokenizer
+from llmflow.infer import GenerateConfig, generate, stream_generate
+from llmflow.model_loading import load_model
+
+VOCAB = 320
+EOS = "<|im_end|>"
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "ate", "fish", "while", "dogs", "ran", "over", "green", "hills", "near", "blue", "lakes", "ü", "é", "漢字"]
+
+
+def add_tokenizer(directory: Path) -> None:
+    """A byte-level BPE of fewer than VOCAB ids (eos <|im_end|>), as transformers saves it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator([" ".join(rng.choices(WORDS, k=8)) for _ in range(200)], trainer=trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token="<|endoftext|>")
+    hf.save_pretrained(directory)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (7, 3, 12, 1)]
+
+
+def hf_greedy(hf_model, prompts: list[list[int]], max_new_tokens: int, eos: int) -> list[list[int]]:
+    """transformers' greedy continuation of left-padded prompts, cut after the first eos."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = hf_model.generate(
+        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+        eos_token_id=eos, pad_token_id=0,
+    )[:, width:].tolist()
+    return [row[: row.index(eos) + 1] if eos in row else row for row in out]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_greedy_matches_transformers_and_batched_equals_single(make_hf_model, prompt_ids, family):
+    hf_model, path = make_hf_model(family, vocab_size=VOCAB, num_key_value_heads=2)
+    add_tokenizer(path)
+    model, _ = load_model(path)
+    tokenizer = load_tokenizer(path)
+    eos = 5
+    config = GenerateConfig(max_new_tokens=12, eos_token_ids=[eos])
+    batched = [r.tokens for r in generate(model, tokenizer, prompt_ids, config)]
+    assert batched == hf_greedy(hf_model, prompt_ids, 12, eos)
+    single = [generate(model, tokenizer, [p], config)[0].tokens for p in prompt_ids]
+    assert batched == single
+
+
+@pytest.fixture
+def llama(make_hf_model) -> Path:
+    _, path = make_hf_model("llama", vocab_size=VOCAB, num_key_value_heads=2)
+    add_tokenizer(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    return path
+
+
+def test_checkpoint_generates_like_its_hf_model(llama, tmp_path, capsys):
+    from llmflow.cli import main
+    from llmflow.convert import ConvertConfig, convert
+    from llmflow.infer.command import load_generator
+
+    ckpt = convert(ConvertConfig(hf=llama, out=tmp_path / "ckpt", pad_vocab_to_multiple=256))
+    hf, converted = load_generator(llama), load_generator(ckpt)
+    assert converted.model.config.vocab_size > VOCAB == converted.vocab_size
+    assert hf.eos_token_ids == converted.eos_token_ids == [7, 9]
+    config = GenerateConfig(max_new_tokens=10)
+    expected = hf.run(["the cat sat", "dogs"], config)
+    assert [r.tokens for r in converted.run(["the cat sat", "dogs"], config)] == [r.tokens for r in expected]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "the cat sat"}\n{"prompt": "dogs"}\n')
+    main(["generate", "--model", str(ckpt), "--prompts", str(prompts), "--max-new-tokens", "10"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["completion"] for line in lines] == [r.text for r in expected]
+
+
+def test_sampling_is_seeded(llama):
+    from llmflow.infer.command import load_generator
+
+    gen = load_generator(llama)
+    sample = GenerateConfig(max_new_tokens=16, temperature=1.3, top_k=50, top_p=0.9, repetition_penalty=1.2, seed=3)
+    first = [r.tokens for r in gen.run(["the cat", "blue lakes near"], sample)]
+    assert first == [r.tokens for r in gen.run(["the cat", "blue lakes near"], sample)]
+    assert first != [r.tokens for r in gen.run(["the cat", "blue lakes near"], sample.model_copy(update={"seed": 4}))]
+    assert first != [r.tokens for r in gen.run(["the cat", "blue lakes near"], GenerateConfig(max_new_tokens=16))]
+
+
+def test_repetition_penalty_and_top_k_top_p_follow_transformers():
+    from transformers import (
+        RepetitionPenaltyLogitsProcessor,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from llmflow.infer.generate import apply_repetition_penalty, filter_top_k_top_p
+
+    g = torch.Generator().manual_seed(0)
+    logits, ids = torch.randn(3, 50, generator=g), torch.randint(0, 50, (3, 6), generator=g)
+    seen = torch.zeros(3, 50, dtype=torch.bool).scatter(1, ids, True)
+    expected = RepetitionPenaltyLogitsProcessor(1.3)(ids, logits.clone())
+    torch.testing.assert_close(apply_repetition_penalty(logits, seen, 1.3), expected)
+    expected = TopPLogitsWarper(0.7)(ids, TopKLogitsWarper(10)(ids, logits.clone()))
+    torch.testing.assert_close(filter_top_k_top_p(logits, 10, 0.7), expected)
+
+
+def test_stop_strings_and_streamed_text(llama):
+    from llmflow.infer.command import load_generator
+    from llmflow.infer.generate import safe_text
+
+    gen = load_generator(llama)
+    config = GenerateConfig(max_new_tokens=24, eos_token_ids=[])
+    full = gen.run(["the cat sat", "green"], config)[0].text
+    stop = full[6:8]
+    stopped = gen.run(["the cat sat", "green"], config.model_copy(update={"stop": [stop]}))[0]
+    assert stopped.finish_reason == "stop" and stopped.text == full[: full.find(stop)]
+
+    for cfg in (config.model_copy(update={"stop": [stop]}), GenerateConfig(max_new_tokens=24, temperature=1.0, seed=1)):
+        deltas: dict[int, list[str]] = {0: [], 1: []}
+        results = gen.run(["the cat sat", "漢字 ü"], cfg, on_text=lambda row, text, d=deltas: d[row].append(text))
+        assert ["".join(deltas[i]) for i in (0, 1)] == [r.text for r in results]
+        assert sum(len(d) for d in deltas.values()) > 2
+        events = list(stream_generate(gen.model, gen.tokenizer, ["the cat sat"], cfg))
+        assert "".join(e.text for e in events) == events[-1].result.text
+
+    one_byte = gen.tokenizer.decode(gen.tokenizer.encode("漢").ids[:1])
+    assert one_byte.endswith("\ufffd") and safe_text("ok" + one_byte, []) == "ok"
+    assert safe_text("abc</s", ["</stop>"]) == "abc"
+
+
+def test_cli_streams_a_templated_prompt(llama, capsys):
+    from llmflow.cli import main
+    from llmflow.data.templates import load_template
+    from llmflow.infer.command import load_generator
+
+    main(["generate", "--model", str(llama), "--prompt", "hello", "--template", "chatml", "--stream", "--max-new-tokens", "8"])
+    gen = load_generator(llama)
+    rendered = load_template(llama, "chatml").render([{"role": "user", "content": "hello"}], add_generation_prompt=True)
+    expected = gen.run([gen.tokenizer.encode(rendered, add_special_tokens=False).ids], GenerateConfig(max_new_tokens=8))
+    assert capsys.readouterr().out == expected[0].text + "\n"
+
+
+def test_chat_loop_keeps_history_and_resets(llama):
+    from llmflow.data.templates import load_template
+    from llmflow.infer.command import chat_loop, load_generator
+
+    gen, template = load_generator(llama), load_template(llama, "chatml")
+    config = GenerateConfig(max_new_tokens=6)
+    out = io.StringIO()
+    history = chat_loop(gen, template, config, io.StringIO("hello\n/reset\nthe cat\ndogs ran\n/exit\nignored\n"), out)
+    assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant"]
+    assert [history[0]["content"], history[2]["content"]] == ["the cat", "dogs ran"]
+    prompt = template.render(history[:3], add_generation_prompt=True)
+    second = gen.run([gen.tokenizer.encode(prompt, add_special_tokens=False).ids], config)[0].text
+    assert history[3]["content"] == second
+    assert out.getvalue().endswith(f"> {second}\n> ")
+    assert out.getvalue().count("> ") >= 4
