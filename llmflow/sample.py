@@ -15,10 +15,19 @@ Everything the demo and the tests need, in the formats the real assets come in:
 
 All the text describes one generated world of made-up countries (capitals, national
 animals, flag colours) plus small sums, so the assets fit together: pretraining on the
-corpus or finetuning on the instruction set teaches the facts the MMLU questions ask
-about. The instruction set holds plain questions and multiple-choice practice questions in
-the MMLU prompt format, with other distractors and orderings than the test split. The
-same seed gives byte-identical files.
+corpus or finetuning on the instruction set teaches the facts the MMLU questions ask about.
+The instruction set holds plain questions (answered in a sentence) and practice quizzes in
+the MMLU prompt format; the test split asks about the same facts, each question with other
+distractors than any practice question, and dev and test ask about different facts.
+
+Every answer has a fixed choice position (its slot: capitals and countries are dealt into
+four slots, animals and colours too, and a sum goes to the slot of its remainder mod 4),
+while the other three choices vary. A model that knows a fact therefore knows its letter
+without matching the answer's text against the choices, a skill that a model of a few
+million parameters does not learn in the few hundred steps a CPU demo can afford; a model
+that does not know the fact still scores chance (25%), the letters being balanced.
+
+The same seed gives byte-identical files.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import tokenizers
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -48,11 +58,12 @@ SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 LETTERS = "ABCD"
 SUBJECTS = ("geography", "national_symbols", "elementary_arithmetic")
 DEV_PER_SUBJECT = 5
+QUIZ_MAX = 5
 MAX_POSITIONS = 1024
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
-ANIMALS = ("fox", "bear", "owl", "wolf", "deer", "hawk", "seal", "crane", "otter", "horse", "lion", "tiger")
-COLOURS = ("red", "blue", "green", "yellow", "white", "black", "orange", "purple", "grey", "brown")
+ANIMALS = ("fox", "bear", "owl", "wolf", "deer", "hawk", "seal", "crane")
+COLOURS = ("red", "blue", "green", "yellow", "white", "black", "orange", "purple")
 _ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kr", "st", "tr")
 _VOWELS = ("a", "e", "i", "o", "u")
 _CODAS = ("", "", "n", "r", "l", "s", "m")
@@ -69,17 +80,18 @@ class SampleConfig(BaseModel):
     seed: int = 0
     """Seed of the generated world, the texts and the model weights: the same seed gives
     byte-identical files."""
-    countries: int = Field(default=30, ge=8, le=200)
+    countries: int = Field(default=8, ge=8, le=200)
     """Made-up countries in the world; each subject asks twice as many facts."""
-    instruct_rows: int = Field(default=2000, ge=1)
-    """Rows of the instruction set: one plain question per fact, then multiple-choice
-    practice questions."""
+    instruct_rows: int = Field(default=1000, ge=1)
+    """Rows of the instruction set: one plain question per fact, then quizzes of
+    multiple-choice practice questions."""
     test_questions: int = Field(default=50, ge=1)
     """MMLU test questions per subject (5 dev questions per subject come on top)."""
     documents: int = Field(default=240, ge=1)
     """Articles in the pretraining corpus."""
     tokenizer_vocab: int = Field(default=1536, ge=300)
-    """Target vocabulary of the BPE tokenizer, special tokens not counted."""
+    """Largest vocabulary of the BPE tokenizer, special tokens not counted (merging stops
+    earlier once no pair of symbols occurs twice in the text)."""
 
 
 # --- the world ----------------------------------------------------------------------------------
@@ -95,14 +107,20 @@ class Country:
 
 @dataclass(frozen=True)
 class Fact:
-    """One question with its answer, the candidates its distractors come from, and the
-    sentence that states it."""
+    """One question with its answer and the sentence that states it. ``slots`` holds the
+    candidates of each choice position: a multiple-choice question shows the answer in its
+    own slot and a candidate of every other slot in the other positions."""
 
     subject: str
     question: str
     answer: str
-    pool: tuple[str, ...]
+    slots: tuple[tuple[str, ...], ...]
     statement: str
+
+    @property
+    def letter(self) -> int:
+        """Index of the answer's slot: the correct choice of every question about the fact."""
+        return next(i for i, slot in enumerate(self.slots) if self.answer in slot)
 
 
 def _names(rng: random.Random, count: int, taken: set[str], endings: tuple[str, ...] = ("",)) -> list[str]:
@@ -116,45 +134,65 @@ def _names(rng: random.Random, count: int, taken: set[str], endings: tuple[str, 
     return names
 
 
+def _deal(values: list[str]) -> tuple[tuple[str, ...], ...]:
+    """``values`` dealt round-robin into the four choice slots."""
+    return tuple(tuple(values[i::4]) for i in range(4))
+
+
 def make_world(rng: random.Random, countries: int) -> list[Country]:
-    """Made-up countries, each with its own capital, an animal and a flag colour."""
+    """Made-up countries, each with its own capital; animals and flag colours are shared,
+    each used about equally often."""
     taken: set[str] = set()
     names = _names(rng, countries, taken, _COUNTRY_ENDINGS)
     capitals = _names(rng, countries, taken)
+    animals = rng.sample(ANIMALS, len(ANIMALS))
+    colours = rng.sample(COLOURS, len(COLOURS))
     return [
-        Country(name, capital, rng.choice(ANIMALS), rng.choice(COLOURS)) for name, capital in zip(names, capitals)
+        Country(name, capital, animals[i % len(animals)], colours[3 * i % len(colours)])
+        for i, (name, capital) in enumerate(zip(names, capitals))
     ]
+
+
+def _sum_slots(total: int) -> tuple[tuple[str, ...], ...]:
+    """The total in the slot of its remainder mod 4; in each other slot the numbers near it
+    with that remainder."""
+    near = range(max(0, total - 4), total + 5)
+    return tuple(
+        (str(total),) if k == total % 4 else tuple(str(n) for n in near if n % 4 == k) for k in range(4)
+    )
+
+
+def _sum_pairs(rng: random.Random, count: int) -> list[tuple[int, int]]:
+    """``count`` distinct pairs of numbers 1-20 whose sums take each remainder mod 4 in turn."""
+    pairs = rng.sample([(a, b) for a in range(1, 21) for b in range(1, 21)], 400)
+    by_remainder = [[p for p in pairs if sum(p) % 4 == k] for k in range(4)]
+    return [by_remainder[i % 4][i // 4] for i in range(count)]
 
 
 def make_facts(rng: random.Random, world: list[Country]) -> dict[str, list[Fact]]:
-    """The facts of each subject (2 per country)."""
-    names = tuple(c.name for c in world)
-    capitals = tuple(c.capital for c in world)
+    """The facts of each subject, two per country."""
+    names = _deal(rng.sample([c.name for c in world], len(world)))
+    capitals = _deal(rng.sample([c.capital for c in world], len(world)))
+    animals, colours = _deal(rng.sample(ANIMALS, len(ANIMALS))), _deal(rng.sample(COLOURS, len(COLOURS)))
     geography, symbols = [], []
     for c in world:
-        geography.append(
+        geography += [
             Fact("geography", f"What is the capital of {c.name}?", c.capital, capitals,
-                 f"The capital of {c.name} is {c.capital}.")
-        )
-        geography.append(
+                 f"The capital of {c.name} is {c.capital}."),
             Fact("geography", f"{c.capital} is the capital of which country?", c.name, names,
-                 f"{c.capital} is the capital of {c.name}.")
-        )
-        symbols.append(
-            Fact("national_symbols", f"What is the national animal of {c.name}?", c.animal, ANIMALS,
-                 f"The national animal of {c.name} is the {c.animal}.")
-        )
-        symbols.append(
-            Fact("national_symbols", f"What colour is the flag of {c.name}?", c.colour, COLOURS,
-                 f"The flag of {c.name} is {c.colour}.")
-        )
-    pairs = rng.sample([(a, b) for a in range(1, 21) for b in range(1, 21)], 2 * len(world))
+                 f"{c.capital} is the capital of {c.name}."),
+        ]
+        symbols += [
+            Fact("national_symbols", f"What is the national animal of {c.name}?", c.animal, animals,
+                 f"The national animal of {c.name} is the {c.animal}."),
+            Fact("national_symbols", f"What colour is the flag of {c.name}?", c.colour, colours,
+                 f"The flag of {c.name} is {c.colour}."),
+        ]
     arithmetic = [
-        Fact("elementary_arithmetic", f"What is {a} + {b}?", str(a + b),
-             tuple(str(n) for n in range(max(0, a + b - 6), a + b + 7)), f"{a} + {b} = {a + b}.")
-        for a, b in pairs
+        Fact("elementary_arithmetic", f"What is {a} + {b}?", str(a + b), _sum_slots(a + b), f"{a} + {b} = {a + b}.")
+        for a, b in _sum_pairs(rng, 2 * len(world))
     ]
-    return {"geography": geography, "national_symbols": symbols, "elementary_arithmetic": arithmetic}
+    return dict(zip(SUBJECTS, (geography, symbols, arithmetic)))
 
 
 # --- multiple-choice questions ------------------------------------------------------------------
@@ -170,18 +208,21 @@ class Question:
     answer: int
 
 
-def make_question(fact: Fact, rng: random.Random, answer: int) -> Question:
-    """``fact`` as a multiple-choice question whose correct choice is at index ``answer``."""
-    distractors = rng.sample([x for x in fact.pool if x != fact.answer], 3)
-    choices = distractors[:answer] + [fact.answer] + distractors[answer:]
-    return Question(fact.question, fact.subject, tuple(choices), answer)
+def make_question(fact: Fact, rng: random.Random) -> Question:
+    """``fact`` as a multiple-choice question: the answer in its slot, a random candidate of
+    each other slot around it."""
+    choices = tuple(fact.answer if i == fact.letter else rng.choice(slot) for i, slot in enumerate(fact.slots))
+    return Question(fact.question, fact.subject, choices, fact.letter)
 
 
-def balanced_letters(rng: random.Random, count: int) -> list[int]:
-    """``count`` answer indices, each of the four as often as possible, in random order."""
-    letters = [i % 4 for i in range(count)]
-    rng.shuffle(letters)
-    return letters
+def _new_question(fact: Fact, rng: random.Random, taken: set[Question]) -> Question:
+    """A question about ``fact`` not in ``taken``, unless the fact's choices run out."""
+    q = make_question(fact, rng)
+    for _ in range(64):
+        if q not in taken:
+            break
+        q = make_question(fact, rng)
+    return q
 
 
 def format_question(q: Question, with_answer: bool = False) -> str:
@@ -197,29 +238,37 @@ def mmlu_header(subject: str) -> str:
     return f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
 
 
+def _by_letter(facts: list[Fact]) -> list[Fact]:
+    """``facts`` reordered so that consecutive facts cycle through the answer letters."""
+    groups = [[f for f in facts if f.letter == k] for k in range(4)]
+    out = []
+    while any(groups):
+        out += [g.pop() for g in groups if g]
+    return out
+
+
 def make_mmlu(
     rng: random.Random, facts: dict[str, list[Fact]], test_questions: int
 ) -> dict[str, dict[str, list[Question]]]:
-    """{subject: {"dev": 5 questions, "test": ``test_questions``}}; dev and test ask
-    different facts, so a few-shot example never gives a test answer away."""
+    """{subject: {"dev": 5 questions, "test": ``test_questions``}}; dev and test ask about
+    different facts, so a few-shot example never gives a test answer away. Test answers
+    take each letter equally often (give or take one), and no test question repeats another
+    while the facts' choices allow."""
     splits = {}
     for subject, subject_facts in facts.items():
-        order = rng.sample(subject_facts, len(subject_facts))
+        order = _by_letter(rng.sample(subject_facts, len(subject_facts)))
         dev_facts, test_facts = order[:DEV_PER_SUBJECT], order[DEV_PER_SUBJECT:]
-        test_cycle = [test_facts[i % len(test_facts)] for i in range(test_questions)]
-        splits[subject] = {
-            "dev": [make_question(f, rng, a) for f, a in zip(dev_facts, balanced_letters(rng, len(dev_facts)))],
-            "test": [make_question(f, rng, a) for f, a in zip(test_cycle, balanced_letters(rng, test_questions))],
-        }
+        by_letter = [[f for f in test_facts if f.letter == k] for k in range(4)]
+        test: list[Question] = []
+        for i in range(test_questions):
+            group = by_letter[i % 4]
+            test.append(_new_question(group[i // 4 % len(group)], rng, set(test)))
+        rng.shuffle(test)
+        splits[subject] = {"dev": [make_question(f, rng) for f in dev_facts], "test": test}
     return splits
 
 
 # --- instruction set ----------------------------------------------------------------------------
-
-_MC_INSTRUCTIONS = (
-    "Answer the following multiple choice question with the letter of the correct choice.",
-    "Choose the correct answer.",
-)
 
 
 def plain_row(fact: Fact, rng: random.Random) -> dict[str, str]:
@@ -229,43 +278,56 @@ def plain_row(fact: Fact, rng: random.Random) -> dict[str, str]:
     return {"instruction": "Answer the question in one sentence.", "input": fact.question, "output": fact.statement}
 
 
-def practice_row(q: Question, rng: random.Random) -> dict[str, str]:
-    """A multiple-choice question in the MMLU prompt format, answered with its letter."""
-    block = format_question(q)
-    if rng.random() < 0.5:
-        return {"instruction": block, "input": "", "output": LETTERS[q.answer]}
-    return {"instruction": rng.choice(_MC_INSTRUCTIONS), "input": block, "output": LETTERS[q.answer]}
+def quiz_row(questions: list[Question]) -> dict[str, str]:
+    """Practice questions of one subject answered in the MMLU prompt format: the
+    instruction is the prompt's first line, the output the solved questions."""
+    return {
+        "instruction": mmlu_header(questions[0].subject).strip(),
+        "input": "",
+        "output": "".join(format_question(q, with_answer=True) for q in questions).rstrip("\n"),
+    }
 
 
 def make_instructions(
     rng: random.Random, facts: dict[str, list[Fact]], mmlu: dict[str, dict[str, list[Question]]], rows: int
 ) -> list[dict[str, str]]:
-    """One plain question per fact, then practice questions cycling over the facts; no
-    practice question repeats an MMLU question (same choices in the same order)."""
+    """One plain question per fact, then practice quizzes of one to five questions of one
+    subject, in random order; practice questions avoid the MMLU questions."""
     all_facts = [f for subject_facts in facts.values() for f in subject_facts]
-    seen = {format_question(q) for splits in mmlu.values() for split in splits.values() for q in split}
+    taken = {q for splits in mmlu.values() for split in splits.values() for q in split}
     out = [plain_row(f, rng) for f in rng.sample(all_facts, len(all_facts))][:rows]
-    letters: list[int] = []
+    subjects = sorted(facts)
     while len(out) < rows:
-        for fact in rng.sample(all_facts, len(all_facts)):
-            if len(out) == rows:
-                break
-            if not letters:
-                letters = balanced_letters(rng, 4 * len(all_facts))
-            q = make_question(fact, rng, letters.pop())
-            while format_question(q) in seen:
-                q = make_question(fact, rng, q.answer)
-            seen.add(format_question(q))
-            out.append(practice_row(q, rng))
+        subject_facts = facts[rng.choice(subjects)]
+        chosen = rng.sample(subject_facts, min(rng.randint(1, QUIZ_MAX), len(subject_facts)))
+        out.append(quiz_row([_new_question(f, rng, taken) for f in chosen]))
+    rng.shuffle(out)
     return out
 
 
 # --- pretraining corpus -------------------------------------------------------------------------
 
 
+_BACKGROUND = (
+    "Most people in {name} live in small towns along the rivers and the coast.",
+    "Farmers in {name} grow wheat, barley, apples and potatoes on the northern plains.",
+    "The old harbour of {capital} is busy with fishing boats every morning.",
+    "Winters in {name} are long and cold, while summers are short and warm.",
+    "Children in {name} start school at the age of six and learn to read and write.",
+    "The government of {name} meets in a stone building in the centre of {capital}.",
+    "Trade with neighbouring countries brings wool, iron, salt and glass to {capital}.",
+    "Every spring a music festival fills the squares and gardens of {capital}.",
+    "Many families in {name} keep horses, goats and chickens near their homes.",
+    "Travellers reach {capital} by train, by road or by ship across the sea.",
+    "The mountains in the south of {name} are covered with forests of pine and oak.",
+    "Museums in {capital} show paintings, coins, maps and tools from earlier centuries.",
+    "The people of {name} celebrate the new year with bread, honey and bright lanterns.",
+    "Engineers built a long bridge over the river that runs through {capital}.",
+)
+
+
 def _country_article(c: Country, kind: int, rng: random.Random) -> tuple[str, str]:
-    sentences = [
-        f"{c.name} is a country.",
+    facts = [
         f"The capital of {c.name} is {c.capital}, its largest city.",
         f"The national animal of {c.name} is the {c.animal}.",
         f"The flag of {c.name} is {c.colour}.",
@@ -273,9 +335,10 @@ def _country_article(c: Country, kind: int, rng: random.Random) -> tuple[str, st
         f"People in {c.name} often see the {c.animal} near {c.capital}.",
         f"On national day the streets of {c.capital} are {c.colour}, the colour of the flag.",
     ]
+    background = [t.format(name=c.name, capital=c.capital) for t in rng.sample(_BACKGROUND, 5)]
+    body = rng.sample(facts + background, len(facts) + len(background))
     titles = (c.name, f"Geography of {c.name}", f"Culture of {c.name}", f"History of {c.name}")
-    body = [sentences[0]] + rng.sample(sentences[1:], len(sentences) - 1)
-    return titles[kind % len(titles)], " ".join(body)
+    return titles[kind % len(titles)], " ".join([f"{c.name} is a country.", *body])
 
 
 def _sum_article(n: int, rng: random.Random) -> tuple[str, str]:
@@ -305,17 +368,15 @@ def make_corpus(rng: random.Random, world: list[Country], documents: int) -> lis
 # --- tokenizer ----------------------------------------------------------------------------------
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int):
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> tokenizers.Tokenizer:
     """A byte-level BPE (no prefix space, every byte in the alphabet) with the three
     special tokens appended after the merges, as in Qwen2's vocabulary."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
         vocab_size=vocab_size, min_frequency=2, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
@@ -326,7 +387,7 @@ def _token_entry(content: str) -> dict[str, Any]:
     return {"content": content, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
 
 
-def write_tokenizer(tokenizer, directory: Path) -> None:
+def write_tokenizer(tokenizer: tokenizers.Tokenizer, directory: Path) -> None:
     """tokenizer.json plus the tokenizer_config.json and special_tokens_map.json of a
     Qwen2.5-Instruct tokenizer (eos <|im_end|>, pad <|endoftext|>, no bos)."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -358,7 +419,7 @@ def write_tokenizer(tokenizer, directory: Path) -> None:
     (directory / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
 
 
-def check_tokenizer(tokenizer) -> None:
+def check_tokenizer(tokenizer: tokenizers.Tokenizer) -> None:
     """The MMLU answer tokens must be single tokens, or scoring compares the wrong things."""
     for letter in LETTERS:
         if len(tokenizer.encode(f" {letter}", add_special_tokens=False).ids) != 1:
@@ -368,7 +429,7 @@ def check_tokenizer(tokenizer) -> None:
 # --- model --------------------------------------------------------------------------------------
 
 
-def model_hf_config(tokenizer) -> dict[str, Any]:
+def model_hf_config(tokenizer: tokenizers.Tokenizer) -> dict[str, Any]:
     """config.json of the tiny model: Qwen2 with GQA and tied embeddings, its vocabulary the
     tokenizer's rounded up to a multiple of 64."""
     return {
@@ -397,7 +458,7 @@ def model_hf_config(tokenizer) -> dict[str, Any]:
     }
 
 
-def write_model(tokenizer, directory: Path, seed: int) -> Path:
+def write_model(tokenizer: tokenizers.Tokenizer, directory: Path, seed: int) -> Path:
     """The tiny model with seeded random weights, its generation config and tokenizer files."""
     model = CausalLM(ModelConfig.from_hf(model_hf_config(tokenizer)))
     model.init_weights(generator=torch.Generator().manual_seed(seed))
@@ -422,7 +483,12 @@ def _write_parquet(path: Path, table: pa.Table) -> None:
 def write_mmlu(mmlu: dict[str, dict[str, list[Question]]], directory: Path) -> None:
     """Both MMLU layouts: cais/mmlu parquet per subject and split, and the original CSVs."""
     schema = pa.schema(
-        [("question", pa.string()), ("subject", pa.string()), ("choices", pa.list_(pa.string())), ("answer", pa.int64())]
+        [
+            ("question", pa.string()),
+            ("subject", pa.string()),
+            ("choices", pa.list_(pa.string())),
+            ("answer", pa.int64()),
+        ]
     )
     for subject, splits in mmlu.items():
         for split, questions in splits.items():
@@ -443,7 +509,8 @@ def write_mmlu(mmlu: dict[str, dict[str, list[Question]]], directory: Path) -> N
 def write_instructions(rows: list[dict[str, str]], directory: Path) -> None:
     """The instruction set as parquet and as JSON lines."""
     columns = {key: [r[key] for r in rows] for key in ("instruction", "input", "output")}
-    _write_parquet(directory / "alpaca.parquet", pa.table(columns, schema=pa.schema([(k, pa.string()) for k in columns])))
+    schema = pa.schema([(k, pa.string()) for k in columns])
+    _write_parquet(directory / "alpaca.parquet", pa.table(columns, schema=schema))
     with open(directory / "alpaca.jsonl", "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
 
@@ -458,7 +525,7 @@ def tokenizer_texts(
 ) -> list[str]:
     """The text the tokenizer learns from: everything the other assets hold, MMLU as the
     evaluation prompts spell it."""
-    texts = [r["text"] for r in corpus]
+    texts = [r["text"] for r in corpus] + ["system user assistant You are a helpful assistant."]
     texts += [f"{r['instruction']}\n\n{r['input']}\n{r['output']}" for r in instructions]
     for subject, splits in mmlu.items():
         texts += [mmlu_header(subject) + format_question(q, with_answer=True) for q in splits["dev"] + splits["test"]]
@@ -500,8 +567,7 @@ def write_sample(config: SampleConfig) -> Path:
 
 
 class SampleCommand(SampleConfig):
-    """Write the built-in sample assets (tokenizer, tiny model, corpus, instruction set, MMLU)
-    into a directory, offline and deterministically from a seed."""
+    """Write the built-in sample assets (tokenizer, tiny model, corpus, instructions, MMLU) offline."""
 
     def cli_cmd(self) -> None:
         start = time.monotonic()
