@@ -162,6 +162,32 @@ def run_side(side: str, corpus: Path, tokenizer: Path, out: Path, workers: int) 
     return result
 
 
+def encoder_ceiling(corpus: Path, tokenizer: Path, mb: float = 5.0) -> dict:
+    """Single-core seconds for the first ``mb`` MB of documents: the baseline's per-document
+    ``tokenizer.encode`` against the Rust batch encoder alone, in one process with no IPC and
+    no writing. Their ratio bounds what any stage built on this encoder can gain."""
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    docs, size = [], 0
+    for batch in pq.ParquetFile(corpus).iter_batches(batch_size=256, columns=["text"]):
+        for text in batch.column(0).to_pylist():
+            docs.append(text)
+            size += len(text)
+        if size >= mb * 1e6:
+            break
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    start = time.perf_counter()
+    for text in docs:
+        tok.encode(text, add_special_tokens=False)
+    per_doc = time.perf_counter() - start
+    start = time.perf_counter()
+    tok.backend_tokenizer.encode_batch_fast(docs, add_special_tokens=False)
+    batch = time.perf_counter() - start
+    return {"mb": size / 1e6, "per_doc_s": per_doc, "batch_s": batch, "ratio": per_doc / batch}
+
+
 # --- driver ------------------------------------------------------------------------------------
 
 
@@ -233,6 +259,13 @@ def main() -> None:
         ])
         print(table)
         print(f"identical tokens: yes; llmflow / baseline tokens/s: {ratio:.2f}x")
+        ceiling = encoder_ceiling(corpus, tokenizer)
+        ceiling_line = (
+            f"Encoder-only ceiling, one core, first {ceiling['mb']:.1f} MB in one process: per-document "
+            f"`tokenizer.encode` {ceiling['per_doc_s']:.2f} s, `encode_batch_fast` {ceiling['batch_s']:.2f} s "
+            f"({ceiling['ratio']:.2f}x)."
+        )
+        print(ceiling_line)
         if args.record:
             m = machine()
             results_md = Path(__file__).with_name("RESULTS.md")
@@ -244,6 +277,7 @@ def main() -> None:
                     "`python -m bench.tokenize --mb "
                     f"{args.mb:g} --workers {args.workers}`\n\n{table}\n\nllmflow / baseline: {ratio:.2f}x tokens/s, "
                     "identical tokens.\n"
+                    f"{ceiling_line}\n"
                 )
             print(f"recorded in {results_md}")
 
