@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 demo: $(STAMP)
-	$(VENV)/bin/llmflow demo --out $(WORK)/demo
+	$(VENV)/bin/llmflow demo --workspace $(WORK)
 
 bench: $(STAMP)
 	$(PY) -m bench.train_step

@@ -7,6 +7,7 @@ same thing.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from pydantic import BaseModel, ConfigDict
@@ -16,6 +17,7 @@ from pydantic_settings import (
     CliSubCommand,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
 )
 
 from llmflow.convert import ConvertCommand
@@ -24,10 +26,13 @@ from llmflow.data.tokenize_pretrain import PretrainCommand
 from llmflow.demo import DemoCommand
 from llmflow.download import DownloadCommand
 from llmflow.envinfo import EnvCommand
-from llmflow.evaluate.mmlu import MMLUCommand
+from llmflow.evaluate.commands import CEvalCommand, CMMLUCommand, MMLUCommand
 from llmflow.export import ExportCommand
 from llmflow.infer.command import ChatCommand, GenerateCommand
+from llmflow.launch import WorkerError
+from llmflow.probe.command import CompareCommand
 from llmflow.sample import SampleCommand
+from llmflow.server import ServerCommand
 from llmflow.train.command import TrainCommand
 
 
@@ -52,6 +57,22 @@ class EvalCommands(BaseModel):
 
     mmlu: CliSubCommand[MMLUCommand]
     """MMLU accuracy with lm-evaluation-harness's prompts and scoring (results.json, predictions.jsonl)."""
+    ceval: CliSubCommand[CEvalCommand]
+    """C-Eval (val split) accuracy with lm-evaluation-harness's ceval-valid prompts and scoring."""
+    cmmlu: CliSubCommand[CMMLUCommand]
+    """CMMLU accuracy with lm-evaluation-harness's cmmlu prompts and scoring."""
+
+    def cli_cmd(self) -> None:
+        CliApp.run_subcommand(self)
+
+
+class ProbeCommands(BaseModel):
+    """Debug precision with msprobe-format dumps."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    compare: CliSubCommand[CompareCommand]
+    """Compare a dump against a benchmark dump (msprobe's metrics and results) and name the first divergence."""
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)
@@ -72,7 +93,9 @@ class LLMFlow(BaseSettings):
     env: CliSubCommand[EnvCommand]
     """Show the devices, backends, dtypes and kernels llmflow would use here."""
     demo: CliSubCommand[DemoCommand]
-    """Run the built-in end-to-end demo on a tiny model (offline, CPU-friendly)."""
+    """Run the finetune-and-eval flow on the built-in sample assets (offline, CPU-friendly)."""
+    server: CliSubCommand[ServerCommand]
+    """Start the Prefect server and UI, a worker, llmflow's deployments and the MLflow UI (loopback; Ctrl-C stops)."""
     sample: CliSubCommand[SampleCommand]
     """Write the built-in sample assets: tokenizer, tiny model, corpus, instructions, MMLU-style set."""
     tokenize: CliSubCommand[TokenizeCommands]
@@ -91,6 +114,8 @@ class LLMFlow(BaseSettings):
     """Chat with a model on the terminal (streamed replies; /reset, /exit)."""
     eval: CliSubCommand[EvalCommands]
     """Evaluate a model on benchmarks (MMLU)."""
+    probe: CliSubCommand[ProbeCommands]
+    """Debug precision: compare msprobe-format dumps of two runs (a training config's probe: option makes them)."""
 
     @classmethod
     def settings_customise_sources(
@@ -103,10 +128,22 @@ class LLMFlow(BaseSettings):
         CliApp.run_subcommand(self)
 
 
+# Bad input (a missing file, an invalid option or config value, an impossible layout) and
+# failed workers are reported in one message, not as a Python traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, SettingsError, WorkerError)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the ``llmflow`` console script."""
+    """Entry point of the ``llmflow`` console script (``LLMFLOW_DEBUG=1`` shows tracebacks)."""
     args = sys.argv[1:] if argv is None else argv
-    CliApp.run(LLMFlow, cli_args=args or ["--help"])
+    try:
+        CliApp.run(LLMFlow, cli_args=args or ["--help"])
+    except USER_ERRORS as error:
+        if os.environ.get("LLMFLOW_DEBUG"):
+            raise
+        command = " ".join(a for a in args[:2] if not a.startswith("-"))
+        message = str(error.__cause__ or error) if isinstance(error, SettingsError) else str(error)
+        sys.exit(f"llmflow {command}: {message}")
 
 
 if __name__ == "__main__":

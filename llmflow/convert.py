@@ -21,7 +21,7 @@ import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -92,14 +92,16 @@ class ConvertConfig(BaseModel):
     pad_vocab_to_multiple: int = Field(default=DEFAULT_VOCAB_MULTIPLE, ge=1)
     """Pad the vocabulary rows to a multiple of this times tp (Megatron's
     make-vocab-size-divisible-by); 1 turns padding off."""
+    init: Literal["weights", "random"] = "weights"
+    """weights: the directory's weights; random: only its config.json and tokenizer, with
+    freshly initialised weights (pretraining from scratch; no safetensors needed)."""
+    seed: int = 0
+    """Seed of the random initialisation (init=random)."""
 
     def params(self) -> dict[str, Any]:
         """The parameters recorded in the manifest."""
-        return {
-            "hf": str(self.hf),
-            "tp": self.tp,
-            "pad_vocab_to_multiple": self.pad_vocab_to_multiple,
-        }
+        params = {"hf": str(self.hf), "tp": self.tp, "pad_vocab_to_multiple": self.pad_vocab_to_multiple}
+        return params | ({"init": self.init, "seed": self.seed} if self.init == "random" else {})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +242,16 @@ def write_model_state(
     dcp_save({MODEL_KEY: meta_state}, step_dir, writer=writer, planner=StreamingSavePlanner(read))
 
 
+def write_random_state(step_dir: Path, config: ModelConfig, padded_vocab: int, seed: int) -> None:
+    """A freshly initialised model of ``config`` (vocabulary padded with zero rows) as the step's weights."""
+    model = CausalLM(dataclasses.replace(config, vocab_size=padded_vocab))
+    model.init_weights(generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():  # padding rows are zero, as when converting weights
+        model.model.embed_tokens.weight[config.vocab_size:] = 0
+        model.lm_head.weight[config.vocab_size:] = 0
+    dcp_save({MODEL_KEY: model.state_dict()}, step_dir)
+
+
 def copy_tokenizer_files(source: Path, target: Path) -> None:
     """Copy the tokenizer (and generation config) files of an HF directory into ``target``."""
     target.mkdir(parents=True, exist_ok=True)
@@ -254,14 +266,18 @@ def convert(config: ConvertConfig) -> Path:
     if not hf_dir.is_dir():
         raise CheckpointError(f"--hf {hf_dir}: not a directory")
     model_config = ModelConfig.from_file(hf_dir)
-    hf_tensors = index_hf_tensors(hf_dir)
     padded = padded_vocab_size(model_config.vocab_size, config.pad_vocab_to_multiple, config.tp)
-    sources = plan_sources(hf_dir, model_config, hf_tensors, padded)
+    if config.init == "weights":
+        hf_tensors = index_hf_tensors(hf_dir)
+        sources = plan_sources(hf_dir, model_config, hf_tensors, padded)
     check_replaceable(config.out, STAGE)
     meta = CheckpointMeta(hf_config=model_config.hf_config, padded_vocab_size=padded)
     with atomic_directory(config.out) as work:
         step_dir = work / step_name(0)
-        write_model_state(step_dir, hf_tensors, sources, padded)
+        if config.init == "weights":
+            write_model_state(step_dir, hf_tensors, sources, padded)
+        else:
+            write_random_state(step_dir, model_config, padded, config.seed)
         write_json_atomic(step_dir / META, meta.model_dump(mode="json"))
         copy_tokenizer_files(hf_dir, work / TOKENIZER_DIR)
         (work / LATEST).write_text(step_dir.name + "\n")

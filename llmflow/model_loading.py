@@ -56,6 +56,14 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", merge: bool
     return model, meta.hf_config
 
 
+def hf_config_of(path: str | Path) -> dict[str, Any]:
+    """The HF config of the model in ``path`` (HF directory or checkpoint), without reading its weights."""
+    path = Path(path)
+    if is_checkpoint(path):
+        return read_meta(resolve_step_dir(path)).hf_config
+    return json.loads((path / "config.json").read_text())
+
+
 def tokenizer_dir(path: str | Path) -> Path | None:
     """Where the tokenizer of the model in ``path`` is: the HF directory itself, a
     checkpoint's ``tokenizer/`` folder, or (LoRA) its base's."""

@@ -90,6 +90,14 @@ def device_spec(device_type: str | None = None) -> DeviceSpec:
         raise ValueError(f"unknown device type {device_type!r}: expected one of {sorted(DEVICES)}") from None
 
 
+def device_count(device_type: str) -> int | None:
+    """Devices of this type the process sees; None for cpu, where ranks are processes."""
+    if device_type == "cpu":
+        return None
+    npu_available()  # torch.npu exists once torch_npu is imported
+    return torch.get_device_module(device_type).device_count()
+
+
 def bf16_supported(device_type: str) -> bool:
     """Whether the device computes in bfloat16 natively."""
     if device_type == "cuda":

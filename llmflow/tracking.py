@@ -12,17 +12,34 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+EXPERIMENT = "llmflow"
+
 
 def configure(workspace: str | Path = "workspace") -> str:
-    """Point MLflow at ``MLFLOW_TRACKING_URI`` or at ``{workspace}/mlflow.db``; returns the URI."""
-    import mlflow
+    """Point MLflow at ``MLFLOW_TRACKING_URI`` or at ``{workspace}/mlflow.db``; returns the URI.
 
+    With a local store, the experiment (``MLFLOW_EXPERIMENT_NAME``, default "llmflow") keeps
+    its artifacts in ``{workspace}/mlartifacts``: MLflow's own default is ``./mlruns`` in
+    whatever directory the process happens to run. A tracking server decides for itself.
+    """
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    root = Path(workspace).resolve()
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if not uri:
-        db = Path(workspace).resolve() / "mlflow.db"
-        db.parent.mkdir(parents=True, exist_ok=True)
-        uri = f"sqlite:///{db}"
+        root.mkdir(parents=True, exist_ok=True)
+        uri = f"sqlite:///{root / 'mlflow.db'}"
     mlflow.set_tracking_uri(uri)
+    if not uri.startswith(("http://", "https://")):
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME", EXPERIMENT)
+        if mlflow.get_experiment_by_name(name) is None:
+            try:
+                mlflow.create_experiment(name, artifact_location=(root / "mlartifacts").as_uri())
+            except MlflowException as error:  # created meanwhile by another process
+                if error.error_code != "RESOURCE_ALREADY_EXISTS":
+                    raise
+        mlflow.set_experiment(name)
     return uri
 
 
@@ -36,6 +53,46 @@ def flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
         else:
             flat[name] = str(value)[:500]
     return flat
+
+
+FLOW_RUN_TAG = "llmflow.flow_run_id"
+
+
+@contextlib.contextmanager
+def flow_run(flow: str, flow_run_id: str | None, params: Mapping[str, Any]) -> Iterator[str]:
+    """The parent MLflow run of one Prefect flow run, with system metrics on; yields its id.
+
+    A retried flow run keeps its Prefect id, so its parent run is found again by the
+    ``llmflow.flow_run_id`` tag and reopened: the stages the retry runs nest beside the
+    ones that finished the first time.
+    """
+    import mlflow
+
+    found = []
+    if flow_run_id:
+        found = mlflow.search_runs(filter_string=f"tags.`{FLOW_RUN_TAG}` = '{flow_run_id}'", output_format="list",
+                                   max_results=1)
+    if found:
+        context = mlflow.start_run(run_id=found[0].info.run_id, log_system_metrics=True)
+    else:
+        tags = {"llmflow.flow": flow, FLOW_RUN_TAG: flow_run_id or ""}
+        context = mlflow.start_run(run_name=flow, tags=tags, log_system_metrics=True)
+    with context as run:
+        if not found:
+            mlflow.log_params(flatten(params))
+        yield run.info.run_id
+
+
+def run_link(run_id: str) -> str:
+    """Where a run is shown: its MLflow UI address when tracking goes to a server, else its id
+    and the store."""
+    import mlflow
+
+    uri = mlflow.get_tracking_uri()
+    if uri.startswith(("http://", "https://")):
+        experiment = mlflow.get_run(run_id).info.experiment_id
+        return f"{uri.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}"
+    return f"run {run_id} in {uri}"
 
 
 @contextlib.contextmanager

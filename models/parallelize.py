@@ -5,6 +5,9 @@
   sequence). Every parameter becomes a DTensor, so gradient clipping and checkpoints see
   one kind of tensor. The embedding and the output projection stay whole on every rank of
   the tensor-parallel group: the fused cross-entropy then runs on full rows.
+- ``apply_tp_inference``: tensor parallel for generation: the same column/row split of
+  attention and MLP, with replicated activations between the layers (no sequence sharding),
+  so the KV cache holds each rank's own heads.
 - ``apply_ac``: activation checkpointing of every decoder layer.
 - ``apply_fsdp``: FSDP2 ``fully_shard`` of every layer and of the root over the
   data-parallel mesh, with a mixed-precision policy (bf16 compute, fp32 master weights
@@ -95,6 +98,36 @@ def apply_tp(model: CausalLM, mesh: DeviceMesh, extra_layer_plan: dict[str, Para
         if tied:
             model.lm_head.weight = decoder.embed_tokens.weight  # already distributed with the embedding
         _replicate_output_projection(model.lm_head, mesh, distribute_weight=not tied)
+
+
+def inference_layer_tp_plan() -> dict[str, ParallelStyle]:
+    """The generation plan of one decoder layer: attention heads and FFN columns split
+    across ranks (q/k/v and gate/up column-parallel, o/down row-parallel), everything else
+    whole. Norms, embedding and output projection stay plain tensors on every rank.
+
+    Not the sequence-parallel plan of training: a decoding step feeds one token per row,
+    which cannot be split along the sequence, and sequence parallelism only saves
+    activation memory that inference does not keep. Here every layer's input and output are
+    replicated plain tensors (one all-reduce after o_proj and one after down_proj), and
+    k/v come out of their projections as this rank's heads only, which is what the KV cache
+    stores (it sizes its buffers from the first keys it is given)."""
+    return {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+
+
+def apply_tp_inference(model: CausalLM, mesh: DeviceMesh) -> None:
+    """Shard ``model`` for generation over the 1-D tensor-parallel ``mesh`` in place (see
+    ``inference_layer_tp_plan``). Sharding a model on the meta device only records the
+    layout, so its shards can then be allocated without ever holding the whole model."""
+    for layer in model.model.layers.values():
+        parallelize_module(layer, mesh, inference_layer_tp_plan())
 
 
 def apply_ac(model: CausalLM) -> None:

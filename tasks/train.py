@@ -16,10 +16,13 @@ that step's meta.
 
 from __future__ import annotations
 
+import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from prefect import get_run_logger, task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from llmflow import tracking
 from llmflow.checkpoint import latest_step_dir, read_meta
@@ -29,6 +32,7 @@ from llmflow.train.config import TrainConfig
 
 STAGE = "train"
 RUN_ID_ENV = "LLMFLOW_MLFLOW_RUN_ID"
+STEP_LINE = re.compile(r"^step (\d+)/(\d+) \|")
 
 
 @task(name=STAGE, cache_policy=STAGE_CACHE_POLICY + InputFiles(fields=("model", "data.paths")))
@@ -42,10 +46,46 @@ def train_task(config: TrainConfig, nproc: int = 1) -> StageArtifact:
     with tracking.stage_run(STAGE, config.model_dump(mode="json") | {"nproc": nproc}) as run_id:
         env = {RUN_ID_ENV: run_id, "MLFLOW_TRACKING_URI": mlflow.get_tracking_uri()}
         start = time.monotonic()
-        out = launch_training(config, nproc, on_line=logger.info, env=env)
+        out = launch_training(config, nproc, on_line=progress_reporter(logger.info, config.out), env=env)
         artifact = checkpoint_artifact(out, config.steps)
         tracking.log_metrics(run_id, {"seconds": time.monotonic() - start}, step=config.steps)
+        log_loss_curve(run_id)
     return artifact
+
+
+def progress_reporter(log: Callable[[str], None], out: Path) -> Callable[[str], None]:
+    """A worker-line handler that logs each line and moves a Prefect progress artifact with
+    every ``step N/M`` line."""
+    artifact_id = create_progress_artifact(progress=0.0, description=f"training {out}")
+
+    def on_line(line: str) -> None:
+        log(line)
+        match = STEP_LINE.match(line)
+        if match:
+            update_progress_artifact(artifact_id, progress=100.0 * int(match[1]) / int(match[2]))
+
+    return on_line
+
+
+def log_loss_curve(run_id: str) -> None:
+    """The stage run's loss history as loss_curve.png in its MLflow artifacts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from mlflow import MlflowClient
+
+    client = MlflowClient()
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "loss"))
+    if not history:
+        return
+    figure, axes = plt.subplots(figsize=(6, 3.5))
+    axes.plot(*zip(*history))
+    axes.set(xlabel="step", ylabel="loss", title="training loss")
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    client.log_figure(run_id, figure, "loss_curve.png")
+    plt.close(figure)
 
 
 def checkpoint_artifact(out: Path, steps: int) -> StageArtifact:

@@ -1,12 +1,20 @@
-"""Shared fixtures: tiny Hugging Face models saved to temporary checkpoint directories.
+"""Shared fixtures: tiny Hugging Face models saved to temporary checkpoint directories, an
+isolated Prefect + MLflow backend, and a loopback Hugging Face Hub.
 
 Nothing here reaches the network: the hub is forced offline before transformers is
-imported, and every model is built from a config in memory.
+imported (the ``hub`` fixture puts it online, pointed at a server on 127.0.0.1), and every
+model is built from a config in memory.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import random
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote, urlsplit
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -159,14 +167,196 @@ def prefect_env(prefect_server, monkeypatch, request):
     Everything is restored when the test ends."""
     import re
 
+    import mlflow
     import mlflow.tracking._tracking_service.utils as mlflow_uri_state
+    import mlflow.tracking.fluent
     from prefect.settings import temporary_settings
 
     experiment = "test-" + re.sub(r"[^\w.-]+", "-", request.node.nodeid)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", prefect_server.mlflow_uri)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", experiment)
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
-    # A tracking URI set in-process (mlflow.set_tracking_uri) would win over the environment.
+    # A tracking URI or experiment set in-process (tracking.configure in a flow) would win
+    # over the environment of the tests that come after.
     monkeypatch.setattr(mlflow_uri_state, "_tracking_uri", None)
+    monkeypatch.setattr(mlflow.tracking.fluent, "_active_experiment_id", None)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", "")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_ID")
+    # The experiment keeps its artifacts beside the store, not in ./mlruns of the test's cwd.
+    client = mlflow.MlflowClient(prefect_server.mlflow_uri)
+    if client.get_experiment_by_name(experiment) is None:
+        client.create_experiment(experiment, artifact_location=(prefect_server.root / "mlartifacts" / experiment).as_uri())
     with temporary_settings(updates=prefect_server.settings):
         yield {"mlflow_uri": prefect_server.mlflow_uri, "experiment": experiment, "root": prefect_server.root}
+
+
+# --- a loopback Hugging Face Hub -------------------------------------------------------------
+
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+TOKEN = "hf_SENTINELtokenNEVERprinted123"
+
+
+def _repo_files() -> dict[str, bytes]:
+    rng = random.Random(0)
+    return {
+        "config.json": json.dumps({"hidden_size": 64, "num_hidden_layers": 2}).encode(),
+        "tokenizer.json": json.dumps({"vocab": {f"t{i}": i for i in range(500)}}).encode(),
+        "model.safetensors": rng.randbytes(200_000),
+        "sub/extra.bin": rng.randbytes(50_000),
+    }
+
+
+LFS = {"model.safetensors", "sub/extra.bin"}
+
+
+def _git_oid(data: bytes) -> str:
+    return hashlib.sha1(f"blob {len(data)}\0".encode() + data).hexdigest()
+
+
+class FakeHub(ThreadingHTTPServer):
+    """A loopback Hugging Face Hub speaking the endpoints huggingface_hub's ``snapshot_download``
+    uses: ``GET /api/{models,datasets}/{repo}/revision/{rev}`` (repo info with ``sha``),
+    ``GET /api/{models,datasets}/{repo}/tree/{rev}?recursive=True`` (files with size, git oid
+    and LFS sha256), and ``HEAD``/``GET /[datasets/]{repo}/resolve/{rev}/{file}``
+    (``X-Repo-Commit``, ``ETag``, ``X-Linked-Etag``/``X-Linked-Size`` for LFS files, ``Range``
+    requests). Tests add repositories to ``repos``: {(repo type, "org/name"): {path: bytes}}."""
+
+    daemon_threads = True
+    commit = COMMIT
+    """The commit every repository is at."""
+    token = TOKEN
+    """The HF_TOKEN the ``hub`` fixture sets."""
+
+    def __init__(self):
+        super().__init__(("127.0.0.1", 0), HubHandler)
+        self.repos = {("model", "org/tiny"): _repo_files(), ("dataset", "org/data"): {"train.jsonl": b'{"a": 1}\n' * 100}}
+        self.requests: list[tuple[str, str]] = []
+        self.auth: set[str | None] = set()
+        self.drop_once: set[str] = set()  # file names whose next GET is cut off mid-body
+        self.wrong: dict[str, bytes] = {}  # file names served with these bytes instead
+        self.ranges: list[tuple[str, str | None]] = []  # (path, Range header) of every request
+        self.lock = threading.Lock()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def file_gets(self) -> list[str]:
+        return [p for m, p in self.requests if m == "GET" and "/resolve/" in p]
+
+
+class HubHandler(BaseHTTPRequestHandler):
+    server: FakeHub
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):  # keep test output quiet
+        pass
+
+    def _json(self, payload, status=200, headers=None):
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _not_found(self):
+        self._json({"error": "Repository not found"}, 404, {"X-Error-Code": "RepoNotFound"})
+
+    def do_HEAD(self):
+        self._handle(head=True)
+
+    def do_GET(self):
+        self._handle(head=False)
+
+    def _handle(self, head: bool):
+        hub = self.server
+        path = unquote(urlsplit(self.path).path)
+        with hub.lock:
+            hub.requests.append((self.command, path))
+            hub.auth.add(self.headers.get("Authorization"))
+            hub.ranges.append((path, self.headers.get("Range")))
+        if path.startswith("/api/") and path.count("/") >= 3:
+            kind, rest = path[len("/api/") :].split("/", 1)
+            repo_type = kind.rstrip("s")
+            for marker in ("/revision/", "/tree/", ""):
+                if marker in rest:
+                    repo_id = rest.split(marker, 1)[0] if marker else rest
+                    files = hub.repos.get((repo_type, repo_id))
+                    if files is None:
+                        return self._not_found()
+                    if marker != "/tree/":
+                        return self._json(
+                            {"id": repo_id, "sha": COMMIT, "siblings": [{"rfilename": n} for n in files]}
+                        )
+                    tree = []
+                    for name, data in sorted(files.items()):
+                        entry = {"type": "file", "path": name, "size": len(data), "oid": _git_oid(data)}
+                        if name in LFS:
+                            entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+                        tree.append(entry)
+                    return self._json(tree)
+            return self._not_found()
+        if "/resolve/" not in path:
+            return self._not_found()
+        left, name = path.split("/resolve/", 1)
+        _, name = name.split("/", 1)
+        repo_type, repo_id = ("dataset", left[len("/datasets/") :]) if left.startswith("/datasets/") else ("model", left[1:])
+        files = hub.repos.get((repo_type, repo_id))
+        if files is None or name not in files:
+            return self._not_found()
+        data = files[name]
+        served = hub.wrong.get(name, data)
+        headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{_git_oid(data)}"', "Accept-Ranges": "bytes"}
+        if name in LFS:
+            headers["X-Linked-Etag"] = f'"{hashlib.sha256(data).hexdigest()}"'
+            headers["X-Linked-Size"] = str(len(data))
+        start, status = 0, 200
+        rng = self.headers.get("Range")
+        if rng and not head:
+            start = int(rng.split("=")[1].split("-")[0])
+            status = 206
+            headers["Content-Range"] = f"bytes {start}-{len(served) - 1}/{len(served)}"
+        body = served[start:]
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if head:
+            return
+        if name in hub.drop_once and start == 0:
+            hub.drop_once.discard(name)
+            self.wfile.write(body[: len(body) // 3])
+            self.wfile.flush()
+            self.close_connection = True
+            self.connection.shutdown(2)
+            return
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    """A loopback Hub; huggingface_hub is pointed at it and put online for the test."""
+    from huggingface_hub import constants
+
+    server = FakeHub()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    # huggingface_hub reads these at import time: set the environment and its constants.
+    monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setattr(constants, "ENDPOINT", server.endpoint)
+    monkeypatch.setattr(
+        constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+    )
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf_cache"))
+    yield server
+    server.shutdown()
+    server.server_close()

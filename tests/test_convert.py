@@ -143,6 +143,23 @@ def test_vocab_rows_are_zero_padded_in_the_checkpoint(make_hf_model, tmp_path, t
     assert read_meta(latest_step_dir(tmp_path / "ckpt")).padded_vocab_size == VOCAB
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_random_init_needs_only_the_config_and_is_seeded(make_hf_model, tmp_path, tied):
+    hf_model, hf_dir = make_hf_model("qwen2", tie_word_embeddings=tied)
+    for weights in safetensors_files(hf_dir):
+        weights.unlink()  # from scratch: config.json and the tokenizer are all it reads
+    for out, seed in (("a", 0), ("b", 0), ("c", 1)):
+        convert(ConvertConfig(hf=hf_dir, out=tmp_path / out, init="random", seed=seed, tp=3, pad_vocab_to_multiple=8))
+    a, b, c = (padded_model(latest_step_dir(tmp_path / name)) for name in "abc")
+    assert read_manifest(tmp_path / "a")["params"]["init"] == "random"
+    for (name, pa), (_, pb), (_, pc) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters()):
+        assert torch.equal(pa, pb), name
+        assert not torch.equal(pa, pc) or name.endswith("norm.weight") or name.endswith(".bias"), name
+    for weight in (a.model.embed_tokens.weight, a.lm_head.weight):
+        assert weight.shape[0] == 168 and not weight[VOCAB:].any()  # padding rows zero, as when converting
+        assert weight[:VOCAB].std().item() == pytest.approx(0.02, rel=0.1)
+
+
 def test_padded_vocab_size_rule():
     assert padded_vocab_size(32000, 128, 1) == 32000
     assert padded_vocab_size(50257, 128, 1) == 50304

@@ -4,6 +4,7 @@ character, and one-pass letter scoring against full log-likelihood scoring."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -12,15 +13,17 @@ import torch
 
 from llmflow.cli import main
 from llmflow.data.tokenizer import load_tokenizer
+from llmflow.evaluate.benchmarks import MMLU
+from llmflow.evaluate.engine import summarize
 from llmflow.evaluate.mmlu import (
     MMLUConfig,
     evaluate_mmlu,
     prompts_for,
     select_questions,
-    summarize,
 )
-from llmflow.evaluate.mmlu_data import MMLUDataError, Question, load_mmlu
+from llmflow.evaluate.mmlu_data import load_mmlu
 from llmflow.evaluate.prompts import CONTINUATIONS
+from llmflow.evaluate.questions import BenchmarkDataError, Question
 from llmflow.evaluate.scoring import (
     encode_requests,
     score_loglikelihood,
@@ -75,11 +78,9 @@ def test_prompts_equal_lm_eval_template(sample, shots):
 
 
 def test_question_with_surrounding_whitespace():
-    from llmflow.evaluate.prompts import build_prompt
-
     q = Question("college_physics", "  Why?\n", ("a", " b", "c", "d"), 1)
     dev = [Question("college_physics", "How? ", ("1", "2", "3", "4"), 3)]
-    assert build_prompt(q, dev, 1) == lm_eval_prompt(as_doc(q), [as_doc(d) for d in dev], 1)
+    assert MMLU.prompt.build_prompt(q, dev, 1) == lm_eval_prompt(as_doc(q), [as_doc(d) for d in dev], 1)
 
 
 def test_layouts_read_the_same_questions(sample, tmp_path):
@@ -105,21 +106,21 @@ def test_layouts_read_the_same_questions(sample, tmp_path):
 def test_bad_layouts_are_named(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "questions.txt").write_text("what?")
-    with pytest.raises(MMLUDataError, match=r"found \[questions.txt\].*cais/mmlu layout.*original CSV layout"):
+    with pytest.raises(BenchmarkDataError, match=r"found \[questions.txt\].*cais/mmlu layout.*original CSV layout"):
         load_mmlu(tmp_path / "a")
     (tmp_path / "b").mkdir()
     pq.write_table(pa.table({"prompt": ["q"], "label": [1]}), tmp_path / "b" / "test.parquet")
-    with pytest.raises(MMLUDataError, match=r"columns \['prompt', 'label'\] lack \['question', 'choices', 'answer'\]"):
+    with pytest.raises(BenchmarkDataError, match=r"columns \['prompt', 'label'\] lack \['question', 'choices', 'answer'\]"):
         load_mmlu(tmp_path / "b")
     (tmp_path / "c" / "data" / "dev").mkdir(parents=True)
     (tmp_path / "c" / "data" / "test").mkdir()
     (tmp_path / "c" / "data" / "dev" / "law_dev.csv").write_text("q,a,b,c,d,A\n")
     (tmp_path / "c" / "data" / "test" / "law_test.csv").write_text("q,a,b,c,d,E\n")
-    with pytest.raises(MMLUDataError, match="law_test.csv row 1: expected 6 fields"):
+    with pytest.raises(BenchmarkDataError, match="law_test.csv row 1: expected 6 fields"):
         load_mmlu(tmp_path / "c")
     (tmp_path / "c" / "data" / "test" / "law_test.csv").write_text("q,a,b,c,d,B\n")
     assert load_mmlu(tmp_path / "c").splits["test"]["law"][0].answer == 1
-    with pytest.raises(MMLUDataError, match=r"no subjects \['nope'\]"):
+    with pytest.raises(BenchmarkDataError, match=r"no subjects \['nope'\]"):
         load_mmlu(tmp_path / "c" / "data", ["nope"])
 
 
@@ -213,7 +214,7 @@ def test_layouts_give_identical_results_and_cli(sample, tmp_path, capsys):
 def test_summary_groups_subjects_into_categories():
     questions = [Question(s, "q", ("a", "b", "c", "d"), 0) for s in
                  ("abstract_algebra", "abstract_algebra", "philosophy", "sociology", "virology", "geography")]
-    results = summarize(questions, [0, 1, 0, 0, 1, 0])
+    results = summarize(MMLU, questions, [0, 1, 0, 0, 1, 0])
     assert results["accuracy"] == pytest.approx(4 / 6)
     assert {c: (v["correct"], v["questions"]) for c, v in results["categories"].items()} == {
         "stem": (1, 2), "humanities": (1, 1), "social_sciences": (1, 1), "other": (1, 2)}
@@ -222,10 +223,13 @@ def test_summary_groups_subjects_into_categories():
 
 @pytest.mark.slow
 def test_evaluate_task_logs_accuracy_and_table(prefect_env, sample, tmp_path):
-    from llmflow.tasks.evaluate import evaluate_mmlu_task
     from mlflow import MlflowClient
     from prefect import flow
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    from llmflow.tasks.evaluate import evaluate_mmlu_task
 
     @flow
     def eval_flow(config: MMLUConfig):
@@ -243,8 +247,60 @@ def test_evaluate_task_logs_accuracy_and_table(prefect_env, sample, tmp_path):
     assert metrics["accuracy"] == pytest.approx(results["accuracy"]) and metrics["questions"] == 6
     assert metrics["accuracy/geography"] == pytest.approx(results["subjects"]["geography"]["accuracy"])
     assert metrics["accuracy/other"] == pytest.approx(results["accuracy"])
+    logged = json.loads((Path(run.info.artifact_uri.removeprefix("file://")) / "mmlu_subjects.json").read_text())
+    assert logged["columns"] == ["subject", "category", "questions", "accuracy"] and len(logged["data"]) == 4
 
     with get_client(sync_client=True) as client:
-        (table,) = client.read_artifacts(key="mmlu-accuracy")
+        (table,) = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["mmlu-accuracy"])), sort=ArtifactSort.CREATED_DESC, limit=1
+        )
     rows = json.loads(table.data)
     assert [r["subject"] for r in rows] == [*results["subjects"], "all"]
+
+
+def hub_files(hub, repo: str) -> set[str]:
+    """The files of ``repo`` the loopback hub has served so far."""
+    prefix = f"/datasets/{repo}/resolve/{hub.commit}/"
+    return {p[len(prefix):] for p in hub.file_gets() if p.startswith(prefix)}
+
+
+def parquet_bytes(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
+
+
+def test_hub_data_is_downloaded_once_with_only_the_files_needed(hub, sample, tmp_path):
+    local = sample / "mmlu" / "hf"
+    files = {p.relative_to(local).as_posix(): p.read_bytes() for p in sorted(local.rglob("*.parquet"))}
+    for split in ("dev", "test"):  # cais/mmlu holds every subject again in all/
+        tables = [pq.read_table(p) for p in sorted(local.glob(f"*/{split}-*.parquet"))]
+        files[f"all/{split}-00000-of-00001.parquet"] = parquet_bytes(pa.concat_tables(tables))
+    files["all/auxiliary_train-00000-of-00001.parquet"] = b"never fetched"
+    files["geography/validation-00000-of-00001.parquet"] = b"never fetched"
+    hub.repos[("dataset", "cais/mmlu")] = files
+    common = {"model": sample / "model", "shots": 1, "limit": 2, "cache_dir": tmp_path / "cache"}
+
+    out = evaluate_mmlu(MMLUConfig(data="hf://cais/mmlu", subjects=["geography"], out=tmp_path / "hub", **common))
+    assert hub_files(hub, "cais/mmlu") == {"geography/dev-00000-of-00001.parquet", "geography/test-00000-of-00001.parquet"}
+    cached = tmp_path / "cache" / "hf" / "cais" / "mmlu"
+    assert {f["path"] for f in json.loads((cached / "manifest.json").read_text())["files"]} == hub_files(hub, "cais/mmlu")
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["data_dir"] == str(cached) and results["questions"] == 2
+    same = evaluate_mmlu(MMLUConfig(data=local, subjects=["geography"], out=tmp_path / "local", **common))
+    assert (out / "predictions.jsonl").read_text() == (same / "predictions.jsonl").read_text()
+
+    hub.requests.clear()  # a rerun checks the cached files against the manifest and fetches nothing
+    evaluate_mmlu(MMLUConfig(data="hf://cais/mmlu", subjects=["geography"], out=tmp_path / "again", **common))
+    assert hub.requests == []
+
+    out = evaluate_mmlu(MMLUConfig(data="hf://cais/mmlu", out=tmp_path / "all", **common))
+    assert hub_files(hub, "cais/mmlu") == {"all/dev-00000-of-00001.parquet", "all/test-00000-of-00001.parquet"}
+    assert json.loads((out / "results.json").read_text())["questions"] == 6
+
+
+def test_unknown_data_source_fails_before_the_model_loads(tmp_path):
+    config = MMLUConfig(model=tmp_path / "no-model", data="s3://bucket/mmlu", out=tmp_path / "out")
+    with pytest.raises(ValueError, match=r"source 's3://bucket/mmlu': unknown scheme"):
+        evaluate_mmlu(config)
+    assert not (tmp_path / "out").exists()

@@ -18,6 +18,8 @@ from llmflow.data.templates import QWEN, load_template
 from llmflow.models import load_hf_model
 from llmflow.sample import SUBJECTS, SampleConfig, write_sample
 
+FINETUNE_STEPS = 400  # measured: 300 steps 61%, 400 steps 87%, 500 steps (the demo) 100%
+
 MMLU_SCHEMA = pa.schema(
     [("question", pa.string()), ("subject", pa.string()), ("choices", pa.list_(pa.string())), ("answer", pa.int64())]
 )
@@ -154,3 +156,33 @@ def test_tokenizer_and_model_load_in_transformers(sample):
     ids = torch.tensor([ours.encode(chat, add_special_tokens=False).ids])
     with torch.no_grad():
         assert (hf(ids).logits - load_hf_model(model_dir)(ids)).abs().max() <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # about 2 minutes on two idle cores
+def test_finetuning_on_the_instructions_lifts_mmlu_well_above_chance(sample, tmp_path, monkeypatch):
+    """The demo's headline, through the same stages: 5-shot accuracy on the sample test set
+    of 150 questions (chance 25%, one standard deviation 3.5 points) before and after
+    finetuning the tiny model on the instruction set."""
+    from llmflow.data.tokenize_instruction import InstructionTokenizeConfig, tokenize_instruction
+    from llmflow.evaluate.mmlu import MMLUConfig, evaluate_mmlu
+    from llmflow.train.command import launch_training
+    from llmflow.train.config import TrainConfig
+
+    monkeypatch.setenv("LLMFLOW_DEVICE", "cpu")
+    data = tokenize_instruction(InstructionTokenizeConfig(
+        input=[sample / "instruct" / "alpaca.parquet"], tokenizer=sample / "model", out=tmp_path / "sft",
+        format="alpaca", seq_length=256))
+    run = launch_training(TrainConfig.model_validate({
+        "model": str(sample / "model"), "out": str(tmp_path / "run"), "data": {"kind": "sft", "paths": [str(data)]},
+        "steps": FINETUNE_STEPS, "micro_batch_size": 16, "global_batch_size": 16, "log_interval": 50,
+        "optim": {"lr": 5e-3, "min_lr": 5e-4, "warmup_steps": 20, "decay": "linear"},
+    }), nproc=1, on_line=lambda line: None)
+
+    def accuracy(model: Path, out: str) -> float:
+        evaluate_mmlu(MMLUConfig(model=model, data=sample / "mmlu" / "csv", out=tmp_path / out, shots=5))
+        return json.loads((tmp_path / out / "results.json").read_text())["accuracy"]
+
+    before, after = accuracy(sample / "model", "before"), accuracy(run, "after")
+    assert before < 0.35
+    assert after >= 0.6, (before, after)

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from prefect import flow
+from prefect_helpers import mlflow_runs, outcome
 
 from llmflow.artifacts import read_manifest, sha256_file
 from llmflow.data.tokenize_instruction import InstructionTokenizeConfig
@@ -71,16 +72,6 @@ def write_parquet(path: Path, docs: list[str], key: str = "text") -> Path:
 # --- flows: each runs one stage task and reports its final state ---------------------------
 
 
-def outcome(state) -> dict[str, Any]:
-    return {
-        "name": state.name,
-        "completed": state.is_completed(),
-        "failed": state.is_failed(),
-        "message": state.message or "",
-        "result": state.result(raise_on_failure=False),
-    }
-
-
 @flow(name="test-download-stage")
 def download_flow(config: DownloadConfig) -> dict[str, Any]:
     return outcome(download_task(config, return_state=True))
@@ -94,24 +85,6 @@ def tokenize_flow(config: PretrainTokenizeConfig) -> dict[str, Any]:
 @flow(name="test-tokenize-instruction-stage")
 def instruction_flow(config: InstructionTokenizeConfig) -> dict[str, Any]:
     return outcome(tokenize_instruction_task(config, return_state=True))
-
-
-# --- MLflow ----------------------------------------------------------------------------------
-
-
-def mlflow_runs(env: dict, stage: str) -> list:
-    """The runs of ``stage`` in this test's experiment, oldest first."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient(env["mlflow_uri"])
-    experiment = client.get_experiment_by_name(env["experiment"])
-    if experiment is None:
-        return []
-    runs = client.search_runs(
-        [experiment.experiment_id], filter_string=f"attributes.run_name = '{stage}'", order_by=["attributes.start_time ASC"]
-    )
-    assert all(r.data.tags["llmflow.stage"] == stage for r in runs)
-    return runs
 
 
 def snapshot(directory: Path) -> dict[str, tuple[int, int, int]]:

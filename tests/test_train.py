@@ -23,11 +23,11 @@ from llmflow.data.tokenize_instruction import InstructionTokenizeConfig, tokeniz
 from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig, tokenize_pretrain
 from llmflow.export import ExportConfig, export
 from llmflow.launch import run_workers
+from llmflow.model_loading import load_model
 from llmflow.models import LoraConfig, apply_lora, is_lora_param, load_hf_model, lora_state_dict
 from llmflow.train.command import launch_training
 from llmflow.train.config import TrainConfig, load_train_config
 from llmflow.train.data import PretrainSamples, blend_assignments
-from llmflow.model_loading import load_model
 from llmflow.train.loop import learning_rate, train
 
 STEP_LINE = re.compile(r"^step (\d+)/\d+ \| loss ([0-9.]+)")

@@ -9,23 +9,23 @@ parameters.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import queue
 import re
-import signal
-import subprocess
-import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 import pytest
 import torch
 from prefect import flow
+from prefect_helpers import (
+    FlowProcess,
+    flow_run_logs,
+    metric_history,
+    mlflow_runs,
+    outcome,
+    wait_for,
+)
 
 from llmflow.artifacts import read_manifest
 from llmflow.checkpoint import read_meta
@@ -123,16 +123,6 @@ def train_config(assets: dict[str, Path], out: Path, **overrides: Any) -> TrainC
 # --- flows and what they report ------------------------------------------------------------------
 
 
-def outcome(state) -> dict[str, Any]:
-    return {
-        "name": state.name,
-        "completed": state.is_completed(),
-        "failed": state.is_failed(),
-        "message": state.message or "",
-        "result": state.result(raise_on_failure=False),
-    }
-
-
 @flow(name="test-convert-export-stages")
 def round_trip_flow(convert: ConvertConfig, export: ExportConfig) -> list[dict[str, Any]]:
     converted = convert_task(convert, return_state=True)
@@ -150,48 +140,8 @@ def run_train_flow(config: TrainConfig, nproc: int) -> tuple[dict[str, Any], lis
     return state.result(), flow_run_logs(state.state_details.flow_run_id)
 
 
-def flow_run_logs(flow_run_id) -> list[str]:
-    """Messages of the flow run's logs (its tasks' included) on the Prefect server, in order."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-    from prefect.logging.handlers import APILogHandler
-
-    APILogHandler().flush()  # send what is still queued
-    log_filter = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
-    messages: list[str] = []
-    with get_client(sync_client=True) as client:
-        while page := client.read_logs(log_filter, limit=200, offset=len(messages)):
-            messages += [log.message for log in page]
-    return messages
-
-
 def step_losses(lines: list[str]) -> dict[int, float]:
     return {int(m.group(1)): float(m.group(3)) for line in lines if (m := STEP_LINE.match(line))}
-
-
-# --- MLflow ----------------------------------------------------------------------------------------
-
-
-def mlflow_runs(env: dict, stage: str) -> list:
-    """The runs of ``stage`` in this test's experiment, oldest first."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient(env["mlflow_uri"])
-    experiment = client.get_experiment_by_name(env["experiment"])
-    if experiment is None:
-        return []
-    return client.search_runs(
-        [experiment.experiment_id], filter_string=f"attributes.run_name = '{stage}'", order_by=["attributes.start_time ASC"]
-    )
-
-
-def metric_history(env: dict, run, key: str) -> dict[int, float]:
-    from mlflow import MlflowClient
-
-    history = MlflowClient(env["mlflow_uri"]).get_metric_history(run.info.run_id, key)
-    steps = [m.step for m in history]
-    assert len(steps) == len(set(steps)), f"{key} logged more than once per step (by more than rank 0?): {steps}"
-    return {m.step: m.value for m in history}
 
 
 # --- convert and export ----------------------------------------------------------------------------
@@ -309,30 +259,15 @@ def test_cancelled_flow_kills_every_worker_and_the_rerun_resumes(prefect_env, pr
     config_path.write_text(config.model_dump_json())
     script = tmp_path / "cancelled_flow.py"
     script.write_text(CANCELLED_FLOW)
-    settings = {setting.name: str(value) for setting, value in prefect_server.settings.items()}
 
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(config_path), "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env={**os.environ, **settings, "PYTHONUNBUFFERED": "1"},
-    )
-    workers: list[psutil.Process] = []
+    flow_process = FlowProcess([str(script), str(config_path), "2"], prefect_server.settings)
     try:
-        lines = output_lines(proc)
-        flow_run_id = wait_for(lines, "flow run id").split()[-1]
-        wait_for(lines, f"saved checkpoint {out / 'step_00000004'}")
-        workers = psutil.Process(proc.pid).children(recursive=True)
-        assert sum("llmflow.train" in " ".join(p.cmdline()) for p in workers) == 3  # torchrun and two ranks
-
-        proc.send_signal(signal.SIGTERM)  # what cancelling a flow run served by serve() or a worker does
-        proc.wait(timeout=60)
-        survivors = [p for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        assert survivors == []
+        flow_run_id = wait_for(flow_process.lines, "flow run id").split()[-1]
+        wait_for(flow_process.lines, f"saved checkpoint {out / 'step_00000004'}")
+        assert len(flow_process.training_workers()) == 3  # torchrun and two ranks
+        assert flow_process.terminate() == []
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        for worker in workers:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                worker.kill()
+        flow_process.close()
 
     from prefect.client.orchestration import get_client
 
@@ -352,23 +287,3 @@ def test_cancelled_flow_kills_every_worker_and_the_rerun_resumes(prefect_env, pr
     resumed = mlflow_runs(prefect_env, "train")[1]
     assert sorted(metric_history(prefect_env, resumed, "loss")) == list(range(saved + 1, 25))
     assert train_flow(config, 2)["name"] == "Cached"
-
-
-def output_lines(proc: subprocess.Popen) -> queue.Queue[str]:
-    """The lines ``proc`` prints, read by a background thread."""
-    lines: queue.Queue[str] = queue.Queue()
-
-    def read() -> None:
-        for line in proc.stdout:
-            lines.put(line.rstrip("\n"))
-
-    threading.Thread(target=read, daemon=True).start()
-    return lines
-
-
-def wait_for(lines: queue.Queue[str], text: str, timeout_s: float = 120) -> str:
-    """The first line containing ``text`` (raises queue.Empty after ``timeout_s`` of silence)."""
-    while True:
-        line = lines.get(timeout=timeout_s)
-        if text in line:
-            return line

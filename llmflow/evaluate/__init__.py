@@ -1,2 +1,2 @@
-"""Evaluation of models on multiple-choice benchmarks (MMLU), scored as
-lm-evaluation-harness scores them."""
+"""Evaluation of models on multiple-choice benchmarks (MMLU, C-Eval, CMMLU), prompted and
+scored as lm-evaluation-harness does it."""

@@ -34,7 +34,3 @@ _BY_CATEGORY = {
 
 SUBJECT_CATEGORY: dict[str, str] = {s: category for category, subjects in _BY_CATEGORY.items() for s in subjects}
 
-
-def category_of(subject: str) -> str:
-    """The category of an MMLU subject; subjects outside the 57 count as "other"."""
-    return SUBJECT_CATEGORY.get(subject, OTHER)

@@ -11,12 +11,21 @@
 from __future__ import annotations
 
 import csv
-from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
-LETTERS = "ABCD"
+from llmflow.evaluate.questions import (
+    LETTERS,
+    BenchmarkData,
+    BenchmarkDataError,
+    Question,
+    check_columns,
+    checked,
+    data_dir,
+    describe,
+)
+
 SPLITS = ("dev", "test")
 PARQUET_COLUMNS = ("question", "choices", "answer")
 _SKIPPED_FOLDERS = ("auxiliary_train",)
@@ -25,30 +34,6 @@ EXPECTED_LAYOUTS = (
     "{dev,test}-*.parquet with columns question, subject, choices, answer) or the original CSV "
     "layout (data/{dev,test}/{subject}_{split}.csv, headerless rows question,A,B,C,D,answer letter)"
 )
-
-
-class MMLUDataError(ValueError):
-    """MMLU data that is in neither layout or has malformed rows."""
-
-
-@dataclass(frozen=True)
-class Question:
-    """One multiple-choice question in the cais/mmlu layout."""
-
-    subject: str
-    question: str
-    choices: tuple[str, str, str, str]
-    answer: int
-
-
-@dataclass(frozen=True)
-class MMLUData:
-    """Questions per split and subject, in file order; subjects sorted."""
-
-    layout: str
-    """"cais/mmlu" or "csv"."""
-    splits: dict[str, dict[str, list[Question]]]
-    """{"dev": {subject: questions}, "test": {subject: questions}}."""
 
 
 def _csv_root(path: Path) -> Path | None:
@@ -62,21 +47,21 @@ def _read_csv(path: Path, subject: str) -> list[Question]:
     questions = []
     with open(path, newline="", encoding="utf-8") as f:
         for row_number, row in enumerate(csv.reader(f), start=1):
-            if len(row) != 6 or row[5].strip() not in LETTERS:
-                raise MMLUDataError(
+            if len(row) != 6 or row[5].strip() not in tuple(LETTERS):
+                raise BenchmarkDataError(
                     f"{path} row {row_number}: expected 6 fields question,A,B,C,D,answer letter (A-D), got {row!r}"
                 )
             questions.append(Question(subject, row[0], tuple(row[1:5]), LETTERS.index(row[5].strip())))
     return questions
 
 
-def _load_csv(root: Path) -> MMLUData:
+def _load_csv(root: Path) -> BenchmarkData:
     splits: dict[str, dict[str, list[Question]]] = {split: {} for split in SPLITS}
     for split in SPLITS:
         for f in sorted((root / split).glob(f"*_{split}.csv")):
             subject = f.name[: -len(f"_{split}.csv")]
             splits[split][subject] = _read_csv(f, subject)
-    return MMLUData("csv", splits)
+    return BenchmarkData("csv", splits)
 
 
 def _split_of(path: Path) -> str | None:
@@ -94,24 +79,20 @@ def _parquet_files(path: Path) -> list[Path]:
 
 def _read_parquet(path: Path) -> list[Question]:
     table = pq.read_table(path)
-    missing = [c for c in PARQUET_COLUMNS if c not in table.column_names]
-    if missing:
-        raise MMLUDataError(
-            f"{path}: columns {table.column_names} lack {missing}; expected {EXPECTED_LAYOUTS}"
-        )
+    check_columns(str(path), table.column_names, PARQUET_COLUMNS, EXPECTED_LAYOUTS)
     rows = table.to_pylist()
     folder_subject = path.parent.name
     questions = []
     for row_number, row in enumerate(rows):
         choices, answer = row["choices"], row["answer"]
         if choices is None or len(choices) != 4 or answer not in range(4):
-            raise MMLUDataError(f"{path} row {row_number}: expected four choices and answer 0-3, got {row!r}")
+            raise BenchmarkDataError(f"{path} row {row_number}: expected four choices and answer 0-3, got {row!r}")
         subject = row.get("subject") or folder_subject
         questions.append(Question(subject, row["question"], tuple(choices), int(answer)))
     return questions
 
 
-def _load_parquet(files: list[Path]) -> MMLUData:
+def _load_parquet(files: list[Path]) -> BenchmarkData:
     splits: dict[str, dict[str, list[Question]]] = {split: {} for split in SPLITS}
     for path in files:
         split = _split_of(path)
@@ -119,39 +100,19 @@ def _load_parquet(files: list[Path]) -> MMLUData:
             continue
         for q in _read_parquet(path):
             splits[split].setdefault(q.subject, []).append(q)
-    return MMLUData("cais/mmlu", {split: dict(sorted(subjects.items())) for split, subjects in splits.items()})
+    return BenchmarkData("cais/mmlu", {split: dict(sorted(subjects.items())) for split, subjects in splits.items()})
 
 
-def _describe(path: Path) -> str:
-    found = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
-    shown = ", ".join(found[:12]) + (f", ... ({len(found)} files)" if len(found) > 12 else "")
-    return f"found [{shown}]"
-
-
-def load_mmlu(path: str | Path, subjects: list[str] | None = None) -> MMLUData:
+def load_mmlu(path: str | Path, subjects: list[str] | None = None) -> BenchmarkData:
     """The dev and test questions under ``path`` (either layout, detected), restricted to
     ``subjects`` when given."""
-    path = Path(path).expanduser()
-    if not path.is_dir():
-        raise MMLUDataError(f"MMLU data {path}: not a directory; expected {EXPECTED_LAYOUTS}")
+    path = data_dir("MMLU", path, EXPECTED_LAYOUTS)
     csv_root = _csv_root(path)
     if csv_root is not None:
         data = _load_csv(csv_root)
     else:
         files = [p for p in _parquet_files(path) if _split_of(p) is not None]
         if not files:
-            raise MMLUDataError(f"MMLU data {path}: {_describe(path)}; expected {EXPECTED_LAYOUTS}")
+            raise BenchmarkDataError(f"MMLU data {path}: {describe(path)}; expected {EXPECTED_LAYOUTS}")
         data = _load_parquet(files)
-    if not data.splits["test"]:
-        raise MMLUDataError(f"MMLU data {path}: no test questions; {_describe(path)}; expected {EXPECTED_LAYOUTS}")
-    return _select(data, subjects, path)
-
-
-def _select(data: MMLUData, subjects: list[str] | None, path: Path) -> MMLUData:
-    if not subjects:
-        return data
-    unknown = sorted(set(subjects) - set(data.splits["test"]))
-    if unknown:
-        raise MMLUDataError(f"MMLU data {path}: no subjects {unknown}; it has {sorted(data.splits['test'])}")
-    keep = sorted(set(subjects))
-    return MMLUData(data.layout, {split: {s: qs[s] for s in keep if s in qs} for split, qs in data.splits.items()})
+    return checked("MMLU", path, data, "test", subjects, EXPECTED_LAYOUTS)

@@ -1,26 +1,35 @@
 """``llmflow generate`` and ``llmflow chat``: load a model (HF directory, checkpoint or LoRA
-checkpoint) with its tokenizer and stop tokens, then continue prompts or hold a conversation."""
+checkpoint) with its tokenizer and stop tokens, then continue prompts or hold a conversation.
+``llmflow generate --nproc N`` runs on N torchrun workers (``llmflow.infer.__main__``) with
+the model tensor-parallel across them."""
 
 from __future__ import annotations
 
 import json
 import sys
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+import torch.distributed as dist
 from pydantic import ConfigDict, Field, model_validator
 
+from llmflow import runtime
 from llmflow.data.templates import ChatTemplate, Message, load_template
 from llmflow.data.tokenizer import load_tokenizer, tokenizer_info
+from llmflow.infer.batch import read_prompts
 from llmflow.infer.generate import (
     GenerateConfig,
     GenerationResult,
     encode_prompts,
     generate,
 )
-from llmflow.model_loading import load_model, tokenizer_dir
-from llmflow.models import CausalLM
+from llmflow.launch import run_workers, torchrun_command
+from llmflow.mesh import ParallelLayout, layout_problems
+from llmflow.model_loading import hf_config_of, load_model, tokenizer_dir
+from llmflow.models import CausalLM, ModelConfig
 
 RESET, EXIT = "/reset", "/exit"
 
@@ -35,11 +44,15 @@ class Generator:
     vocab_size: int
     """The model's real vocabulary (a checkpoint's padded rows are never sampled)."""
     eos_token_ids: list[int]
+    group: dist.ProcessGroup | None = None
+    """The tensor-parallel group the model is sharded over; None for a whole model."""
 
     def run(self, prompts: list[str] | list[list[int]], config: GenerateConfig, on_text=None) -> list[GenerationResult]:
         """``generate`` with this model's eos ids (unless the config names its own)."""
         config = config.model_copy(update={"eos_token_ids": config.eos_token_ids or self.eos_token_ids})
-        return generate(self.model, self.tokenizer, prompts, config, on_text=on_text, vocab_size=self.vocab_size)
+        return generate(
+            self.model, self.tokenizer, prompts, config, on_text=on_text, vocab_size=self.vocab_size, group=self.group
+        )
 
 
 def eos_token_ids(tok_dir: Path, hf_config: dict[str, Any]) -> list[int]:
@@ -56,7 +69,14 @@ def eos_token_ids(tok_dir: Path, hf_config: dict[str, Any]) -> list[int]:
 
 def load_generator(path: str | Path, device: str = "cpu") -> Generator:
     """The model in ``path`` with its tokenizer and eos ids, in eval mode."""
-    model, hf_config = load_model(path, device)
+    return make_generator(path, *load_model(path, device))
+
+
+def make_generator(
+    path: str | Path, model: CausalLM, hf_config: dict[str, Any], group: dist.ProcessGroup | None = None
+) -> Generator:
+    """``model``, loaded from ``path`` (and sharded over ``group`` when given), with the
+    tokenizer and eos ids that go with it, in eval mode."""
     tok_dir = tokenizer_dir(path)
     if tok_dir is None:
         raise FileNotFoundError(f"model {path}: no tokenizer (tokenizer.json) beside it")
@@ -66,15 +86,8 @@ def load_generator(path: str | Path, device: str = "cpu") -> Generator:
         tokenizer_dir=tok_dir,
         vocab_size=int(hf_config["vocab_size"]),
         eos_token_ids=eos_token_ids(tok_dir, hf_config),
+        group=group,
     )
-
-
-def read_prompts(path: Path) -> list[str]:
-    """Prompts of a .jsonl file (a "prompt" field per line) or a text file (one per line)."""
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if path.suffix == ".jsonl":
-        return [json.loads(line)["prompt"] for line in lines]
-    return lines
 
 
 class GenerateCommand(GenerateConfig):
@@ -96,6 +109,11 @@ class GenerateCommand(GenerateConfig):
     """Print the text as it is generated, one line per prompt (prompts then run one at a time)."""
     device: str = "cpu"
     """Device to run on (cpu, cuda, npu)."""
+    nproc: int = Field(default=1, ge=1)
+    """Processes, one per device: above 1, generation runs on torchrun workers with the
+    model's attention heads and FFN split across them (tensor parallelism), for models that
+    do not fit one device (streamed text then arrives a line at a time). Must divide the
+    model's attention heads, key/value heads and FFN width."""
 
     @model_validator(mode="after")
     def _one_source(self) -> GenerateCommand:
@@ -104,7 +122,10 @@ class GenerateCommand(GenerateConfig):
         return self
 
     def cli_cmd(self) -> None:
-        run_generate(self, sys.stdout)
+        if self.nproc > 1:
+            launch_generate(self)
+        else:
+            run_generate(self, sys.stdout)
 
 
 def _encoded(gen: Generator, texts: list[str], template: str | None) -> list[list[int]]:
@@ -115,9 +136,10 @@ def _encoded(gen: Generator, texts: list[str], template: str | None) -> list[lis
     return encode_prompts(gen.tokenizer, rendered, add_special_tokens=False)
 
 
-def run_generate(command: GenerateCommand, out: TextIO) -> list[GenerationResult]:
-    """Run ``llmflow generate``, writing the replies to ``out``."""
-    gen = load_generator(command.model, command.device)
+def run_generate(command: GenerateCommand, out: TextIO, gen: Generator | None = None) -> list[GenerationResult]:
+    """Run ``llmflow generate`` in this process, writing the replies to ``out``; ``gen`` is
+    the model of ``command.model`` when already loaded (a tensor-parallel worker's shard)."""
+    gen = gen or load_generator(command.model, command.device)
     texts = [command.prompt] if command.prompt is not None else read_prompts(command.prompts)
     prompts = _encoded(gen, texts, command.template)
     config = GenerateConfig(**command.model_dump(include=set(GenerateConfig.model_fields)))
@@ -134,6 +156,27 @@ def run_generate(command: GenerateCommand, out: TextIO) -> list[GenerationResult
         else:
             _write(out, json.dumps({"prompt": text, "completion": result.text, "finish_reason": result.finish_reason}) + "\n")
     return results
+
+
+def check_nproc(command: GenerateCommand) -> None:
+    """Refuse an ``nproc`` the model cannot be split into or the machine cannot run."""
+    config = ModelConfig.from_hf(hf_config_of(Path(command.model)))
+    problems = layout_problems(ParallelLayout(tp=command.nproc), command.nproc, config)
+    available = runtime.device_count(command.device)
+    if available is not None and command.nproc > available:
+        problems.append(f"only {available} {command.device} devices are visible")
+    if problems:
+        raise ValueError(f"--nproc {command.nproc} cannot run {command.model}: " + "; ".join(problems))
+
+
+def launch_generate(command: GenerateCommand, on_line: Callable[[str], None] = print, env: dict[str, str] | None = None) -> None:
+    """Run ``command`` on ``command.nproc`` torchrun workers, each line of rank 0's output
+    going to ``on_line`` (streamed text therefore arrives a line at a time)."""
+    check_nproc(command)
+    with tempfile.TemporaryDirectory(prefix="llmflow-generate-") as tmp:
+        config_path = Path(tmp) / "generate_config.json"
+        config_path.write_text(command.model_dump_json(), encoding="utf-8")
+        run_workers(torchrun_command("llmflow.infer", [str(config_path)], command.nproc), on_line=on_line, env=env)
 
 
 def _write(out: TextIO, text: str) -> None:

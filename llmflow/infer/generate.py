@@ -4,6 +4,10 @@ strings and streamed text.
 Prompts of different lengths are left-padded. Pad positions form a document of their own
 (they never enter a real token's attention) and every row's positions start at 0 at its
 first real token, so a batched row generates exactly what it generates alone.
+
+Under tensor parallelism every rank of the group runs the same generation; the tokens rank
+0 of the group picks are broadcast each step, so the ranks feed the same tokens and stop at
+the same step even where their logits differ in the last bit.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmflow.models.decoder import CausalLM, KVCache
@@ -186,11 +191,13 @@ def stream_generate(
     prompts: list[str] | list[list[int]],
     config: GenerateConfig,
     vocab_size: int | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> Iterator[TextDelta]:
     """Generate for every prompt at once, yielding each row's new text token by token (only
     complete UTF-8 text) and, with its last delta, the row's result. ``vocab_size`` cuts off
-    padded vocabulary rows of the output projection."""
-    return _generate_events(model, tokenizer, prompts, config, vocab_size, streaming=True)
+    padded vocabulary rows of the output projection. ``group``: the tensor-parallel group the
+    model is sharded over (every rank of it runs this call), None for a whole model."""
+    return _generate_events(model, tokenizer, prompts, config, vocab_size, group, streaming=True)
 
 
 @torch.no_grad()
@@ -200,6 +207,7 @@ def _generate_events(
     prompts: list[str] | list[list[int]],
     config: GenerateConfig,
     vocab_size: int | None,
+    group: dist.ProcessGroup | None,
     streaming: bool,
 ) -> Iterator[TextDelta]:
     rows = [_Row(prompt=p) for p in encode_prompts(tokenizer, prompts)]
@@ -216,6 +224,8 @@ def _generate_events(
     logits = _last_logits(model, ids, positions, documents, cache)
     for _ in range(config.max_new_tokens):
         chosen = next_tokens(logits[:, :vocab], seen, config, generator)
+        if group is not None:
+            dist.broadcast(chosen, group=group, group_src=0)
         seen[torch.arange(len(rows), device=device), chosen] = True
         for i, (r, token) in enumerate(zip(rows, chosen.tolist())):
             if r.finish_reason is not None:
@@ -246,11 +256,13 @@ def generate(
     config: GenerateConfig,
     on_text: Callable[[int, str], None] | None = None,
     vocab_size: int | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> list[GenerationResult]:
     """Continue every prompt (text, encoded with the tokenizer's special tokens, or token
-    ids); ``on_text(row, delta)`` receives the text as it is generated."""
+    ids); ``on_text(row, delta)`` receives the text as it is generated. ``vocab_size`` and
+    ``group`` as for ``stream_generate``."""
     results: list[GenerationResult | None] = [None] * len(prompts)
-    for delta in _generate_events(model, tokenizer, prompts, config, vocab_size, streaming=on_text is not None):
+    for delta in _generate_events(model, tokenizer, prompts, config, vocab_size, group, streaming=on_text is not None):
         if on_text is not None and delta.text:
             on_text(delta.row, delta.text)
         if delta.result is not None:

@@ -34,7 +34,7 @@ class TrainCommand(BaseModel):
     config: CliPositionalArg[Path]
     """Training config (YAML or JSON); see TrainConfig for every option."""
     overrides: CliPositionalArg[list[str]] = Field(default_factory=list)
-    """key=value overrides of the config (dotted for sections: optim.lr=1e-4 data.paths='["a"]')."""
+    """key=value overrides of the config (dotted for sections: optim.lr=1e-4 data.paths='[a,b]')."""
     nproc: int = Field(default=1, ge=1)
     """Worker processes on this machine (one per accelerator; CPU runs use gloo)."""
 

@@ -3,10 +3,10 @@ overrides, documented per field (the docstrings are the CLI help and the Prefect
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmflow.models.lora import LoraConfig
@@ -105,6 +105,14 @@ class TrainConfig(BaseModel):
     """torch.compile each decoder layer (slow to start on CPU)."""
     seed: int = 1234
     """Seed of the data order, LoRA initialisation and dropout."""
+    deterministic: bool = False
+    """Deterministic mode for precision debugging: seed every generator (Python, numpy,
+    torch, device) with ``seed`` and switch on deterministic kernels and collectives
+    (``llmflow.probe.seed_all``), so two runs are bitwise identical. Slower."""
+    probe: str | None = None
+    """Dump the steps a probe config lists (msprobe's config.json schema: task, dump_path,
+    rank, step, level, ...) into its dump_path, on every rank it lists. Probe steps count from
+    0: probe step s is training step s + 1. Nothing is hooked outside the listed steps."""
     save_interval: int | None = Field(default=None, ge=1)
     """Save a checkpoint every this many steps (and always at the end)."""
     keep_last: int | None = Field(default=2, ge=1)
@@ -125,16 +133,12 @@ def _set(tree: dict[str, Any], dotted: str, value: str) -> None:
         elif not isinstance(child, dict):
             raise ValueError(f"override {dotted}={value}: {key} is not a section")
         node = child
-    try:
-        node[keys[-1]] = json.loads(value)
-    except json.JSONDecodeError:
-        node[keys[-1]] = value
+    node[keys[-1]] = yaml.safe_load(value) if value.strip() else value
 
 
 def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
     """The config in ``path`` (YAML or JSON) with ``key=value`` overrides (dotted keys
-    for sections: ``optim.lr=1e-4``; values parsed as JSON when they are JSON)."""
-    import yaml
+    for sections: ``optim.lr=1e-4``; values read as YAML: ``data.paths=[a, b]``)."""
 
     tree: dict[str, Any] = {}
     if path is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from llmflow.mesh import ParallelLayout, build_mesh, validate_layout
 from llmflow.model_loading import load_model, tokenizer_dir
 from llmflow.models import ModelConfig, apply_lora, is_lora_param, lora_tp_plan
 from llmflow.models.parallelize import apply_ac, apply_fsdp, apply_tp, layer_tp_plan
+from llmflow.probe import Dumper, load_probe_config, seed_all
 from llmflow.train.config import TrainConfig
 from llmflow.train.data import BlendedSamples, PretrainSamples, SftSamples, check_token_ids, collate
 from llmflow.train.metrics import StepTimer, flops_per_token, memory_gib, peak_flops
@@ -127,6 +129,8 @@ def set_rng_state(state: dict[str, Any], device_type: str) -> None:
 
 def train(config: TrainConfig) -> dict[str, float]:
     """Run (or resume) the training ``config`` describes; returns the last step's metrics."""
+    if config.deterministic:
+        seed_all(config.seed)  # before the process group: HCCL reads its switch at start-up
     env = runtime.init_distributed()
     device_type = env.device.type
     dtype = runtime.resolve_dtype(config.dtype, device_type)
@@ -166,6 +170,7 @@ def train(config: TrainConfig) -> dict[str, float]:
     elif dtype != torch.float32:
         raise ValueError(f"dtype {dtype} needs a torchrun launch (mixed precision comes with FSDP2); use dtype=fp32")
     optimizer = build_optimizer(model, config, device_type)
+    dumper = Dumper(load_probe_config(config.probe), model) if config.probe else None
 
     start_step = 0
     out = Path(config.out)
@@ -219,14 +224,16 @@ def train(config: TrainConfig) -> dict[str, float]:
         total = max(count.item(), 1.0)
 
         loss_sum = torch.zeros((), device=env.device)
-        for m, batch in enumerate(micro_batches):
-            if sharded:
-                model.set_requires_gradient_sync(m == accumulation - 1)
-            tensors = {k: (v.to(env.device) if v is not None else None) for k, v in batch.items()}
-            loss = model(tensors["input_ids"], labels=tensors["targets"], document_ids=tensors["document_ids"], loss_reduction="sum")
-            # FSDP averages gradients over dp ranks; scaling by dp makes that a global-token mean.
-            (loss * ((dp if sharded else 1) / total)).backward()
-            loss_sum += loss.detach()
+        # msprobe counts steps from 0: probe step s is training step s + 1.
+        with dumper.step(step - 1) if dumper else nullcontext():
+            for m, batch in enumerate(micro_batches):
+                if sharded:
+                    model.set_requires_gradient_sync(m == accumulation - 1)
+                tensors = {k: (v.to(env.device) if v is not None else None) for k, v in batch.items()}
+                loss = model(tensors["input_ids"], labels=tensors["targets"], document_ids=tensors["document_ids"], loss_reduction="sum")
+                # FSDP averages gradients over dp ranks; scaling by dp makes that a global-token mean.
+                (loss * ((dp if sharded else 1) / total)).backward()
+                loss_sum += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in model.parameters() if p.requires_grad], config.optim.clip_grad or float("inf")
         )

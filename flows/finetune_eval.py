@@ -1,0 +1,150 @@
+"""The finetune-and-eval flow: a base model finetuned on instruction data, exported, tried
+on prompts, and scored on MMLU before and after; the result registered in MLflow.
+
+Run it from the Prefect UI (deployment ``finetune-eval``), nightly on a schedule, or with
+``llmflow demo``. Every stage is cached on its inputs: a retried run skips what finished,
+and training resumes from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from prefect import flow
+from pydantic import Field
+
+from llmflow import tracking
+from llmflow.convert import ConvertConfig
+from llmflow.data.conversations import Format
+from llmflow.data.tokenize_instruction import InstructionTokenizeConfig, TemplateName
+from llmflow.export import ExportConfig
+from llmflow.flows import stages
+from llmflow.flows.checks import check_layout
+from llmflow.flows.params import SAMPLE, EvalParams, Params, Stage, TrainParams
+from llmflow.flows.summary import publish_summary
+from llmflow.infer.batch import InferConfig
+from llmflow.tasks.convert import convert_task
+from llmflow.tasks.export import export_task
+from llmflow.tasks.infer import infer_task
+from llmflow.tasks.register import register_model_task
+from llmflow.tasks.tokenize import tokenize_instruction_task
+from llmflow.tasks.train import train_task
+from llmflow.train.config import DataConfig
+
+FLOW = "finetune-eval"
+SAMPLE_PROMPTS = (
+    "What is the capital of Stavalstan?",
+    "What colour is the flag of Remgumora?",
+    "What is the national animal of Murbrunia?",
+    "What is 14 + 19?",
+)
+
+
+class FinetuneEvalParams(Params):
+    """Finetune a model on instruction data and measure MMLU before and after."""
+
+    workspace: str = "workspace"
+    """Directory of every stage's output (and the default MLflow store)."""
+    model: str = SAMPLE
+    """Base model: hf://org/name, ms://org/name, a local Hugging Face directory, or
+    "sample" for the built-in tiny model."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) of the base model."""
+    data: str = SAMPLE
+    """Instruction data: hf://org/name or ms://org/name (a dataset repository), a local file
+    or directory, or "sample" for the built-in Alpaca-style set."""
+    data_files: list[str] = Field(default_factory=list)
+    """Globs of the data files inside a dataset directory (default: every parquet, jsonl,
+    json, csv and txt file)."""
+    data_format: Format = "alpaca"
+    """Layout of the instruction data: alpaca, sharegpt or messages."""
+    map_keys: dict[str, str] = Field(default_factory=dict)
+    """Renames of the data's keys to the format's (e.g. {"conversations": "messages"})."""
+    template: TemplateName | None = None
+    """Chat template for training: the tokenizer's own when empty, else a named one."""
+    seq_length: int = Field(default=256, ge=8)
+    """Tokens per training row."""
+    pack: bool = False
+    """Pack several samples into each row (attention kept inside each sample)."""
+    train: TrainParams = TrainParams()
+    """Finetuning settings."""
+    evaluation: EvalParams = EvalParams()
+    """MMLU settings (the same for the base and the finetuned model)."""
+    version: str | None = None
+    """Data version or date the finetune belongs to. Empty: the run's scheduled date, so a
+    nightly run never reuses yesterday's finetune while the base model's stages still come
+    from cache."""
+    refresh: list[Stage] = Field(default_factory=list)
+    """Stages to run again even when their inputs are unchanged."""
+    prompts: list[str] = Field(default_factory=lambda: list(SAMPLE_PROMPTS))
+    """Prompts the finetuned model answers in the training chat template (the answers go to
+    MLflow and a Prefect table); empty: skip the inference stage."""
+    max_new_tokens: int = Field(default=32, ge=1)
+    """Longest answer to each prompt, in tokens (greedy decoding)."""
+    registered_model: str | None = "llmflow-finetuned"
+    """MLflow registered model that receives the exported model as a new version (empty: skip)."""
+
+
+@flow(name=FLOW, log_prints=True)
+def finetune_eval(params: FinetuneEvalParams = FinetuneEvalParams()) -> dict[str, Any]:
+    """download -> convert -> tokenize -> MMLU of the base model -> finetune -> export ->
+    answers to the prompts -> MMLU of the finetuned model -> register; returns the scores
+    and where the outputs are."""
+    with stages.open_flow_run(FLOW, params) as run:
+        workspace, refresh, sources = run.workspace, run.refresh, run.sources
+        model_dir = sources.model(params.model, params.revision)
+        check_layout(model_dir, params.train)
+        data = sources.instruction_data(params.data, params.data_files)
+        mmlu_data = sources.mmlu(params.evaluation.data)
+        name = stages.slug(params.model)
+
+        checkpoint = stages.run(convert_task, ConvertConfig(
+            hf=model_dir, out=workspace / "checkpoints" / f"{name}-tp{params.train.tp}", tp=params.train.tp,
+        ), refresh="convert" in refresh)
+        data_tag = stages.settings_tag(params.data_files, params.data_format, params.map_keys, params.template,
+                                       params.seq_length, params.pack)
+        tokenized = stages.run(tokenize_instruction_task, InstructionTokenizeConfig(
+            input=data, tokenizer=model_dir, format=params.data_format, map_keys=params.map_keys,
+            template=params.template, seq_length=params.seq_length, pack=params.pack,
+            out=workspace / "data" / name / f"{stages.slug(params.data)}-{data_tag}",
+        ), refresh="tokenize" in refresh)
+        # Scored before training: an unchanged base model's score comes from cache.
+        before = stages.run_eval(workspace, params.evaluation, model_dir, mmlu_data, f"base-{name}",
+                                 "evaluate-base" in refresh).manifest["accuracy"]
+        # The run directory is named by everything the weights depend on: a changed input gets
+        # a fresh run instead of "resuming" a finished one.
+        inputs_tag = stages.settings_tag(params.train, checkpoint.manifest.get("files"), tokenized.manifest.get("files"))
+        run_name = f"{name}-{run.version}-{inputs_tag}"
+        trained = stages.run(train_task, params.train.train_config(
+            Path(checkpoint.path), workspace / "runs" / run_name, DataConfig(kind="sft", paths=[tokenized.path]),
+        ), nproc=params.train.nproc, refresh="train" in refresh)
+        exported = stages.run(export_task, ExportConfig(
+            ckpt=Path(trained.path), out=workspace / "models" / run_name, merge_lora=params.train.lora is not None,
+        ), refresh="export" in refresh)
+        answers = None
+        if params.prompts:
+            answers = stages.run(infer_task, InferConfig(
+                model=Path(exported.path), prompts=stages.write_prompts(workspace, params.prompts),
+                out=workspace / "generations" / run_name, template=params.template or "tokenizer",
+                max_new_tokens=params.max_new_tokens,
+            ), refresh="infer" in refresh).path
+        after = stages.run_eval(workspace, params.evaluation, exported.path, mmlu_data, run_name,
+                                "evaluate" in refresh).manifest["accuracy"]
+        scores = {"mmlu_before": before, "mmlu_after": after}
+        tracking.log_metrics(run.mlflow_run, scores)
+        registered = None
+        if params.registered_model:
+            registered = stages.run(register_model_task, params.registered_model, exported, scores,
+                                    refresh="register" in refresh)
+        result = {
+            **scores,
+            "version": run.version,
+            "checkpoint": trained.path,
+            "model": exported.path,
+            "answers": answers,
+            "registered": registered,
+            "mlflow_run": run.mlflow_run,
+        }
+        publish_summary(FLOW, result, run.mlflow_run)
+    return result

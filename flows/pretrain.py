@@ -1,0 +1,98 @@
+"""The pretrain flow: a model pretrained on raw text (from its weights, or from scratch with
+its config), exported and scored.
+
+download -> convert (or initialise) -> tokenize pretraining text -> pretrain -> export ->
+MMLU. Like every
+flow, each stage is cached on its inputs and training resumes from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from prefect import flow
+from pydantic import Field
+
+from llmflow.convert import ConvertConfig
+from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig
+from llmflow.export import ExportConfig
+from llmflow.flows import stages
+from llmflow.flows.checks import check_layout
+from llmflow.flows.params import SAMPLE, EvalParams, Params, Stage, TrainParams
+from llmflow.flows.summary import publish_summary
+from llmflow.tasks.convert import convert_task
+from llmflow.tasks.export import export_task
+from llmflow.tasks.tokenize import tokenize_pretrain_task
+from llmflow.tasks.train import train_task
+from llmflow.train.config import DataConfig, OptimConfig
+
+FLOW = "pretrain"
+
+
+class PretrainParams(Params):
+    """Pretrain a model on raw text, export it and score it on MMLU."""
+
+    workspace: str = "workspace"
+    """Directory of every stage's output (and the default MLflow store)."""
+    model: str = SAMPLE
+    """Initial weights: hf://org/name, ms://org/name, a local Hugging Face directory, or "sample"."""
+    revision: str | None = None
+    """Hub revision of the model."""
+    init: Literal["weights", "random"] = "weights"
+    """weights: continue from the model's weights; random: only its config and tokenizer,
+    freshly initialised (pretraining from scratch)."""
+    data: str = SAMPLE
+    """Text corpus: hf://org/name or ms://org/name (a dataset repository), local files or a
+    directory, or "sample" for the sample Wikipedia-layout parquet."""
+    data_files: list[str] = Field(default_factory=list)
+    """Globs of the data files inside a dataset directory (default: every data file)."""
+    text_key: str = "text"
+    """Column (or JSON key) holding each document's text."""
+    seq_length: int = Field(default=256, ge=8)
+    """Tokens per training sample."""
+    train: TrainParams = TrainParams(steps=200, micro_batch_size=8, global_batch_size=8,
+                                     optim=OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=20))
+    """Training settings."""
+    evaluation: EvalParams = EvalParams()
+    """MMLU settings."""
+    version: str | None = None
+    """Data version or date the run belongs to (empty: the run's scheduled date)."""
+    refresh: list[Stage] = Field(default_factory=list)
+    """Stages to run again even when their inputs are unchanged."""
+
+
+@flow(name=FLOW, log_prints=True)
+def pretrain(params: PretrainParams = PretrainParams()) -> dict[str, Any]:
+    """Train ``params.model`` further on ``params.data``; returns the score and the outputs."""
+    with stages.open_flow_run(FLOW, params) as run:
+        workspace, refresh, sources = run.workspace, run.refresh, run.sources
+        model_dir = sources.model(params.model, params.revision)
+        check_layout(model_dir, params.train)
+        texts = sources.pretraining_text(params.data, params.data_files)
+        name = stages.slug(params.model)
+
+        suffix = "" if params.init == "weights" else f"-random{params.train.seed}"
+        checkpoint = stages.run(convert_task, ConvertConfig(
+            hf=model_dir, out=workspace / "checkpoints" / f"{name}-tp{params.train.tp}{suffix}", tp=params.train.tp,
+            init=params.init, seed=params.train.seed,
+        ), refresh="convert" in refresh)
+        tokenized = stages.run(tokenize_pretrain_task, PretrainTokenizeConfig(
+            input=texts, tokenizer=model_dir, text_key=params.text_key, append_eod=True,
+            out=workspace / "data" / name / f"{stages.slug(params.data)}-{stages.settings_tag(params.data_files, params.text_key)}",
+        ), refresh="tokenize" in refresh)
+        inputs_tag = stages.settings_tag(params.train, params.seq_length, checkpoint.manifest.get("files"),
+                                         tokenized.manifest.get("files"))
+        run_name = f"pretrain-{name}-{run.version}-{inputs_tag}"
+        trained = stages.run(train_task, params.train.train_config(
+            Path(checkpoint.path), workspace / "runs" / run_name, DataConfig(kind="pretrain", paths=[tokenized.path]),
+            seq_length=params.seq_length,
+        ), nproc=params.train.nproc, refresh="train" in refresh)
+        exported = stages.run(export_task, ExportConfig(ckpt=Path(trained.path), out=workspace / "models" / run_name),
+                              refresh="export" in refresh)
+        scored = stages.run_eval(workspace, params.evaluation, exported.path, sources.mmlu(params.evaluation.data),
+                                 run_name, "evaluate" in refresh)
+        result = {"mmlu": scored.manifest["accuracy"], "version": run.version, "checkpoint": trained.path,
+                  "model": exported.path, "evaluation": scored.path, "mlflow_run": run.mlflow_run}
+        publish_summary(FLOW, result, run.mlflow_run)
+    return result

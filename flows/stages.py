@@ -1,0 +1,193 @@
+"""What the flows share: where each stage's output goes in the workspace, how a source
+becomes a local path, and how a stage task is called so that retries skip finished work."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from prefect import Task
+from prefect.runtime import flow_run
+from pydantic import BaseModel
+
+from llmflow import tracking
+from llmflow.artifacts import atomic_file, read_manifest
+from llmflow.checkpoint import latest_step_dir
+from llmflow.download import DownloadConfig, parse_source
+from llmflow.evaluate.engine import EvalConfig
+from llmflow.flows.params import SAMPLE, EvalParams
+from llmflow.sample import SampleConfig
+from llmflow.tasks.common import StageArtifact
+from llmflow.tasks.download import download_task
+from llmflow.tasks.evaluate import EVAL_TASKS
+from llmflow.tasks.sample import sample_task
+from llmflow.tasks.train import STAGE as TRAIN_STAGE
+
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv", ".txt", ".arrow")
+
+
+def slug(source: str) -> str:
+    """A directory name for a source: ``hf://Qwen/Qwen2.5-0.5B`` -> ``Qwen--Qwen2.5-0.5B``; a
+    local path gets a tag of its full path (two ``model`` directories never collide)."""
+    if source == SAMPLE:
+        return SAMPLE
+    if "://" in source:
+        name = source.split("://", 1)[1]
+    else:
+        path = Path(source).expanduser().resolve()
+        name = f"{path.name}-{settings_tag(str(path))}"
+    return re.sub(r"[^\w.-]+", "--", name).strip("-.") or "source"
+
+
+def settings_tag(*settings: Any) -> str:
+    """Eight hex digits naming a combination of settings, so outputs made with different
+    settings never share (and overwrite) a directory."""
+    payload = json.dumps([s.model_dump(mode="json") if isinstance(s, BaseModel) else s for s in settings],
+                         sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:8]
+
+
+def run_version(version: str | None, scheduled: datetime | None) -> str:
+    """The version a run's finetune carries: the given one, else the flow run's scheduled
+    date (a retry keeps its date; tomorrow's nightly run gets a new one)."""
+    if version:
+        return version
+    return (scheduled or datetime.now(timezone.utc)).strftime("%Y-%m-%d")
+
+
+def write_prompts(workspace: Path, prompts: list[str]) -> Path:
+    """The prompts as a jsonl file named by its content (so an unchanged list keeps the
+    inference stage's cache key)."""
+    path = workspace / "prompts" / f"{settings_tag(prompts)}.jsonl"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(path, "w") as f:
+            f.writelines(json.dumps({"prompt": prompt}, ensure_ascii=False) + "\n" for prompt in prompts)
+    return path
+
+
+def intact(artifact: StageArtifact) -> bool:
+    """Whether a stage's output is still there as its artifact describes it."""
+    path = Path(artifact.path)
+    if artifact.stage == TRAIN_STAGE:
+        latest = latest_step_dir(path)
+        return latest is not None and latest.name == artifact.manifest.get("step_dir")
+    return read_manifest(path) is not None
+
+
+def run(task: Task, *args: Any, refresh: bool = False, **kwargs: Any) -> Any:
+    """Call a stage task in the flow (never ``submit``: a cancelled run must unwind through
+    the task so its workers are killed). A cached result whose output has since been
+    deleted runs the stage again; ``refresh`` forces it."""
+    result = task.with_options(refresh_cache=True if refresh else None)(*args, **kwargs)
+    if isinstance(result, StageArtifact) and not refresh and not intact(result):
+        result = task.with_options(refresh_cache=True)(*args, **kwargs)
+    return result
+
+
+def run_eval(workspace: Path, evaluation: EvalParams, model: str | Path, data: str, name: str,
+             refresh: bool = False, benchmark: str = "mmlu") -> StageArtifact:
+    """The ``benchmark`` evaluation stage on ``model`` into ``eval/{name}-{settings}``; hub data
+    is cached under the workspace's ``downloads/``."""
+    settings = evaluation.model_dump(exclude={"data"})
+    config = EvalConfig(model=model, data=data, out=workspace / "eval" / f"{name}-{settings_tag(benchmark, evaluation)}",
+                        cache_dir=workspace / "downloads", **settings)
+    return run(EVAL_TASKS[benchmark], config, refresh=refresh)
+
+
+@dataclass
+class FlowRun:
+    """What a flow's stages share: the workspace, the run's version, the stages to refresh,
+    the sources and the flow's MLflow run."""
+
+    workspace: Path
+    version: str
+    refresh: set[str]
+    sources: Sources
+    mlflow_run: str
+
+
+@contextlib.contextmanager
+def open_flow_run(flow: str, params: BaseModel) -> Iterator[FlowRun]:
+    """Set up a flow run from its parameters (``workspace``, ``refresh`` and, when present,
+    ``version``): MLflow pointed at the workspace, the parent MLflow run opened (found again
+    on a retry), the sources ready."""
+    workspace = Path(params.workspace).resolve()
+    tracking.configure(workspace)
+    version = run_version(getattr(params, "version", None), flow_run.scheduled_start_time)
+    logged = params.model_dump(mode="json") | {"version": version}
+    refresh = set(params.refresh)
+    with tracking.flow_run(flow, flow_run.id, logged) as parent:
+        yield FlowRun(workspace, version, refresh, Sources(workspace, refresh), parent)
+
+
+class Sources:
+    """Turns flow sources into local paths inside one workspace: "sample" runs the sample
+    stage (once), hub sources run the download stage, local paths are used in place."""
+
+    def __init__(self, workspace: Path, refresh: set[str]):
+        self.workspace = workspace
+        self.refresh = refresh
+        self._sample: Path | None = None
+
+    def sample(self) -> Path:
+        """The sample assets' directory."""
+        if self._sample is None:
+            config = SampleConfig(out=self.workspace / "sample")
+            self._sample = Path(run(sample_task, config, refresh="sample" in self.refresh).path)
+        return self._sample
+
+    def fetch(self, source: str, repo_type: str = "model", revision: str | None = None,
+              include: list[str] | None = None) -> Path:
+        """A hub repository downloaded (or verified) under ``downloads/``; a local path as is."""
+        if "://" not in source:
+            path = Path(source).expanduser().resolve()
+            if not path.exists():
+                raise FileNotFoundError(f"source {source!r}: no such file or directory")
+            return path
+        parse_source(source)
+        config = DownloadConfig(source=source, out=self.workspace / "downloads" / slug(source), revision=revision,
+                                include=include or [], repo_type=repo_type)
+        return Path(run(download_task, config, refresh="download" in self.refresh).path)
+
+    def model(self, source: str, revision: str | None = None) -> Path:
+        """A Hugging Face model directory."""
+        return self.sample() / "model" if source == SAMPLE else self.fetch(source, "model", revision)
+
+    def instruction_data(self, source: str, files: list[str]) -> list[Path]:
+        """The instruction data files: the sample's Alpaca parquet, or the data files of a
+        dataset directory (matching ``files`` globs when given), or one local file."""
+        if source == SAMPLE:
+            return [self.sample() / "instruct" / "alpaca.parquet"]
+        return data_files(self.fetch(source, "dataset"), files, source)
+
+    def pretraining_text(self, source: str, files: list[str]) -> list[Path]:
+        """The text corpus files: the sample's Wikipedia-layout parquet, or a dataset's data files."""
+        if source == SAMPLE:
+            return [self.sample() / "pretrain" / "corpus.parquet"]
+        return data_files(self.fetch(source, "dataset"), files, source)
+
+    def mmlu(self, source: str) -> str:
+        """MMLU data as the evaluation stage takes it (hub sources it downloads itself)."""
+        return str(self.sample() / "mmlu" / "hf") if source == SAMPLE else source
+
+
+def data_files(path: Path, globs: list[str], source: str) -> list[Path]:
+    """``path`` itself when a file, else its data files (matching ``globs`` when given)."""
+    if path.is_file():
+        return [path]
+    if globs:
+        found = sorted({f for pattern in globs for f in path.glob(pattern) if f.is_file()})
+    else:
+        found = sorted(f for f in path.rglob("*") if f.suffix in DATA_SUFFIXES and f.name != "manifest.json")
+    if not found:
+        wanted = f"files matching {globs}" if globs else f"data files ({', '.join(DATA_SUFFIXES)})"
+        raise FileNotFoundError(f"data {source!r}: {path} holds no {wanted}")
+    return found

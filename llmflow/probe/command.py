@@ -1,0 +1,15 @@
+"""``llmflow probe compare TARGET BENCH --out DIR``."""
+
+from __future__ import annotations
+
+from llmflow.probe.compare import CompareConfig, compare_dumps
+
+
+class CompareCommand(CompareConfig):
+    """Compare a dump against a benchmark dump with msprobe's metrics and results; writes
+    compare_result_{rank}.csv and advisor.txt into --out and prints the advice."""
+
+    def cli_cmd(self) -> None:
+        report = compare_dumps(CompareConfig(**self.model_dump()))
+        print(report.advice, end="")
+        print(f"wrote {', '.join(r.csv for r in report.ranks)} and advisor.txt in {report.out}")

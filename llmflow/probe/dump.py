@@ -1,0 +1,360 @@
+"""Dump training steps in msprobe's layout, so msprobe's tools and ``llmflow probe compare`` read them.
+
+``with dumper.step(n):`` around the forward and backward passes of step ``n`` writes, when
+the config lists the step and this rank::
+
+    {dump_path}/step{n}/rank{r}/dump.json        # "rank" without a number outside torchrun
+                               /stack.json
+                               /construct.json
+                               /dump_tensor_data/*.pt   # task tensor
+
+(msprobe's layout: Ascend/mstt, ``debug/accuracy_tools/msprobe/docs/05.data_dump_PyTorch.md``
+section 3; dump.json as in ``docs/27.dump_json_instruction.md``). The rank folder is built
+under a temporary name and renamed when the step ends, so a folder that exists is complete.
+
+- Level L0 records every submodule of the model (not the model itself, as msprobe) through
+  forward pre/post hooks: ``Module.{name}.{Class}.forward.{n}`` with input_args,
+  input_kwargs, output and the module's own parameters, ``Module.{name}.{Class}.backward.{n}``
+  with input (gradients of the outputs) and output (gradients of the inputs), and
+  ``Module.{name}.{Class}.parameters_grad.{n}``. ``n`` counts the module's calls in the step.
+- Level L1 records torch API calls through a TorchFunctionMode (nothing in torch is
+  patched): ``Functional.linear.{n}.forward`` / ``.backward``, ``Tensor.add.{n}.forward``,
+  ``Torch.matmul.{n}.forward``; ``n`` counts the API's calls in the step. Calls that return
+  no tensor are not recorded; an in-place call's output is its first argument after the call.
+- Level mix records both; construct.json then gives each API call its enclosing module.
+
+Backward records come from ``torch.utils.hooks.BackwardHook``, the mechanism behind
+``register_full_backward_hook`` (msprobe uses the same). Like module backward hooks, it
+forbids in-place changes to the outputs of a hooked call ("Output 0 of BackwardHookFunction
+is a view and is being modified inplace"); dump such code with data_mode ["forward"].
+
+Under FSDP2, a sharded parameter's gradient is not produced by autograd, so its
+parameters_grad is not recorded. Steps run with torch.compile are not supported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import linecache
+import sys
+import warnings
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import BackwardHook
+
+from llmflow.artifacts import atomic_directory
+from llmflow.probe.apis import SKIPPED, api_name, is_inplace
+from llmflow.probe.config import ProbeConfig
+from llmflow.probe.records import RecordBuilder
+from llmflow.probe.scope import CallFilter, backward_name
+
+TENSOR_DIR = "dump_tensor_data"
+# Frames of torch itself (module call machinery, the function mode) and of the probe tell
+# nothing about where the model made the call.
+_HIDDEN_FRAMES = (str(Path(torch.__file__).resolve().parent), str(Path(__file__).resolve().parent))
+
+
+def call_stack() -> tuple[str, ...]:
+    """The caller's stack, innermost frame first, in msprobe's stack.json line format,
+    without torch's and the probe's own frames."""
+    positions = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        positions.append((frame.f_code, frame.f_lineno))
+        frame = frame.f_back
+    return _format_stack(tuple(positions))
+
+
+@functools.lru_cache(maxsize=4096)
+def _format_stack(positions: tuple) -> tuple[str, ...]:
+    lines = []
+    for code, line in positions:
+        source = linecache.getline(code.co_filename, line).strip()
+        if source and not code.co_filename.startswith(_HIDDEN_FRAMES):
+            lines.append(f"File {code.co_filename}, line {line}, in {code.co_name}, \n {source}")
+    return tuple(lines)
+
+
+def _class_name(module: nn.Module) -> str:
+    # fully_shard swaps in a class "FSDP{Name}"; keep the model's own name so layouts compare.
+    name = type(module).__name__
+    return name.removeprefix("FSDP") if isinstance(module, FSDPModule) else name
+
+
+def _as_tuple(value: Any) -> tuple:
+    if isinstance(value, tuple):
+        return value
+    return tuple(value) if isinstance(value, list) else (value,)
+
+
+def _has_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_has_tensor(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_tensor(v) for v in value.values())
+    return False
+
+
+def _write_json(path: Path, payload: Any) -> None:
+    # Without indentation json uses its C encoder: several times faster on a large dump.
+    path.write_text(json.dumps(payload), encoding="utf-8")
+
+
+class Dumper:
+    """Dumps the steps a ProbeConfig lists; ``model`` is the module whose submodules level
+    L0/mix records. Nothing is installed outside a dumped step."""
+
+    def __init__(self, config: ProbeConfig, model: nn.Module) -> None:
+        self.config = config
+        self.model = model
+        self.rank = dist.get_rank() if dist.is_initialized() else None
+
+    @property
+    def rank_dir(self) -> str:
+        """msprobe's rank folder name: rank{R}, or rank outside a process group."""
+        return "rank" if self.rank is None else f"rank{self.rank}"
+
+    def step(self, step: int) -> contextlib.AbstractContextManager:
+        """Context of step ``step`` (0-based, as msprobe counts): dumps it when listed."""
+        if not self.config.dumps(step, self.rank or 0):
+            return contextlib.nullcontext()
+        return self._dump(step)
+
+    @contextlib.contextmanager
+    def _dump(self, step: int) -> Iterator[None]:
+        final = Path(self.config.dump_path) / f"step{step}" / self.rank_dir
+        with atomic_directory(final) as work:
+            session = _Session(self.config, self.model, work, final)
+            with session:
+                yield
+            session.write()
+
+
+@dataclass
+class _Call:
+    """A module call between its pre and post hooks."""
+
+    forward: str
+    parent: str | None
+    record: bool
+    inputs: dict[str, Any]
+    hook: BackwardHook | None
+
+
+class _ApiMode(TorchFunctionMode):
+    """Sends every named torch API call through the session."""
+
+    def __init__(self, session: _Session) -> None:
+        super().__init__()
+        self.session = session
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = None if self.session.quiet else api_name(func)
+        if name is None or name in SKIPPED:
+            return func(*args, **kwargs)
+        return self.session.api_call(name, func, args, kwargs)
+
+
+class _Session:
+    """What one dumped step records, and the hooks that record it."""
+
+    def __init__(self, config: ProbeConfig, model: nn.Module, work: Path, final: Path) -> None:
+        self.config = config
+        self.model = model
+        self.work = work
+        self.modes = config.section.data_mode
+        tensor_dir = work / TENSOR_DIR if config.task == "tensor" else None
+        if tensor_dir is not None:
+            tensor_dir.mkdir()
+        self.dump_data_dir = str(final / TENSOR_DIR) if tensor_dir is not None else None
+        self.records = RecordBuilder(config.md5, tensor_dir)
+        self.filter = CallFilter(config.section.scope, config.section.names)
+        self.data: dict[str, dict[str, Any]] = {}
+        self.stacks: dict[tuple[str, ...], list[str]] = {}
+        self.construct: dict[str, str | None] = {}
+        self.counts: defaultdict[str, int] = defaultdict(int)
+        self.calls: list[_Call] = []
+        self.recorded_modules: set[str] = set()
+        self.installed = contextlib.ExitStack()
+        self.quiet = 0
+        """Non-zero while the session runs torch code of its own, which is not recorded."""
+        self._threads = 0
+
+    def __enter__(self) -> None:
+        self.installed.enter_context(warnings.catch_warnings())
+        # BackwardHook warns when no input of a call needs a gradient (token ids); the
+        # gradients of its outputs are recorded all the same.
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        if self.config.level != "L1":
+            self._hook_modules()
+        if self.config.level != "L0":
+            self.installed.enter_context(_ApiMode(self))
+
+    def __exit__(self, *exc: object) -> None:
+        self.installed.__exit__(*exc)
+
+    def write(self) -> None:
+        """Write dump.json, stack.json and construct.json into the work folder."""
+        with self._quietly():
+            self.records.finish()
+        dump = {"task": self.config.task, "level": self.config.level, "framework": "pytorch",
+                "dump_data_dir": self.dump_data_dir, "data": self.data}
+        _write_json(self.work / "dump.json", dump)
+        # msprobe groups the calls that share a stack: {"0": [[names], [frames]], ...}
+        _write_json(self.work / "stack.json", {str(i): [names, list(stack)] for i, (stack, names) in enumerate(self.stacks.items())})
+        _write_json(self.work / "construct.json", self.construct)
+
+    # --- recording ----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _quietly(self) -> Iterator[None]:
+        """The session's own torch work (records, statistics): not recorded, and on one CPU
+        thread. Its thousands of small ops gain less from the intra-op pool than waking it
+        costs, and on a busy machine every wake-up can wait for a time slice."""
+        if self.quiet == 0:
+            self._threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+        self.quiet += 1
+        try:
+            yield
+        finally:
+            self.quiet -= 1
+            if self.quiet == 0:
+                torch.set_num_threads(self._threads)
+
+    def _wants(self, direction: str, side: str) -> bool:
+        """msprobe's data_mode test: a record is kept when "all", its direction or its side is listed."""
+        return "all" in self.modes or direction in self.modes or side in self.modes
+
+    def _inputs(self, forward: str, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "input_args": self.records.build(args, f"{forward}.input"),
+            "input_kwargs": self.records.build(kwargs, f"{forward}.kwargs"),
+        }
+
+    def _add(self, name: str, entry: dict[str, Any], parent: str | None, with_stack: bool) -> None:
+        self.data[name] = entry
+        if self.config.level != "L1":
+            self.construct[name] = parent
+        if with_stack:
+            self.stacks.setdefault(call_stack(), []).append(name)
+
+    def _add_forward(self, forward: str, parent: str | None, inputs: dict[str, Any], output: Any, params: dict | None = None) -> None:
+        entry = dict(inputs)
+        if self._wants("forward", "output"):
+            entry["output"] = self.records.build(_as_tuple(output), f"{forward}.output")
+        if params and self._wants("forward", "input"):
+            entry["parameters"] = self.records.build(params, f"{forward}.parameters")
+        self._add(forward, entry, parent, with_stack=True)
+
+    def _backward_hook(self, forward: str, parent: str | None) -> BackwardHook | None:
+        if not (self._wants("backward", "input") or self._wants("backward", "output")):
+            return None
+        return BackwardHook(None, [functools.partial(self._backward, forward, parent)], [])
+
+    def _backward(self, forward: str, parent: str | None, _module: Any, grad_input: tuple, grad_output: tuple) -> None:
+        with self._quietly():
+            name = backward_name(forward)
+            entry = {}
+            if self._wants("backward", "input"):
+                entry["input"] = self.records.build(grad_output, f"{name}.input")
+            if self._wants("backward", "output"):
+                entry["output"] = self.records.build(grad_input, f"{name}.output")
+            self._add(name, entry, backward_name(parent) if parent else None, with_stack=False)
+
+    # --- modules (L0, mix) ---------------------------------------------------------------------------
+
+    def _hook_modules(self) -> None:
+        for qualname, module in self.model.named_modules():
+            if module is self.model:
+                continue
+            prefix = f"Module.{qualname}.{_class_name(module)}."
+            handles = [
+                module.register_forward_pre_hook(functools.partial(self._pre, prefix), with_kwargs=True),
+                module.register_forward_hook(functools.partial(self._post, prefix), with_kwargs=True, always_call=True),
+            ]
+            for pname, param in module.named_parameters(recurse=False):
+                if param.requires_grad:
+                    handles.append(param.register_hook(functools.partial(self._param_grad, prefix, pname)))
+            for handle in handles:
+                self.installed.callback(handle.remove)
+
+    def _pre(self, prefix: str, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        with self._quietly():
+            forward = f"{prefix}forward.{self.counts[prefix]}"
+            self.counts[prefix] += 1
+            parent = self.calls[-1].forward if self.calls else None
+            record, record_backward = self.filter.begin(forward, [c.forward for c in self.calls])
+            inputs = self._inputs(forward, args, kwargs) if record and self._wants("forward", "input") else {}
+            hook = self._backward_hook(forward, parent) if record_backward else None
+            if hook is not None:
+                args = hook.setup_input_hook(args)
+            self.calls.append(_Call(forward, parent, record, inputs, hook))
+        return args, kwargs
+
+    def _post(self, prefix: str, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
+        with self._quietly():
+            call = self.calls.pop()
+            if call.record:
+                self._add_forward(call.forward, call.parent, call.inputs, output, dict(module.named_parameters(recurse=False)))
+                self.recorded_modules.add(prefix)
+            self.filter.end(call.forward)
+            if call.hook is not None:
+                output = call.hook.setup_output_hook(output)
+        return output
+
+    def _param_grad(self, prefix: str, pname: str, grad: torch.Tensor) -> None:
+        if prefix not in self.recorded_modules or not self._wants("backward", "output"):
+            return
+        with self._quietly():
+            key = f"{prefix}parameters_grad.{pname}"
+            name = f"{prefix}parameters_grad.{self.counts[key]}"
+            self.counts[key] += 1
+            self.data.setdefault(name, {})[pname] = [self.records.build(grad, f"{name}.{pname}")]
+
+    # --- torch APIs (L1, mix) ------------------------------------------------------------------------
+
+    def api_call(self, api: str, func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """Run one API call and record it. The torch function mode is off while this runs,
+        so the calls made here (and inside ``func``) are not recorded."""
+        forward = f"{api}.{self.counts[api]}.forward"
+        parent = self.calls[-1].forward if self.calls else None
+        record, record_backward = self.filter.begin(forward, [c.forward for c in self.calls])
+        inplace = is_inplace(api)
+        wants_inputs = record and self._wants("forward", "input")
+        inputs = None
+        if inplace and wants_inputs:
+            with self._quietly():
+                inputs = self._inputs(forward, args, kwargs)  # before the call overwrites them
+        hook = None
+        if record_backward and not inplace and torch.is_grad_enabled():
+            hook = self._backward_hook(forward, parent)
+            if hook is not None:
+                args = hook.setup_input_hook(args)
+        output = func(*args, **kwargs)
+        result = args[0] if inplace and args else output
+        if _has_tensor(result):
+            self.counts[api] += 1
+            if record:
+                with self._quietly():
+                    if wants_inputs and inputs is None:
+                        inputs = self._inputs(forward, args, kwargs)
+                    self._add_forward(forward, parent, inputs or {}, result)
+        self.filter.end(forward)
+        if hook is not None:
+            output = hook.setup_output_hook(output)
+        return output

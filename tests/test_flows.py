@@ -1,0 +1,230 @@
+"""The finetune-and-eval flow end to end on the sample assets, against the temporary Prefect
+server: every stage, its MLflow run nested under the flow's and the registered model; a
+rerun served from cache; a run failing in its last evaluation, rerun, executing only what
+failed; a run killed mid-training leaving no worker behind, its rerun resuming from the
+checkpoint. Each flow run trains briefly (a torchrun launch each), so there are few.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+from prefect_helpers import FlowProcess, flow_run_logs, mlflow_runs, task_states, wait_for
+
+from llmflow.flows.finetune_eval import FinetuneEvalParams, finetune_eval
+from llmflow.tracking import FLOW_RUN_TAG
+
+pytestmark = pytest.mark.usefixtures("prefect_env")
+
+# A flow run in its own process, as a worker or serve() runs it: cancelling it sends SIGTERM.
+FLOW_SCRIPT = """
+import sys
+
+from llmflow.flows.finetune_eval import FinetuneEvalParams, finetune_eval
+
+finetune_eval(FinetuneEvalParams.model_validate_json(open(sys.argv[1]).read()))
+"""
+
+
+@pytest.fixture(autouse=True)
+def worker_env(monkeypatch):
+    """Workers on CPU, one thread each; system metrics sampled often enough to show up."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("LLMFLOW_DEVICE", "cpu")
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
+
+
+def flow_params(workspace: Path, **overrides) -> FinetuneEvalParams:
+    base = {
+        "workspace": str(workspace),
+        "version": "test",
+        "train": {"steps": 8, "save_interval": 4, "micro_batch_size": 8, "global_batch_size": 8},
+        "evaluation": {"limit": 8},
+        "registered_model": "test-finetuned",
+    }
+    return FinetuneEvalParams.model_validate(base | overrides)
+
+
+def run_flow(params: FinetuneEvalParams):
+    """The flow run's final state and the state names of its stages, in order."""
+    state = finetune_eval(params, return_state=True)
+    states = task_states(state.state_details.flow_run_id)
+    return state, states
+
+
+def stage_states(states: dict[str, list[str]]) -> list[tuple[str, str]]:
+    order = {"sample": 0, "convert": 1, "tokenize-instruction": 2, "eval-mmlu": 3, "train": 4, "export": 5, "infer": 6,
+             "register": 7}
+    pairs = [(name, state) for name, runs in states.items() for state in runs]
+    return sorted(pairs, key=lambda p: order.get(p[0], 9))
+
+
+def test_finetune_eval_runs_every_stage_tracks_it_and_reruns_from_cache(prefect_env, tmp_path):
+    params = flow_params(tmp_path / "ws")
+    state, states = run_flow(params)
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert {name: set(runs) for name, runs in states.items()} == {
+        "sample": {"Completed"}, "convert": {"Completed"}, "tokenize-instruction": {"Completed"},
+        "eval-mmlu": {"Completed"}, "train": {"Completed"}, "export": {"Completed"}, "infer": {"Completed"},
+        "register": {"Completed"},
+    }
+    assert len(states["eval-mmlu"]) == 2
+    assert 0 <= result["mmlu_before"] <= 1 and 0 <= result["mmlu_after"] <= 1
+    assert (Path(result["model"]) / "config.json").is_file()
+    assert (Path(result["model"]) / "tokenizer.json").is_file()
+    answers = [json.loads(line) for line in next((tmp_path / "ws" / "generations").glob("*/generations.jsonl")).open()]
+    assert [a["prompt"] for a in answers] == list(params.prompts) and all(a["output"] for a in answers)
+
+    # MLflow: one parent run for the flow run, every stage nested under it.
+    client = MlflowClient(prefect_env["mlflow_uri"])
+    parent = client.get_run(result["mlflow_run"])
+    assert parent.data.tags[FLOW_RUN_TAG] == str(state.state_details.flow_run_id)
+    assert parent.data.metrics["mmlu_after"] == result["mmlu_after"]
+    assert any(key.startswith("system/") for key in parent.data.metrics), parent.data.metrics
+    assert "summary.md" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+    for stage in ("sample", "convert", "tokenize-instruction", "train", "export", "infer", "eval-mmlu", "register"):
+        runs = mlflow_runs(prefect_env, stage)
+        assert runs and all(r.data.tags["mlflow.parentRunId"] == parent.info.run_id for r in runs), stage
+    (train_run,) = mlflow_runs(prefect_env, "train")
+    assert "loss_curve.png" in {a.path for a in client.list_artifacts(train_run.info.run_id)}
+
+    # The registered model points at the exported directory, tagged with the scores.
+    (version,) = client.search_model_versions("name = 'test-finetuned'")
+    assert version.source == result["model"]
+    assert float(version.tags["mmlu_after"]) == pytest.approx(result["mmlu_after"], rel=1e-5)
+
+    # Prefect artifacts: the summary, the evaluation tables and the training progress.
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as prefect_client:
+        artifacts = prefect_client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]))
+        )
+    kinds = {(a.key, a.type) for a in artifacts}
+    assert ("finetune-eval-summary", "markdown") in kinds
+    assert ("mmlu-accuracy", "table") in kinds
+    assert ("infer-samples", "table") in kinds
+    progress = [a for a in artifacts if a.type == "progress"]
+    assert progress and progress[0].data == 100.0
+
+    # The same parameters again: every stage comes from cache, the scores are the same.
+    again, states = run_flow(params)
+    assert again.is_completed()
+    assert {state for runs in states.values() for state in runs} == {"Cached"}
+    assert {k: again.result()[k] for k in ("mmlu_before", "mmlu_after", "model")} == {
+        k: result[k] for k in ("mmlu_before", "mmlu_after", "model")
+    }
+
+
+def test_a_run_failing_in_its_last_evaluation_reruns_only_that_stage(prefect_env, tmp_path):
+    """The evaluation data goes bad while the model trains (after the base model's score);
+    once it is back as it was, a rerun executes only the final evaluation and what follows."""
+    from llmflow.sample import SampleConfig, write_sample
+
+    data = tmp_path / "mmlu"
+    shutil.copytree(write_sample(SampleConfig(out=tmp_path / "sample")) / "mmlu" / "hf", data)
+    victim = next(data.rglob("test-*.parquet"))
+    backup = tmp_path / "backup.parquet"
+    shutil.copy2(victim, backup)
+    workspace = tmp_path / "ws"
+    params = flow_params(workspace, evaluation={"data": str(data), "limit": 8})
+
+    def corrupt_once_training_started() -> None:
+        deadline = time.monotonic() + 300
+        while not list(workspace.glob("runs/*/step_00000004")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        victim.write_bytes(b"not a parquet file")
+
+    corrupter = threading.Thread(target=corrupt_once_training_started, daemon=True)
+    corrupter.start()
+    state, states = run_flow(params)
+    corrupter.join()
+    assert state.is_failed()
+    assert states["eval-mmlu"] == ["Completed", "Failed"]
+    assert states["train"] == ["Completed"] and "register" not in states
+
+    shutil.copy2(backup, victim)  # content and mtime as they were: the base score's cache key holds
+    state, states = run_flow(params)
+    assert state.is_completed(), state.message
+    assert stage_states(states) == [
+        ("sample", "Cached"), ("convert", "Cached"), ("tokenize-instruction", "Cached"),
+        ("eval-mmlu", "Cached"), ("eval-mmlu", "Completed"), ("train", "Cached"), ("export", "Cached"),
+        ("infer", "Cached"), ("register", "Completed"),
+    ]
+
+
+def test_a_killed_run_leaves_no_worker_and_its_rerun_resumes_training(prefect_env, prefect_server, tmp_path):
+    workspace = tmp_path / "ws"
+    params = flow_params(workspace, train={"steps": 16, "save_interval": 4, "micro_batch_size": 8, "global_batch_size": 8})
+    params_path = tmp_path / "params.json"
+    params_path.write_text(params.model_dump_json())
+    script = tmp_path / "flow.py"
+    script.write_text(FLOW_SCRIPT)
+    flow_process = FlowProcess([str(script), str(params_path)], prefect_server.settings)
+    try:
+        wait_for(flow_process.lines, "saved checkpoint", timeout_s=240)
+        assert len(flow_process.training_workers()) >= 2  # torchrun and its rank
+        assert flow_process.terminate() == []
+    finally:
+        flow_process.close()
+    (run_dir,) = workspace.glob("runs/*")
+    saved = int((run_dir / "latest").read_text().strip().removeprefix("step_"))
+    assert 4 <= saved < 16
+
+    state, states = run_flow(params)
+    assert state.is_completed(), state.message
+    assert states["sample"] == ["Cached"] and states["convert"] == ["Cached"] and states["train"] == ["Completed"]
+    logs = flow_run_logs(state.state_details.flow_run_id)
+    assert any(line.startswith(f"resumed from {run_dir / f'step_{saved:08d}'} at step {saved}") for line in logs)
+
+
+def test_pretrain_then_evaluate_its_checkpoint(prefect_env, tmp_path):
+    from llmflow.flows.evaluate import EvaluateParams, evaluate
+    from llmflow.flows.pretrain import PretrainParams, pretrain
+
+    workspace = tmp_path / "ws"
+    params = PretrainParams.model_validate({
+        "workspace": str(workspace), "version": "test", "seq_length": 64, "evaluation": {"limit": 4},
+        "train": {"steps": 4, "micro_batch_size": 4, "global_batch_size": 4, "save_interval": None},
+    })
+    state = pretrain(params, return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert set(task_states(state.state_details.flow_run_id)) == {
+        "sample", "convert", "tokenize-pretrain", "train", "export", "eval-mmlu"
+    }
+    (train_run,) = mlflow_runs(prefect_env, "train")
+    assert train_run.data.params["data.kind"] == "pretrain" and train_run.data.params["seq_length"] == "64"
+
+    # The same score from the training checkpoint as from its export (same weights, same tokenizer).
+    scored = evaluate(EvaluateParams.model_validate(
+        {"workspace": str(workspace), "model": result["checkpoint"], "evaluation": {"limit": 4}}))
+    assert scored["mmlu"] == result["mmlu"]
+    assert Path(scored["evaluation"]) != Path(result["evaluation"])
+
+    # From scratch: the model's config and tokenizer, random weights, the same later stages.
+    scratch = pretrain(params.model_copy(update={"init": "random"}), return_state=True)
+    assert scratch.is_completed(), scratch.message
+    assert scratch.result()["checkpoint"] != result["checkpoint"]
+    assert task_states(scratch.state_details.flow_run_id)["tokenize-pretrain"] == ["Cached"]
+
+
+def test_an_impossible_layout_stops_the_flow_before_any_heavy_stage(prefect_env, tmp_path):
+    from llmflow.mesh import LayoutError
+
+    params = flow_params(tmp_path / "ws", train={"nproc": 3, "tp": 3})
+    state, states = run_flow(params)
+    assert state.is_failed()
+    with pytest.raises(LayoutError, match="num_attention_heads=.* is not divisible by tp=3"):
+        state.result()
+    assert set(states) == {"sample"}
+    with pytest.raises(ValueError, match="nproc=4 is not a multiple of tp=3"):
+        flow_params(tmp_path / "ws", train={"nproc": 4, "tp": 3})

@@ -1,0 +1,106 @@
+"""Tensor-parallel generation: ``llmflow generate --nproc 2`` (torchrun, gloo) writes what one
+process writes, both loaders (whole weights, sharded checkpoint) build the model of one
+process, and an --nproc the model or machine cannot take is refused before any worker starts."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmflow.cli import main
+from llmflow.infer import GenerateConfig
+
+PROMPTS = ["The capital of", "a", "Once upon a time in a land far away there lived"]
+
+
+@pytest.fixture(scope="module")
+def sample_model(tmp_path_factory) -> Path:
+    from llmflow.sample import SampleConfig, write_sample
+
+    root = tmp_path_factory.mktemp("generate_tp")
+    return write_sample(SampleConfig(out=root / "sample", instruct_rows=10, documents=5)) / "model"
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return path
+
+
+def generate_cli(model: Path, prompts: Path, capsys, *options: str) -> list[dict]:
+    main(["generate", "--model", str(model), "--prompts", str(prompts), "--max-new-tokens", "16", *options])
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+def test_two_ranks_generate_what_one_process_generates(sample_model, prompts_file, capsys, monkeypatch):
+    from llmflow.data.tokenizer import load_tokenizer
+
+    lengths = {len(load_tokenizer(sample_model).encode(p).ids) for p in PROMPTS}
+    assert len(lengths) == len(PROMPTS)  # rows are left-padded by different amounts
+    one = generate_cli(sample_model, prompts_file, capsys)
+    assert [r["prompt"] for r in one] == PROMPTS and all(r["completion"] for r in one)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert generate_cli(sample_model, prompts_file, capsys, "--nproc", "2") == one
+
+
+def _one_rank_group(monkeypatch) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
+
+
+def test_sharded_loaders_build_the_model_of_one_process(sample_model, tmp_path, monkeypatch):
+    """Both loading paths of a worker (whole weights then shards; a checkpoint read shard by
+    shard, here with vocabulary padding) on a one-rank tensor-parallel mesh."""
+    from torch.distributed.tensor import DTensor
+
+    from llmflow import runtime
+    from llmflow.convert import ConvertConfig, convert
+    from llmflow.infer.__main__ import load_sharded_model
+    from llmflow.infer.command import load_generator, make_generator
+    from llmflow.mesh import ParallelLayout, build_mesh
+
+    ckpt = convert(ConvertConfig(hf=sample_model, out=tmp_path / "ckpt", tp=2))
+    config = GenerateConfig(max_new_tokens=12)
+    expected = [r.tokens for r in load_generator(sample_model).run(PROMPTS, config)]
+    _one_rank_group(monkeypatch)
+    env = runtime.init_distributed("cpu", timeout_s=60)
+    try:
+        mesh = build_mesh(ParallelLayout(), "cpu")["tp"]
+        for path in (sample_model, ckpt):
+            model, hf_config = load_sharded_model(path, env.device, mesh)
+            assert isinstance(model.model.layers["0"].self_attn.q_proj.weight, DTensor)
+            assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as in the sample model
+            gen = make_generator(path, model, hf_config, group=mesh.get_group())
+            assert [r.tokens for r in gen.run(PROMPTS, config)] == expected, path
+    finally:
+        runtime.destroy_distributed()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--nproc", "3"], "num_attention_heads=4 is not divisible by tp=3; model num_key_value_heads=2"),
+        (["--nproc", "4"], "num_key_value_heads=2 is not divisible by tp=4"),
+        pytest.param(
+            ["--nproc", "2", "--device", "cuda"], "only [01] cuda devices are visible",
+            marks=pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2 GPUs"),
+        ),
+    ],
+)
+def test_impossible_nproc_is_refused_before_spawning(sample_model, options, message, monkeypatch):
+    import llmflow.infer.command as command
+
+    def no_workers(*_args, **_kwargs):
+        raise AssertionError("workers were started")
+
+    monkeypatch.setattr(command, "run_workers", no_workers)
+    with pytest.raises(SystemExit, match=rf"--nproc {options[1]} cannot run .*{message}"):
+        main(["generate", "--model", str(sample_model), "--prompt", "hi", *options])
