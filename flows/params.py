@@ -19,7 +19,8 @@ SAMPLE = "sample"
 """Source value that means "the built-in sample assets" (written by the sample stage)."""
 
 Stage = Literal[
-    "sample", "download", "convert", "tokenize", "evaluate-base", "train", "export", "infer", "evaluate", "register"
+    "sample", "download", "convert", "tokenize", "evaluate-base", "train", "export", "infer", "evaluate", "register",
+    "compare",
 ]
 
 

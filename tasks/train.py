@@ -32,19 +32,23 @@ from llmflow.train.config import TrainConfig
 
 STAGE = "train"
 RUN_ID_ENV = "LLMFLOW_MLFLOW_RUN_ID"
+DEVICE_ENV = "LLMFLOW_DEVICE"
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) \|")
 
 
 @task(name=STAGE, cache_policy=STAGE_CACHE_POLICY + InputFiles(fields=("model", "data.paths")))
-def train_task(config: TrainConfig, nproc: int = 1) -> StageArtifact:
-    """Train (or resume) ``config`` on ``nproc`` torchrun workers on this node; returns the
-    checkpoint root ``config.out`` with the final step's meta. Tracked in MLflow: params are
-    the config, metrics the workers' per-step loss, lr, grad_norm, throughput and memory."""
+def train_task(config: TrainConfig, nproc: int = 1, device: str | None = None) -> StageArtifact:
+    """Train (or resume) ``config`` on ``nproc`` torchrun workers on this node (of the
+    ``device`` type: cpu, cuda or npu; default: the best one); returns the checkpoint root
+    ``config.out`` with the final step's meta. Tracked in MLflow: params are the config,
+    metrics the workers' per-step loss, lr, grad_norm, throughput and memory."""
     import mlflow
 
     logger = get_run_logger()
     with tracking.stage_run(STAGE, config.model_dump(mode="json") | {"nproc": nproc}) as run_id:
         env = {RUN_ID_ENV: run_id, "MLFLOW_TRACKING_URI": mlflow.get_tracking_uri()}
+        if device is not None:
+            env[DEVICE_ENV] = device
         start = time.monotonic()
         out = launch_training(config, nproc, on_line=progress_reporter(logger.info, config.out), env=env)
         artifact = checkpoint_artifact(out, config.steps)

@@ -228,3 +228,44 @@ def test_an_impossible_layout_stops_the_flow_before_any_heavy_stage(prefect_env,
     assert set(states) == {"sample"}
     with pytest.raises(ValueError, match="nproc=4 is not a multiple of tp=3"):
         flow_params(tmp_path / "ws", train={"nproc": 4, "tp": 3})
+
+
+@pytest.mark.parametrize(
+    ("target", "bench", "finding"),
+    # Under tensor parallelism a rank dumps its own shards (as msprobe does), so rank 0 of tp=2
+    # first differs from tp=1 in shape, where the sequence-parallel plan splits activations.
+    [({"tp": 2}, {"tp": 1}, "Likely cause: shape"), ({"dtype": "bf16"}, {"dtype": "fp32"}, "Suspect Nodes:")],
+    ids=["tp2-vs-tp1", "bf16-vs-fp32"],
+)
+def test_precision_flow_dumps_both_runs_and_compares_them(prefect_env, tmp_path, target, bench, finding):
+    from llmflow.flows.precision import PrecisionParams, precision
+
+    params = PrecisionParams.model_validate({"workspace": str(tmp_path / "ws"), "target": target, "bench": bench,
+                                             "steps": 1, "seq_length": 32, "batch_size": 2})
+    state = precision(params, return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    folders = sorted((tmp_path / "ws" / "precision").glob("*/dump/step0"))
+    assert len(folders) == 2 and all(list(f.glob("rank*/dump.json")) for f in folders)
+    (run,) = mlflow_runs(prefect_env, "probe-compare")
+    assert run.data.metrics["rows"] > 100 and run.data.metrics.get("rows_pass", 0) < run.data.metrics["rows"]
+    assert finding in result["advice"]
+    assert (Path(result["comparison"]) / "advisor.txt").read_text() == result["advice"]
+
+
+def test_a_retried_flow_run_reopens_its_mlflow_parent_run(prefect_env, tmp_path):
+    """A retry keeps the Prefect flow-run id; its stages nest under the first attempt's run."""
+    from llmflow import tracking
+
+    tracking.configure(tmp_path / "ws")
+    with tracking.flow_run("finetune-eval", "flow-run-1", {"a": 1}) as first:
+        pass
+    with tracking.flow_run("finetune-eval", "flow-run-1", {"a": 1}) as retried:
+        with tracking.stage_run("export", {"b": 2}) as stage:
+            pass
+    with tracking.flow_run("finetune-eval", "flow-run-2", {"a": 1}) as other:
+        pass
+    assert retried == first and other != first
+    client = MlflowClient(prefect_env["mlflow_uri"])
+    assert client.get_run(stage).data.tags["mlflow.parentRunId"] == first
+    assert client.get_run(first).data.params == {"a": "1"}

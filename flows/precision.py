@@ -1,0 +1,124 @@
+"""The precision flow: the same few training steps in two configurations (tp=2 against
+tp=1, bf16 against fp32, one device against the CPU, one checkpoint against another),
+both dumped in msprobe's format in deterministic mode, then compared; the advisor's
+verdict and the worst rows go to MLflow and to Prefect artifacts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from prefect import flow
+from pydantic import Field
+
+from llmflow.artifacts import write_json_atomic
+from llmflow.convert import ConvertConfig
+from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig
+from llmflow.flows import stages
+from llmflow.flows.params import SAMPLE, Params, Stage
+from llmflow.probe.compare import CompareConfig
+from llmflow.tasks.convert import convert_task
+from llmflow.tasks.probe import compare_task
+from llmflow.tasks.tokenize import tokenize_pretrain_task
+from llmflow.tasks.train import train_task
+from llmflow.train.config import DataConfig, OptimConfig, TrainConfig
+
+FLOW = "precision"
+
+
+class RunSide(Params):
+    """One of the two runs compared."""
+
+    model: str = SAMPLE
+    """Model: hf://org/name, ms://org/name, a local Hugging Face directory or training
+    checkpoint, or "sample"."""
+    tp: int = Field(default=1, ge=1)
+    """Tensor-parallel degree (the run uses tp workers)."""
+    dtype: Literal["bf16", "fp16", "fp32"] = "fp32"
+    """Compute dtype."""
+    device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    """Device type of the workers (auto: npu, then cuda, then cpu)."""
+
+
+class PrecisionParams(Params):
+    """Dump a few training steps in two configurations and find where they diverge."""
+
+    workspace: str = "workspace"
+    """Directory of every stage's output (and the default MLflow store)."""
+    target: RunSide = RunSide(tp=2)
+    """The run under test."""
+    bench: RunSide = RunSide()
+    """The reference run."""
+    data: str = SAMPLE
+    """Pretraining text both runs train on: hf://..., local files, or "sample"."""
+    data_files: list[str] = Field(default_factory=list)
+    """Globs of the data files inside a dataset directory (default: every data file)."""
+    seq_length: int = Field(default=64, ge=8)
+    """Tokens per sample."""
+    batch_size: int = Field(default=4, ge=1)
+    """Samples per step."""
+    steps: int = Field(default=2, ge=1)
+    """Training steps each run makes."""
+    dump_steps: list[int] = Field(default_factory=lambda: [0])
+    """Steps to dump, counted from 0 as msprobe does."""
+    task: Literal["statistics", "tensor"] = "tensor"
+    """What the dumps hold: statistics (max/min/mean/norm) or whole tensors."""
+    level: Literal["L0", "L1", "mix"] = "mix"
+    """L0: modules, L1: torch API calls, mix: both."""
+    refresh: list[Stage] = Field(default_factory=list)
+    """Stages to run again even when their inputs are unchanged."""
+
+
+def dump_run(run: stages.FlowRun, params: PrecisionParams, side: RunSide, label: str, data: str) -> Path:
+    """Convert ``side``'s model, train ``params.steps`` deterministic steps with the probe on;
+    returns the dump's step folder of the first dumped step."""
+    model_dir = run.sources.model(side.model)
+    name = f"{stages.slug(side.model)}-tp{side.tp}"
+    checkpoint = stages.run(convert_task, ConvertConfig(hf=model_dir, out=run.workspace / "checkpoints" / name, tp=side.tp),
+                            refresh="convert" in run.refresh)
+    folder = run.workspace / "precision" / f"{label}-{stages.settings_tag(side, params, checkpoint.manifest.get('files'))}"
+    probe = write_json_atomic(folder / "probe.json", {
+        "task": params.task, "dump_path": str(folder / "dump"), "rank": [], "step": params.dump_steps,
+        "level": params.level, params.task: {"scope": [], "list": [], "data_mode": ["all"]},
+    })
+    config = TrainConfig(
+        model=Path(checkpoint.path), out=folder / "run", data=DataConfig(kind="pretrain", paths=[data]),
+        steps=params.steps, seq_length=params.seq_length, micro_batch_size=params.batch_size,
+        global_batch_size=params.batch_size, optim=OptimConfig(lr=1e-4, decay="constant"), tp=side.tp,
+        dtype=side.dtype, deterministic=True, probe=str(probe), save_interval=None,
+    )
+    device = None if side.device == "auto" else side.device
+    stages.run(train_task, config, nproc=side.tp, device=device, refresh="train" in run.refresh)
+    return folder / "dump" / f"step{min(params.dump_steps)}"
+
+
+def comparable(target: Path, bench: Path) -> tuple[Path, Path]:
+    """The step folders when both runs have the same ranks, else each run's first rank
+    (tp=2 against tp=1: rank 0 of each)."""
+    ranks = [sorted(p for p in step.iterdir() if p.is_dir() and p.name.startswith("rank")) for step in (target, bench)]
+    if [p.name for p in ranks[0]] == [p.name for p in ranks[1]]:
+        return target, bench
+    return ranks[0][0], ranks[1][0]
+
+
+@flow(name=FLOW, log_prints=True)
+def precision(params: PrecisionParams = PrecisionParams()) -> dict[str, Any]:
+    """Dump both runs, compare the target against the bench; returns the advisor's text,
+    row counts and where the comparison is."""
+    with stages.open_flow_run(FLOW, params) as run:
+        texts = run.sources.pretraining_text(params.data, params.data_files)
+        tokenizer = run.sources.model(params.bench.model)
+        tokenized = stages.run(tokenize_pretrain_task, PretrainTokenizeConfig(
+            input=texts, tokenizer=tokenizer, append_eod=True,
+            out=run.workspace / "data" / stages.slug(params.bench.model) / f"{stages.slug(params.data)}-"
+                f"{stages.settings_tag(params.data_files)}",
+        ), refresh="tokenize" in run.refresh)
+        target = dump_run(run, params, params.target, "target", tokenized.path)
+        bench = dump_run(run, params, params.bench, "bench", tokenized.path)
+        target, bench = comparable(target, bench)
+        out = run.workspace / "precision" / f"compare-{stages.settings_tag(str(target), str(bench))}"
+        compared = stages.run(compare_task, CompareConfig(target=target, bench=bench, out=out),
+                              refresh="compare" in run.refresh)
+        advice = (Path(compared.path) / "advisor.txt").read_text(encoding="utf-8")
+        result = {"advice": advice, "comparison": compared.path, "mlflow_run": run.mlflow_run}
+    return result
