@@ -3,38 +3,15 @@ when asked, C-Eval and CMMLU."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from prefect import flow
-from pydantic import Field
 
 from llmflow.flows import stages
-from llmflow.flows.params import SAMPLE, EvalParams, Params, Stage
+from llmflow.flows.params import EvaluateParams
 from llmflow.flows.summary import publish_summary
 
 FLOW = "evaluate"
-
-
-class EvaluateParams(Params):
-    """Evaluate one model on multiple-choice benchmarks."""
-
-    workspace: str = "workspace"
-    """Directory of every stage's output (and the default MLflow store)."""
-    model: str = SAMPLE
-    """Model: hf://org/name, ms://org/name, a local Hugging Face directory, a training
-    checkpoint (run directory or step directory, LoRA included), or "sample"."""
-    revision: str | None = None
-    """Hub revision of the model."""
-    benchmarks: list[Literal["mmlu", "ceval", "cmmlu"]] = Field(default_factory=lambda: ["mmlu"], min_length=1)
-    """Benchmarks to run: mmlu (data from evaluation.data), ceval, cmmlu."""
-    evaluation: EvalParams = EvalParams()
-    """Settings shared by the benchmarks (evaluation.data is MMLU's)."""
-    ceval_data: str = "hf://ceval/ceval-exam"
-    """C-Eval data: the hub dataset or a local copy in one of its layouts (the val split is scored)."""
-    cmmlu_data: str = "hf://haonan-li/cmmlu"
-    """CMMLU data: the hub dataset or a local copy in one of its layouts."""
-    refresh: list[Stage] = Field(default_factory=list)
-    """Stages to run again even when their inputs are unchanged."""
 
 
 @flow(name=FLOW, log_prints=True)

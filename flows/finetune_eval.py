@@ -12,16 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow
-from pydantic import Field
 
 from llmflow import tracking
 from llmflow.convert import ConvertConfig
-from llmflow.data.conversations import Format
-from llmflow.data.tokenize_instruction import InstructionTokenizeConfig, TemplateName
+from llmflow.data.tokenize_instruction import InstructionTokenizeConfig
 from llmflow.export import ExportConfig
 from llmflow.flows import stages
 from llmflow.flows.checks import check_layout
-from llmflow.flows.params import SAMPLE, EvalParams, Params, Stage, TrainParams
+from llmflow.flows.params import FinetuneEvalParams
 from llmflow.flows.summary import publish_summary
 from llmflow.infer.batch import InferConfig
 from llmflow.tasks.convert import convert_task
@@ -33,57 +31,6 @@ from llmflow.tasks.train import train_task
 from llmflow.train.config import DataConfig
 
 FLOW = "finetune-eval"
-SAMPLE_PROMPTS = (
-    "What is the capital of Stavalstan?",
-    "What colour is the flag of Remgumora?",
-    "What is the national animal of Murbrunia?",
-    "What is 14 + 19?",
-)
-
-
-class FinetuneEvalParams(Params):
-    """Finetune a model on instruction data and measure MMLU before and after."""
-
-    workspace: str = "workspace"
-    """Directory of every stage's output (and the default MLflow store)."""
-    model: str = SAMPLE
-    """Base model: hf://org/name, ms://org/name, a local Hugging Face directory, or
-    "sample" for the built-in tiny model."""
-    revision: str | None = None
-    """Hub revision (branch, tag or commit) of the base model."""
-    data: str = SAMPLE
-    """Instruction data: hf://org/name or ms://org/name (a dataset repository), a local file
-    or directory, or "sample" for the built-in Alpaca-style set."""
-    data_files: list[str] = Field(default_factory=list)
-    """Globs of the data files inside a dataset directory (default: every parquet, jsonl,
-    json, csv and txt file)."""
-    data_format: Format = "alpaca"
-    """Layout of the instruction data: alpaca, sharegpt or messages."""
-    map_keys: dict[str, str] = Field(default_factory=dict)
-    """Renames of the data's keys to the format's (e.g. {"conversations": "messages"})."""
-    template: TemplateName | None = None
-    """Chat template for training: the tokenizer's own when empty, else a named one."""
-    seq_length: int = Field(default=256, ge=8)
-    """Tokens per training row."""
-    pack: bool = False
-    """Pack several samples into each row (attention kept inside each sample)."""
-    train: TrainParams = TrainParams()
-    """Finetuning settings."""
-    evaluation: EvalParams = EvalParams()
-    """MMLU settings (the same for the base and the finetuned model)."""
-    version: str | None = None
-    """Data version or date the finetune belongs to. Empty: the run's scheduled date, so a
-    nightly run never reuses yesterday's finetune while the base model's stages still come
-    from cache."""
-    refresh: list[Stage] = Field(default_factory=list)
-    """Stages to run again even when their inputs are unchanged."""
-    prompts: list[str] = Field(default_factory=lambda: list(SAMPLE_PROMPTS))
-    """Prompts the finetuned model answers in the training chat template (the answers go to
-    MLflow and a Prefect table); empty: skip the inference stage."""
-    max_new_tokens: int = Field(default=32, ge=1)
-    """Longest answer to each prompt, in tokens (greedy decoding)."""
-    registered_model: str | None = "llmflow-finetuned"
-    """MLflow registered model that receives the exported model as a new version (empty: skip)."""
 
 
 @flow(name=FLOW, log_prints=True)

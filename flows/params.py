@@ -1,5 +1,9 @@
 """Flow parameters: pydantic models whose field docstrings become the Prefect UI's form.
 
+They live here, not beside their flows: ``prefect deploy`` loads a flow file a second time
+under another module name, and pydantic then cannot read the attribute docstrings of
+classes defined in it (the form would lose its help text).
+
 Every default points at the built-in sample assets, so each flow runs offline with no
 parameters; real models and data are parameter values (``hf://Qwen/Qwen2.5-0.5B``).
 """
@@ -12,6 +16,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmflow import runtime
+from llmflow.data.conversations import Format
+from llmflow.data.tokenize_instruction import TemplateName
 from llmflow.models.lora import LoraConfig
 from llmflow.train.config import DataConfig, OptimConfig, TrainConfig
 
@@ -86,3 +92,153 @@ class EvalParams(Params):
     """Sequences per forward pass."""
     template: str = "none"
     """Chat template for the prompts: "none" (plain, as lm-evaluation-harness), "tokenizer" or a named one."""
+
+
+SAMPLE_PROMPTS = (
+    "What is the capital of Stavalstan?",
+    "What colour is the flag of Remgumora?",
+    "What is the national animal of Murbrunia?",
+    "What is 14 + 19?",
+)
+
+
+class FinetuneEvalParams(Params):
+    """Finetune a model on instruction data and measure MMLU before and after."""
+
+    workspace: str = "workspace"
+    """Directory of every stage's output (and the default MLflow store)."""
+    model: str = SAMPLE
+    """Base model: hf://org/name, ms://org/name, a local Hugging Face directory, or
+    "sample" for the built-in tiny model."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) of the base model."""
+    data: str = SAMPLE
+    """Instruction data: hf://org/name or ms://org/name (a dataset repository), a local file
+    or directory, or "sample" for the built-in Alpaca-style set."""
+    data_files: list[str] = Field(default_factory=list)
+    """Globs of the data files inside a dataset directory (default: every parquet, jsonl,
+    json, csv and txt file)."""
+    data_format: Format = "alpaca"
+    """Layout of the instruction data: alpaca, sharegpt or messages."""
+    map_keys: dict[str, str] = Field(default_factory=dict)
+    """Renames of the data's keys to the format's (e.g. {"conversations": "messages"})."""
+    template: TemplateName | None = None
+    """Chat template for training: the tokenizer's own when empty, else a named one."""
+    seq_length: int = Field(default=256, ge=8)
+    """Tokens per training row."""
+    pack: bool = False
+    """Pack several samples into each row (attention kept inside each sample)."""
+    train: TrainParams = TrainParams()
+    """Finetuning settings."""
+    evaluation: EvalParams = EvalParams()
+    """MMLU settings (the same for the base and the finetuned model)."""
+    version: str | None = None
+    """Data version or date the finetune belongs to. Empty: the run's scheduled date, so a
+    nightly run never reuses yesterday's finetune while the base model's stages still come
+    from cache."""
+    refresh: list[Stage] = Field(default_factory=list)
+    """Stages to run again even when their inputs are unchanged."""
+    prompts: list[str] = Field(default_factory=lambda: list(SAMPLE_PROMPTS))
+    """Prompts the finetuned model answers in the training chat template (the answers go to
+    MLflow and a Prefect table); empty: skip the inference stage."""
+    max_new_tokens: int = Field(default=32, ge=1)
+    """Longest answer to each prompt, in tokens (greedy decoding)."""
+    registered_model: str | None = "llmflow-finetuned"
+    """MLflow registered model that receives the exported model as a new version (empty: skip)."""
+
+
+class PretrainParams(Params):
+    """Pretrain a model on raw text, export it and score it on MMLU."""
+
+    workspace: str = "workspace"
+    """Directory of every stage's output (and the default MLflow store)."""
+    model: str = SAMPLE
+    """Initial weights: hf://org/name, ms://org/name, a local Hugging Face directory, or "sample"."""
+    revision: str | None = None
+    """Hub revision of the model."""
+    init: Literal["weights", "random"] = "weights"
+    """weights: continue from the model's weights; random: only its config and tokenizer,
+    freshly initialised (pretraining from scratch)."""
+    data: str = SAMPLE
+    """Text corpus: hf://org/name or ms://org/name (a dataset repository), local files or a
+    directory, or "sample" for the sample Wikipedia-layout parquet."""
+    data_files: list[str] = Field(default_factory=list)
+    """Globs of the data files inside a dataset directory (default: every data file)."""
+    text_key: str = "text"
+    """Column (or JSON key) holding each document's text."""
+    seq_length: int = Field(default=256, ge=8)
+    """Tokens per training sample."""
+    train: TrainParams = TrainParams(steps=200, micro_batch_size=8, global_batch_size=8,
+                                     optim=OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=20))
+    """Training settings."""
+    evaluation: EvalParams = EvalParams()
+    """MMLU settings."""
+    version: str | None = None
+    """Data version or date the run belongs to (empty: the run's scheduled date)."""
+    refresh: list[Stage] = Field(default_factory=list)
+    """Stages to run again even when their inputs are unchanged."""
+
+
+class EvaluateParams(Params):
+    """Evaluate one model on multiple-choice benchmarks."""
+
+    workspace: str = "workspace"
+    """Directory of every stage's output (and the default MLflow store)."""
+    model: str = SAMPLE
+    """Model: hf://org/name, ms://org/name, a local Hugging Face directory, a training
+    checkpoint (run directory or step directory, LoRA included), or "sample"."""
+    revision: str | None = None
+    """Hub revision of the model."""
+    benchmarks: list[Literal["mmlu", "ceval", "cmmlu"]] = Field(default_factory=lambda: ["mmlu"], min_length=1)
+    """Benchmarks to run: mmlu (data from evaluation.data), ceval, cmmlu."""
+    evaluation: EvalParams = EvalParams()
+    """Settings shared by the benchmarks (evaluation.data is MMLU's)."""
+    ceval_data: str = "hf://ceval/ceval-exam"
+    """C-Eval data: the hub dataset or a local copy in one of its layouts (the val split is scored)."""
+    cmmlu_data: str = "hf://haonan-li/cmmlu"
+    """CMMLU data: the hub dataset or a local copy in one of its layouts."""
+    refresh: list[Stage] = Field(default_factory=list)
+    """Stages to run again even when their inputs are unchanged."""
+
+
+class RunSide(Params):
+    """One of the two runs compared."""
+
+    model: str = SAMPLE
+    """Model: hf://org/name, ms://org/name, a local Hugging Face directory or training
+    checkpoint, or "sample"."""
+    tp: int = Field(default=1, ge=1)
+    """Tensor-parallel degree (the run uses tp workers)."""
+    dtype: Literal["bf16", "fp16", "fp32"] = "fp32"
+    """Compute dtype."""
+    device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    """Device type of the workers (auto: npu, then cuda, then cpu)."""
+
+
+class PrecisionParams(Params):
+    """Dump a few training steps in two configurations and find where they diverge."""
+
+    workspace: str = "workspace"
+    """Directory of every stage's output (and the default MLflow store)."""
+    target: RunSide = RunSide(tp=2)
+    """The run under test."""
+    bench: RunSide = RunSide()
+    """The reference run."""
+    data: str = SAMPLE
+    """Pretraining text both runs train on: hf://..., local files, or "sample"."""
+    data_files: list[str] = Field(default_factory=list)
+    """Globs of the data files inside a dataset directory (default: every data file)."""
+    seq_length: int = Field(default=64, ge=8)
+    """Tokens per sample."""
+    batch_size: int = Field(default=4, ge=1)
+    """Samples per step."""
+    steps: int = Field(default=2, ge=1)
+    """Training steps each run makes."""
+    dump_steps: list[int] = Field(default_factory=lambda: [0])
+    """Steps to dump, counted from 0 as msprobe does."""
+    task: Literal["statistics", "tensor"] = "tensor"
+    """What the dumps hold: statistics (max/min/mean/norm) or whole tensors."""
+    level: Literal["L0", "L1", "mix"] = "mix"
+    """L0: modules, L1: torch API calls, mix: both."""
+    refresh: list[Stage] = Field(default_factory=list)
+    """Stages to run again even when their inputs are unchanged."""

@@ -6,16 +6,15 @@ verdict and the worst rows go to MLflow and to Prefect artifacts."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from prefect import flow
-from pydantic import Field
 
 from llmflow.artifacts import write_json_atomic
 from llmflow.convert import ConvertConfig
 from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig
 from llmflow.flows import stages
-from llmflow.flows.params import SAMPLE, Params, Stage
+from llmflow.flows.params import PrecisionParams, RunSide
 from llmflow.probe.compare import CompareConfig
 from llmflow.tasks.convert import convert_task
 from llmflow.tasks.probe import compare_task
@@ -24,49 +23,6 @@ from llmflow.tasks.train import train_task
 from llmflow.train.config import DataConfig, OptimConfig, TrainConfig
 
 FLOW = "precision"
-
-
-class RunSide(Params):
-    """One of the two runs compared."""
-
-    model: str = SAMPLE
-    """Model: hf://org/name, ms://org/name, a local Hugging Face directory or training
-    checkpoint, or "sample"."""
-    tp: int = Field(default=1, ge=1)
-    """Tensor-parallel degree (the run uses tp workers)."""
-    dtype: Literal["bf16", "fp16", "fp32"] = "fp32"
-    """Compute dtype."""
-    device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
-    """Device type of the workers (auto: npu, then cuda, then cpu)."""
-
-
-class PrecisionParams(Params):
-    """Dump a few training steps in two configurations and find where they diverge."""
-
-    workspace: str = "workspace"
-    """Directory of every stage's output (and the default MLflow store)."""
-    target: RunSide = RunSide(tp=2)
-    """The run under test."""
-    bench: RunSide = RunSide()
-    """The reference run."""
-    data: str = SAMPLE
-    """Pretraining text both runs train on: hf://..., local files, or "sample"."""
-    data_files: list[str] = Field(default_factory=list)
-    """Globs of the data files inside a dataset directory (default: every data file)."""
-    seq_length: int = Field(default=64, ge=8)
-    """Tokens per sample."""
-    batch_size: int = Field(default=4, ge=1)
-    """Samples per step."""
-    steps: int = Field(default=2, ge=1)
-    """Training steps each run makes."""
-    dump_steps: list[int] = Field(default_factory=lambda: [0])
-    """Steps to dump, counted from 0 as msprobe does."""
-    task: Literal["statistics", "tensor"] = "tensor"
-    """What the dumps hold: statistics (max/min/mean/norm) or whole tensors."""
-    level: Literal["L0", "L1", "mix"] = "mix"
-    """L0: modules, L1: torch API calls, mix: both."""
-    refresh: list[Stage] = Field(default_factory=list)
-    """Stages to run again even when their inputs are unchanged."""
 
 
 def dump_run(run: stages.FlowRun, params: PrecisionParams, side: RunSide, label: str, data: str) -> Path:

@@ -9,57 +9,24 @@ flow, each stage is cached on its inputs and training resumes from its last chec
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from prefect import flow
-from pydantic import Field
 
 from llmflow.convert import ConvertConfig
 from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig
 from llmflow.export import ExportConfig
 from llmflow.flows import stages
 from llmflow.flows.checks import check_layout
-from llmflow.flows.params import SAMPLE, EvalParams, Params, Stage, TrainParams
+from llmflow.flows.params import PretrainParams
 from llmflow.flows.summary import publish_summary
 from llmflow.tasks.convert import convert_task
 from llmflow.tasks.export import export_task
 from llmflow.tasks.tokenize import tokenize_pretrain_task
 from llmflow.tasks.train import train_task
-from llmflow.train.config import DataConfig, OptimConfig
+from llmflow.train.config import DataConfig
 
 FLOW = "pretrain"
-
-
-class PretrainParams(Params):
-    """Pretrain a model on raw text, export it and score it on MMLU."""
-
-    workspace: str = "workspace"
-    """Directory of every stage's output (and the default MLflow store)."""
-    model: str = SAMPLE
-    """Initial weights: hf://org/name, ms://org/name, a local Hugging Face directory, or "sample"."""
-    revision: str | None = None
-    """Hub revision of the model."""
-    init: Literal["weights", "random"] = "weights"
-    """weights: continue from the model's weights; random: only its config and tokenizer,
-    freshly initialised (pretraining from scratch)."""
-    data: str = SAMPLE
-    """Text corpus: hf://org/name or ms://org/name (a dataset repository), local files or a
-    directory, or "sample" for the sample Wikipedia-layout parquet."""
-    data_files: list[str] = Field(default_factory=list)
-    """Globs of the data files inside a dataset directory (default: every data file)."""
-    text_key: str = "text"
-    """Column (or JSON key) holding each document's text."""
-    seq_length: int = Field(default=256, ge=8)
-    """Tokens per training sample."""
-    train: TrainParams = TrainParams(steps=200, micro_batch_size=8, global_batch_size=8,
-                                     optim=OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=20))
-    """Training settings."""
-    evaluation: EvalParams = EvalParams()
-    """MMLU settings."""
-    version: str | None = None
-    """Data version or date the run belongs to (empty: the run's scheduled date)."""
-    refresh: list[Stage] = Field(default_factory=list)
-    """Stages to run again even when their inputs are unchanged."""
 
 
 @flow(name=FLOW, log_prints=True)

@@ -99,7 +99,9 @@ def serve(command: ServerCommand) -> None:
         "LLMFLOW_TIMEZONE": command.timezone,
     }
     procs: list[subprocess.Popen] = []
+    # Both, explicitly: a shell starts background jobs with SIGINT ignored.
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         procs.append(start([str(bin_dir / "prefect"), "server", "start", "--host", command.host,
                             "--port", str(command.prefect_port)], env, logs / "prefect-server.log"))

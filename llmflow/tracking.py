@@ -31,7 +31,7 @@ def configure(workspace: str | Path = "workspace") -> str:
         root.mkdir(parents=True, exist_ok=True)
         uri = f"sqlite:///{root / 'mlflow.db'}"
     mlflow.set_tracking_uri(uri)
-    if not uri.startswith(("http://", "https://")):
+    if not is_server(uri):
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME", EXPERIMENT)
         if mlflow.get_experiment_by_name(name) is None:
             try:
@@ -83,13 +83,18 @@ def flow_run(flow: str, flow_run_id: str | None, params: Mapping[str, Any]) -> I
         yield run.info.run_id
 
 
+def is_server(uri: str) -> bool:
+    """Whether a tracking URI names a tracking server (not a local store)."""
+    return uri.startswith(("http://", "https://"))
+
+
 def run_link(run_id: str) -> str:
     """Where a run is shown: its MLflow UI address when tracking goes to a server, else its id
     and the store."""
     import mlflow
 
     uri = mlflow.get_tracking_uri()
-    if uri.startswith(("http://", "https://")):
+    if is_server(uri):
         experiment = mlflow.get_run(run_id).info.experiment_id
         return f"{uri.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}"
     return f"run {run_id} in {uri}"

@@ -16,9 +16,10 @@ STAGE = "register"
 @task(name=STAGE, cache_policy=STAGE_CACHE_POLICY)
 def register_model_task(name: str, model: StageArtifact, scores: Mapping[str, float]) -> dict[str, str]:
     """Register the Hugging Face directory ``model.path`` as a new version of the registered
-    model ``name``, tagged with ``scores``. The version references the directory in place
-    (models are gigabytes; the workspace already holds them with a manifest) and the stage's
-    MLflow run. Cached on its inputs: a rerun of an unchanged flow registers nothing new."""
+    model ``name``, tagged with ``scores`` and linked to the stage's MLflow run. With a local
+    store the version references the directory in place (models are gigabytes; the workspace
+    already holds them with a manifest); a tracking server only accepts its own artifacts,
+    so there the directory is uploaded first. Cached on its inputs: a rerun of an unchanged flow registers nothing new."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
@@ -30,6 +31,11 @@ def register_model_task(name: str, model: StageArtifact, scores: Mapping[str, fl
             if error.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
         tags = {key: f"{value:.6g}" for key, value in scores.items()}
-        version = client.create_model_version(name, source=str(Path(model.path).resolve()), run_id=run_id, tags=tags)
+        source = str(Path(model.path).resolve())
+        if tracking.is_server(client.tracking_uri):
+            # A tracking server accepts only sources inside the run's artifacts: upload the model.
+            client.log_artifacts(run_id, source, "model")
+            source = f"runs:/{run_id}/model"
+        version = client.create_model_version(name, source=source, run_id=run_id, tags=tags)
         tracking.log_metrics(run_id, dict(scores))
     return {"name": name, "version": str(version.version), "source": version.source}

@@ -130,3 +130,38 @@ class FlowProcess:
         for worker in self.workers:
             with contextlib.suppress(psutil.NoSuchProcess):
                 worker.kill()
+
+
+def attempt_task_states(flow_run_id, attempt: int) -> dict[str, list[str]]:
+    """Like ``task_states``, for one attempt of the flow run only: a retried flow run keeps its
+    id, and each attempt records new task runs, told apart by ``flow_run_run_count``."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                                     sort=TaskRunSort.EXPECTED_START_TIME_ASC)
+    states: dict[str, list[str]] = {}
+    for run in runs:
+        if run.flow_run_run_count == attempt:
+            states.setdefault(run.name.rsplit("-", 1)[0], []).append(run.state.name)
+    return states
+
+
+def wait_for_flow_run(flow_run_id, timeout_s: float = 300, not_state_id=None):
+    """The flow run once its state is final (and, with ``not_state_id``, another state than
+    that one: the final state before a retry); raises TimeoutError with the last state."""
+    import time
+
+    from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while True:
+            run = client.read_flow_run(flow_run_id)
+            if run.state and run.state.is_final() and run.state.id != not_state_id:
+                return run
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"flow run {flow_run_id} still {run.state_name} after {timeout_s:.0f} s")
+            time.sleep(2)

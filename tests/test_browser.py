@@ -1,0 +1,413 @@
+"""The Prefect UI end to end, in headless Chromium: ``llmflow server`` (Prefect server, work
+pool, deployments, process worker, MLflow) on loopback; the finetune-eval/on-demand deployment
+run from its parameter form until it completes; then a run whose last evaluation fails, retried
+with the flow run page's Retry button, finishing with every earlier stage Cached.
+
+Chromium and its driver come from Debian (``chromium``, ``chromium-driver``), installed here
+when missing; Selenium drives the system chromedriver and never downloads anything. Without a
+browser the test fails: it is never skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from prefect_helpers import attempt_task_states, output_lines, task_states, wait_for_flow_run
+from selenium import webdriver
+from selenium.common.exceptions import (
+    ElementClickInterceptedException,
+    NoSuchElementException,
+    StaleElementReferenceException,
+    TimeoutException,
+)
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
+from selenium.webdriver.remote.webelement import WebElement
+from selenium.webdriver.support import expected_conditions as EC
+from selenium.webdriver.support.ui import WebDriverWait
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = "chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+STARTUP_TIMEOUT_S = 240
+RUN_TIMEOUT_S = 240
+# Small enough for a few seconds of training on one CPU worker, with a checkpoint half-way.
+TRAIN = {"Steps": 8, "Save Interval": 4, "Micro Batch Size": 8, "Global Batch Size": 8}
+
+
+# --- the browser -----------------------------------------------------------------------------
+
+
+def _install_chromium() -> None:
+    apt = shutil.which("apt-get")
+    if apt is None or os.geteuid() != 0:
+        pytest.fail(
+            "the browser test needs Chromium and chromedriver: install Debian's `chromium` and "
+            "`chromium-driver` packages (apt-get install chromium chromium-driver) or run the tests "
+            f"as root with apt-get available (found apt-get={apt}, uid={os.geteuid()})",
+            pytrace=False,
+        )
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = [apt, "install", "-y", "--no-install-recommends", CHROMIUM, "chromium-driver"]
+    done = subprocess.run(install, env=env, capture_output=True, text=True, check=False)
+    if done.returncode:  # stale package lists: refresh them once
+        subprocess.run([apt, "update"], env=env, capture_output=True, text=True, check=False)
+        done = subprocess.run(install, env=env, capture_output=True, text=True, check=False)
+    if done.returncode:
+        pytest.fail(f"could not install chromium and chromium-driver:\n{(done.stdout + done.stderr)[-3000:]}",
+                    pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def chromium() -> tuple[str, str]:
+    """Paths of Chromium and its chromedriver, installed from Debian's packages when missing."""
+    if not (shutil.which(CHROMIUM) and Path(CHROMEDRIVER).is_file()):
+        _install_chromium()
+    browser = shutil.which(CHROMIUM)
+    if not (browser and Path(CHROMEDRIVER).is_file()):
+        pytest.fail(f"{CHROMIUM} or {CHROMEDRIVER} still missing after installing them", pytrace=False)
+    return browser, CHROMEDRIVER
+
+
+@pytest.fixture
+def browser(chromium, monkeypatch):
+    """A headless Chromium session (1400x1000) on the system chromedriver."""
+    binary, driver_path = chromium
+    # Selenium Manager (the driver downloader) stays off: the driver's path is given explicitly.
+    monkeypatch.setenv("SE_OFFLINE", "true")
+    options = webdriver.ChromeOptions()
+    options.binary_location = binary
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(options=options, service=Service(executable_path=driver_path))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@contextlib.contextmanager
+def screenshots_on_failure(driver, out: Path):
+    """On a failure, a screenshot and the page's HTML in ``out``."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):
+            driver.save_screenshot(str(out / "failure.png"))
+            (out / "failure.html").write_text(driver.page_source)
+            print(f"browser at {driver.current_url}; screenshot and HTML in {out}")
+        raise
+
+
+# --- llmflow server ----------------------------------------------------------------------------
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, url: str, workspace: Path):
+        self.proc = proc
+        self.url = url
+        """The Prefect UI (its API is url + /api)."""
+        self.workspace = workspace
+
+
+UNIGNORE_SIGINT_AND_EXEC = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+)
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _log_tails(workspace: Path) -> str:
+    return "\n".join(f"--- {log.name}:\n{log.read_text(errors='replace')[-2000:]}"
+                     for log in sorted((workspace / "logs").glob("*.log")))
+
+
+@pytest.fixture(scope="module")
+def llmflow_server(tmp_path_factory):
+    """``llmflow server`` with a workspace of its own and free loopback ports, up until its
+    "Prefect UI:" line; stopped with SIGINT (Ctrl-C) at the end, leaving no process behind."""
+    workspace = tmp_path_factory.mktemp("browser") / "ws"
+    prefect_port, mlflow_port = _free_ports(2)
+    llmflow = Path(sys.executable).parent / "llmflow"
+    # The command points Prefect and MLflow at its workspace itself; nothing of ours may win over it.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env |= {"OMP_NUM_THREADS": "1", "LLMFLOW_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"}
+    command = [str(llmflow), "server", "--workspace", str(workspace), "--prefect-port", str(prefect_port),
+               "--mlflow-port", str(mlflow_port)]
+    proc = subprocess.Popen(
+        # SIGINT (Ctrl-C) must reach the command even when pytest runs with SIGINT ignored (as a
+        # background job does, and its children with it): un-ignore it, then exec the command.
+        [sys.executable, "-c", UNIGNORE_SIGINT_AND_EXEC, *command],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+    )
+    lines = output_lines(proc)
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not any(line.startswith("Prefect UI:") for line in seen):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                time.sleep(0.5)
+                while not lines.empty():
+                    seen.append(lines.get())
+                why = f"exited with {proc.returncode}" if proc.poll() is not None else f"not up in {STARTUP_TIMEOUT_S}s"
+                pytest.fail(f"llmflow server {why}:\n" + "\n".join(seen) + "\n" + _log_tails(workspace), pytrace=False)
+            with contextlib.suppress(queue.Empty):
+                seen.append(lines.get(timeout=1))
+        (url,) = re.findall(r"http://\S+", next(line for line in seen if line.startswith("Prefect UI:")))
+        assert url == f"http://127.0.0.1:{prefect_port}"
+        yield Server(proc, url, workspace)
+    finally:
+        # Everything it started: the servers, the worker and any flow run still going.
+        family = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        survivors = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        for p in survivors:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        assert proc.returncode == 0, f"llmflow server exited with {proc.returncode} on SIGINT"
+        assert survivors == [], f"left running after SIGINT: {[' '.join(p.cmdline()) for p in survivors]}"
+
+
+@pytest.fixture
+def prefect_api(llmflow_server):
+    """The Prefect client of this process talks to the server's API."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: f"{llmflow_server.url}/api"}):
+        yield
+
+
+# --- the Prefect UI (3.8's Vue UI; selectors checked against its DOM) --------------------------
+
+# A field of the parameter form: its label sits in the property's own header, its input in its body.
+PROPERTY = "div[contains(concat(' ', normalize-space(@class), ' '), ' schema-form-property ')]"
+
+
+def _own_properties(context, label: str) -> list[WebElement]:
+    """Form properties labelled ``label`` directly inside ``context`` (not in nested sections)."""
+    matches = context.find_elements(
+        By.XPATH,
+        f".//{PROPERTY}[./div[contains(@class, 'p-label__header')]"
+        f"//span[contains(@class, 'schema-form-property__label')]"
+        f"[normalize-space()='{label}' or normalize-space()='{label} (Optional)']]",
+    )
+    if context.tag_name == "html":
+        return matches
+    return [m for m in matches if m.find_element(By.XPATH, f"./ancestor::{PROPERTY}[1]") == context]
+
+
+def form_field(driver, path: list[str]) -> WebElement:
+    """The property at ``path`` of labels, e.g. ["params", "Train", "Steps"]."""
+    context = driver.find_element(By.TAG_NAME, "html")
+    for label in path:
+        found = _own_properties(context, label)
+        if len(found) != 1:
+            raise NoSuchElementException(f"{len(found)} form fields labelled {label!r} at {path}")
+        context = found[0]
+    return context
+
+
+def _body(prop: WebElement) -> WebElement:
+    return prop.find_element(By.XPATH, "./div[contains(@class, 'p-label__body')]")
+
+
+def set_field(driver, path: list[str], value, variant: str | None = None) -> None:
+    """Type ``value`` into the field at ``path``; ``variant`` first picks the type of an
+    optional field ("int", "str": the buttons of an ``X | None`` field)."""
+    prop = form_field(driver, path)
+    driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", prop)
+    if variant is not None:
+        choice = _body(prop).find_element(
+            By.XPATH, f"./div[contains(@class, 'p-button-group')]/button[normalize-space()='{variant}']"
+        )
+        if choice.get_attribute("aria-selected") != "true":
+            choice.click()
+    # Picking a variant renders the property anew: look it up again until its input is there.
+    rendered = WebDriverWait(driver, 10, ignored_exceptions=(NoSuchElementException, StaleElementReferenceException))
+    control = rendered.until(lambda d: _body(form_field(d, path)).find_element(By.CSS_SELECTOR, "input, textarea"))
+    control.click()
+    control.send_keys(Keys.CONTROL, "a")
+    control.send_keys(str(value))
+    assert control.get_attribute("value") == str(value), (path, control.get_attribute("value"))
+
+
+def click(driver, text: str, timeout_s: float = 30, within: str = "") -> None:
+    """Click the button reading ``text`` (inside the element at XPath ``within``), once it is
+    clickable and no longer moving (toasts and menus slide in: a click mid-animation lands on
+    another element)."""
+    locator = (By.XPATH, f"{within}//button[normalize-space()='{text}']")
+
+    def clicked(d) -> bool:
+        EC.element_to_be_clickable(locator)(d).click()
+        return True
+
+    WebDriverWait(driver, timeout_s, poll_frequency=0.25, ignored_exceptions=(
+        AttributeError, ElementClickInterceptedException, NoSuchElementException, StaleElementReferenceException,
+    )).until(clicked, f"no clickable button {text!r}")
+
+
+def open_deployment(driver, url: str, flow: str, deployment: str) -> None:
+    """From the deployments list to the page of ``flow``/``deployment``."""
+    driver.get(f"{url}/deployments")
+    link = WebDriverWait(driver, 60).until(EC.element_to_be_clickable((
+        By.XPATH, f"//tr[.//a[normalize-space()='{flow}']]//a[normalize-space()='{deployment}']",
+    )))
+    link.click()
+    WebDriverWait(driver, 30).until(EC.url_matches(r"/deployments/deployment/[0-9a-f-]{36}($|\?)"))
+    WebDriverWait(driver, 30).until(EC.presence_of_element_located((
+        By.XPATH, (f"//header[contains(@class, 'page-heading')][.//*[normalize-space()='{deployment}']]"
+                   f"[.//a[normalize-space()='{flow}']]"),
+    )))
+
+
+def custom_run(driver, server: Server, run_name: str, fields: list[tuple[list[str], object, str | None]]) -> str:
+    """Run -> Custom run on the deployment page, fill ``fields``, submit; follow the toast's
+    "View run" to the new flow run's page and return its id."""
+    click(driver, "Run")
+    click(driver, "Custom run", 10)
+    WebDriverWait(driver, 60, ignored_exceptions=(NoSuchElementException,)).until(
+        lambda d: form_field(d, ["params", "Train", "Steps"])
+    )
+    name = driver.find_element(
+        By.XPATH, "//div[contains(@class, 'p-label')][./div/label[normalize-space()='Run Name']]//input"
+    )
+    name.send_keys(Keys.CONTROL, "a")
+    name.send_keys(run_name)
+    # The deployment's own parameter is already in the form: the server's workspace.
+    workspace = _body(form_field(driver, ["params", "Workspace"])).find_element(By.CSS_SELECTOR, "textarea, input")
+    assert workspace.get_attribute("value") == str(server.workspace)
+    for path, value, variant in fields:
+        set_field(driver, path, value, variant)
+    submit = driver.find_element(By.XPATH, "//form//button[@type='submit'][normalize-space()='Submit']")
+    driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", submit)
+    submit.click()
+    try:
+        click(driver, "View run", 15, within="//div[contains(@class, 'p-toast-container')]")
+        WebDriverWait(driver, 30).until(EC.url_matches(r"/runs/flow-run/[0-9a-f-]{36}"))
+        return re.search(r"/runs/flow-run/([0-9a-f-]{36})", driver.current_url).group(1)
+    except TimeoutException:  # the toast is gone (it stays 5 s): find the run by its name
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+        with get_client(sync_client=True) as client:
+            (run,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_name])))
+        driver.get(f"{server.url}/runs/flow-run/{run.id}")
+        return str(run.id)
+
+
+def shown_state(driver, name: str, timeout_s: float = 60) -> None:
+    """Wait until the flow run page's heading shows the state ``name``."""
+    badge = f"//span[contains(@class, 'state-badge')][normalize-space()='{name}']"
+    WebDriverWait(driver, timeout_s).until(EC.visibility_of_element_located((
+        By.XPATH, f"//header[contains(@class, 'page-heading')]{badge}",
+    )))
+
+
+def small_run(version: str, **evaluation) -> list[tuple[list[str], object, str | None]]:
+    fields = [(["params", "Train", label], value, "int" if label == "Save Interval" else None)
+              for label, value in TRAIN.items()]
+    fields += [(["params", "Evaluation", label.title()], value, None) for label, value in evaluation.items()]
+    fields += [(["params", "Evaluation", "Limit"], 8, "int"), (["params", "Version"], version, "str")]
+    return fields
+
+
+# --- the test ----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(900)  # includes installing Chromium and starting the servers
+def test_ui_runs_finetune_eval_and_its_retry_skips_finished_stages(llmflow_server, prefect_api, browser, tmp_path):
+    server = llmflow_server
+    with screenshots_on_failure(browser, tmp_path):
+        # 1. The on-demand finetune-and-eval, run from its parameter form, completes.
+        open_deployment(browser, server.url, "finetune-eval", "on-demand")
+        run_id = custom_run(browser, server, "browser-e2e-first", small_run("browser-1"))
+        run = wait_for_flow_run(run_id, RUN_TIMEOUT_S)
+        assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{_log_tails(server.workspace)}"
+        assert run.parameters["params"]["train"]["steps"] == 8 and run.parameters["params"]["version"] == "browser-1"
+        assert run.parameters["params"]["evaluation"]["limit"] == 8
+        stages = task_states(run_id)
+        every_stage = ("sample", "convert", "tokenize-instruction", "eval-mmlu", "train", "export", "infer", "register")
+        assert {name: set(states) for name, states in stages.items()} == {name: {"Completed"} for name in every_stage}
+        assert len(stages["eval-mmlu"]) == 2, stages
+        shown_state(browser, "Completed")
+
+        # 2. A run whose MMLU data goes bad once training has saved a checkpoint (the base model
+        # was scored before training): its final evaluation fails.
+        from llmflow.sample import SampleConfig, write_sample
+
+        data = tmp_path / "mmlu"
+        shutil.copytree(write_sample(SampleConfig(out=tmp_path / "sample")) / "mmlu" / "hf", data)
+        victim = next(data.rglob("test-*.parquet"))
+        backup = tmp_path / "backup.parquet"
+        shutil.copy2(victim, backup)
+        checkpoints_before = set(server.workspace.glob("runs/*/step_*"))
+        corrupted, finished = threading.Event(), threading.Event()
+
+        def corrupt_once_training_saved() -> None:
+            while not finished.wait(0.1):
+                if set(server.workspace.glob("runs/*/step_*")) - checkpoints_before:
+                    victim.write_bytes(b"not a parquet file")
+                    corrupted.set()
+                    return
+
+        corrupter = threading.Thread(target=corrupt_once_training_saved, daemon=True)
+        corrupter.start()
+        open_deployment(browser, server.url, "finetune-eval", "on-demand")
+        run_id = custom_run(browser, server, "browser-e2e-retried", small_run("browser-2", data=data))
+        try:
+            run = wait_for_flow_run(run_id, RUN_TIMEOUT_S)
+        finally:
+            finished.set()
+            corrupter.join()
+        assert corrupted.is_set(), f"no new checkpoint in {server.workspace / 'runs'}; the run is {run.state.name}"
+        assert run.state.is_failed(), f"{run.state.name}: {run.state.message}"
+        first = attempt_task_states(run_id, 1)
+        assert first["eval-mmlu"] == ["Completed", "Failed"] and first["train"] == ["Completed"], first
+        assert "register" not in first
+        shown_state(browser, "Failed")
+
+        # 3. The data restored as it was (bytes and mtime: the base score's cache key holds), the
+        # Retry button of the flow run page runs the same flow run again: only the failed stage
+        # and what follows it execute.
+        shutil.copy2(backup, victim)
+        failed_state = run.state.id
+        click(browser, "Retry", 30, within="//header[contains(@class, 'page-heading')]")
+        click(browser, "Retry", 10, within="//div[@role='dialog']")
+        run = wait_for_flow_run(run_id, RUN_TIMEOUT_S, not_state_id=failed_state)
+        assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{_log_tails(server.workspace)}"
+        assert run.run_count == 2
+        retry = attempt_task_states(run_id, 2)
+        assert retry == {
+            "sample": ["Cached"], "convert": ["Cached"], "tokenize-instruction": ["Cached"],
+            "eval-mmlu": ["Cached", "Completed"], "train": ["Cached"], "export": ["Cached"], "infer": ["Cached"],
+            "register": ["Completed"],
+        }, retry
+        shown_state(browser, "Completed")
