@@ -14,7 +14,6 @@ from typing import Any
 from prefect import flow
 
 from llmflow import tracking
-from llmflow.convert import ConvertConfig
 from llmflow.data.tokenize_instruction import InstructionTokenizeConfig
 from llmflow.export import ExportConfig
 from llmflow.flows import stages
@@ -22,7 +21,6 @@ from llmflow.flows.checks import check_layout
 from llmflow.flows.params import FinetuneEvalParams
 from llmflow.flows.summary import publish_summary
 from llmflow.infer.batch import InferConfig
-from llmflow.tasks.convert import convert_task
 from llmflow.tasks.export import export_task
 from llmflow.tasks.infer import infer_task
 from llmflow.tasks.register import register_model_task
@@ -46,9 +44,7 @@ def finetune_eval(params: FinetuneEvalParams = FinetuneEvalParams()) -> dict[str
         mmlu_data = sources.mmlu(params.evaluation.data)
         name = stages.slug(params.model)
 
-        checkpoint = stages.run(convert_task, ConvertConfig(
-            hf=model_dir, out=workspace / "checkpoints" / f"{name}-tp{params.train.tp}", tp=params.train.tp,
-        ), refresh="convert" in refresh)
+        checkpoint = stages.run_convert(run, model_dir, name, params.train.tp)
         data_tag = stages.settings_tag(params.data_files, params.data_format, params.map_keys, params.template,
                                        params.seq_length, params.pack)
         tokenized = stages.run(tokenize_instruction_task, InstructionTokenizeConfig(

@@ -11,12 +11,10 @@ from typing import Any
 from prefect import flow
 
 from llmflow.artifacts import write_json_atomic
-from llmflow.convert import ConvertConfig
 from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig
 from llmflow.flows import stages
 from llmflow.flows.params import PrecisionParams, RunSide
 from llmflow.probe.compare import CompareConfig
-from llmflow.tasks.convert import convert_task
 from llmflow.tasks.probe import compare_task
 from llmflow.tasks.tokenize import tokenize_pretrain_task
 from llmflow.tasks.train import train_task
@@ -29,9 +27,7 @@ def dump_run(run: stages.FlowRun, params: PrecisionParams, side: RunSide, label:
     """Convert ``side``'s model, train ``params.steps`` deterministic steps with the probe on;
     returns the dump's step folder of the first dumped step."""
     model_dir = run.sources.model(side.model)
-    name = f"{stages.slug(side.model)}-tp{side.tp}"
-    checkpoint = stages.run(convert_task, ConvertConfig(hf=model_dir, out=run.workspace / "checkpoints" / name, tp=side.tp),
-                            refresh="convert" in run.refresh)
+    checkpoint = stages.run_convert(run, model_dir, stages.slug(side.model), side.tp)
     folder = run.workspace / "precision" / f"{label}-{stages.settings_tag(side, params, checkpoint.manifest.get('files'))}"
     probe = write_json_atomic(folder / "probe.json", {
         "task": params.task, "dump_path": str(folder / "dump"), "rank": [], "step": params.dump_steps,

@@ -13,14 +13,12 @@ from typing import Any
 
 from prefect import flow
 
-from llmflow.convert import ConvertConfig
 from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig
 from llmflow.export import ExportConfig
 from llmflow.flows import stages
 from llmflow.flows.checks import check_layout
 from llmflow.flows.params import PretrainParams
 from llmflow.flows.summary import publish_summary
-from llmflow.tasks.convert import convert_task
 from llmflow.tasks.export import export_task
 from llmflow.tasks.tokenize import tokenize_pretrain_task
 from llmflow.tasks.train import train_task
@@ -39,11 +37,7 @@ def pretrain(params: PretrainParams = PretrainParams()) -> dict[str, Any]:
         texts = sources.pretraining_text(params.data, params.data_files)
         name = stages.slug(params.model)
 
-        suffix = "" if params.init == "weights" else f"-random{params.train.seed}"
-        checkpoint = stages.run(convert_task, ConvertConfig(
-            hf=model_dir, out=workspace / "checkpoints" / f"{name}-tp{params.train.tp}{suffix}", tp=params.train.tp,
-            init=params.init, seed=params.train.seed,
-        ), refresh="convert" in refresh)
+        checkpoint = stages.run_convert(run, model_dir, name, params.train.tp, params.init, params.train.seed)
         tokenized = stages.run(tokenize_pretrain_task, PretrainTokenizeConfig(
             input=texts, tokenizer=model_dir, text_key=params.text_key, append_eod=True,
             out=workspace / "data" / name / f"{stages.slug(params.data)}-{stages.settings_tag(params.data_files, params.text_key)}",

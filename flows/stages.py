@@ -20,11 +20,13 @@ from pydantic import BaseModel
 from llmflow import tracking
 from llmflow.artifacts import atomic_file, read_manifest
 from llmflow.checkpoint import latest_step_dir
+from llmflow.convert import ConvertConfig
 from llmflow.download import DownloadConfig, parse_source
 from llmflow.evaluate.engine import EvalConfig
 from llmflow.flows.params import SAMPLE, EvalParams
 from llmflow.sample import SampleConfig
 from llmflow.tasks.common import StageArtifact
+from llmflow.tasks.convert import convert_task
 from llmflow.tasks.download import download_task
 from llmflow.tasks.evaluate import EVAL_TASKS
 from llmflow.tasks.sample import sample_task
@@ -100,6 +102,16 @@ def run_eval(workspace: Path, evaluation: EvalParams, model: str | Path, data: s
     config = EvalConfig(model=model, data=data, out=workspace / "eval" / f"{name}-{settings_tag(benchmark, evaluation)}",
                         cache_dir=workspace / "downloads", **settings)
     return run(EVAL_TASKS[benchmark], config, refresh=refresh)
+
+
+def run_convert(context: FlowRun, model_dir: Path, name: str, tp: int, init: str = "weights",
+                seed: int = 0) -> StageArtifact:
+    """The convert stage of ``model_dir`` into ``checkpoints/{name}-tp{tp}`` (``-random{seed}``
+    when initialised from the config): every flow names a model's checkpoint alike, so they share it."""
+    suffix = "" if init == "weights" else f"-random{seed}"
+    config = ConvertConfig(hf=model_dir, out=context.workspace / "checkpoints" / f"{name}-tp{tp}{suffix}", tp=tp,
+                           init=init, seed=seed)
+    return run(convert_task, config, refresh="convert" in context.refresh)
 
 
 @dataclass

@@ -36,6 +36,9 @@ DEVICES: dict[str, DeviceSpec] = {
     "cpu": DeviceSpec("cpu", "gloo", torch.float32, ""),
 }
 
+DEVICE_ENV = "LLMFLOW_DEVICE"
+"""Environment variable that forces the device type (cpu, cuda, npu) over detection."""
+
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "float32": torch.float32,
@@ -69,7 +72,7 @@ def detect_device_type() -> str:
 
     ``LLMFLOW_DEVICE`` overrides the choice (e.g. to force cpu on a GPU host).
     """
-    forced = os.environ.get("LLMFLOW_DEVICE")
+    forced = os.environ.get(DEVICE_ENV)
     if forced:
         if forced not in DEVICES:
             raise ValueError(f"LLMFLOW_DEVICE={forced!r}: expected one of {sorted(DEVICES)}")

@@ -24,7 +24,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from llmflow import tracking
+from llmflow import runtime, tracking
 from llmflow.checkpoint import latest_step_dir, read_meta
 from llmflow.tasks.common import STAGE_CACHE_POLICY, InputFiles, StageArtifact
 from llmflow.train.command import launch_training
@@ -32,7 +32,6 @@ from llmflow.train.config import TrainConfig
 
 STAGE = "train"
 RUN_ID_ENV = "LLMFLOW_MLFLOW_RUN_ID"
-DEVICE_ENV = "LLMFLOW_DEVICE"
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) \|")
 
 
@@ -48,7 +47,7 @@ def train_task(config: TrainConfig, nproc: int = 1, device: str | None = None) -
     with tracking.stage_run(STAGE, config.model_dump(mode="json") | {"nproc": nproc}) as run_id:
         env = {RUN_ID_ENV: run_id, "MLFLOW_TRACKING_URI": mlflow.get_tracking_uri()}
         if device is not None:
-            env[DEVICE_ENV] = device
+            env[runtime.DEVICE_ENV] = device
         start = time.monotonic()
         out = launch_training(config, nproc, on_line=progress_reporter(logger.info, config.out), env=env)
         artifact = checkpoint_artifact(out, config.steps)
