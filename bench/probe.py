@@ -9,7 +9,7 @@ alternate for ``--rounds`` rounds and each keeps its best round, so a burst of l
 shared machine does not decide the ratios. Targets: dumped <= 3x the plain step, configured
 but not listed <= 1.02x.
 
-    python -m bench.probe [--steps 10] [--batch 8] [--seq 256] [--threads N] [--rounds 3]
+    python -m bench.probe [--steps 10] [--batch 8] [--seq 256] [--threads N] [--rounds 3] [--record]
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import tempfile
 import time
 from contextlib import nullcontext
@@ -51,6 +52,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--record", action="store_true", help="append the result to bench/RESULTS.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -76,6 +78,18 @@ def main() -> None:
     print(json.dumps({"plain_step_s": round(best["plain"], 4), "dumped_step_s": round(best["dumped"], 4),
                       "not_listed_step_s": round(best["not listed"], 4),
                       "dumped_ratio": round(dumped, 3), "not_listed_ratio": round(unlisted, 3)}))
+    if args.record:
+        with Path(__file__).with_name("RESULTS.md").open("a") as f:
+            f.write(
+                f"\n## Precision probe overhead ({time.strftime('%Y-%m-%d')}, {platform.machine()} CPU, "
+                f"{os.cpu_count()} cores, torch {torch.__version__}, {args.threads} threads)\n\n"
+                f"`python -m bench.probe --steps {args.steps} --rounds {args.rounds}`: a train step of the sample model "
+                f"(batch {args.batch} x seq {args.seq}, fp32), each side the best of {args.rounds} rounds.\n\n"
+                "| plain step s | dumped (mix, statistics) step s | dumped / plain | not listed / plain |\n|---|---|---|---|\n"
+                f"| {best['plain']:.4f} | {best['dumped']:.4f} | {dumped:.2f}x | {unlisted:.3f}x |\n\n"
+                f"Targets: dumped <= 3x ({'met' if dumped <= 3 else 'not met'}), not listed <= 1.02x "
+                f"({'met' if unlisted <= 1.02 else 'not met'}).\n"
+            )
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """The precision flow: the same few training steps in two configurations (tp=2 against
 tp=1, bf16 against fp32, one device against the CPU, one checkpoint against another),
-both dumped in msprobe's format in deterministic mode, then compared; the advisor's
-verdict and the worst rows go to MLflow and to Prefect artifacts."""
+both dumped in msprobe's format in deterministic mode, then compared (runs of different
+tensor-parallel degrees whole, their ranks' shards merged); the advisor's verdict and the
+worst rows go to MLflow and to Prefect artifacts."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig
 from llmflow.flows import stages
 from llmflow.flows.params import PrecisionParams, RunSide
 from llmflow.probe.compare import CompareConfig
+from llmflow.probe.config import ProbeConfig
 from llmflow.tasks.probe import compare_task
 from llmflow.tasks.tokenize import tokenize_pretrain_task
 from llmflow.tasks.train import train_task
@@ -27,30 +30,22 @@ def dump_run(run: stages.FlowRun, params: PrecisionParams, side: RunSide, label:
     """Convert ``side``'s model, train ``params.steps`` deterministic steps with the probe on;
     returns the dump's step folder of the first dumped step."""
     model_dir = run.sources.model(side.model)
-    checkpoint = stages.run_convert(run, model_dir, stages.slug(side.model), side.tp)
+    # Both runs pad the vocabulary alike (for the larger tensor-parallel degree), so the same
+    # model gives both the same weights, of the same shapes.
+    padding_tp = math.lcm(params.target.tp, params.bench.tp)
+    checkpoint = stages.run_convert(run, model_dir, stages.slug(side.model), padding_tp)
     folder = run.workspace / "precision" / f"{label}-{stages.settings_tag(side, params, checkpoint.manifest.get('files'))}"
-    probe = write_json_atomic(folder / "probe.json", {
-        "task": params.task, "dump_path": str(folder / "dump"), "rank": [], "step": params.dump_steps,
-        "level": params.level, params.task: {"scope": [], "list": [], "data_mode": ["all"]},
-    })
+    probe = ProbeConfig(task=params.task, dump_path=folder / "dump", step=params.dump_steps, level=params.level)
+    probe_file = write_json_atomic(folder / "probe.json", probe.model_dump(mode="json", by_alias=True, exclude_none=True))
     config = TrainConfig(
         model=Path(checkpoint.path), out=folder / "run", data=DataConfig(kind="pretrain", paths=[data]),
         steps=params.steps, seq_length=params.seq_length, micro_batch_size=params.batch_size,
         global_batch_size=params.batch_size, optim=OptimConfig(lr=1e-4, decay="constant"), tp=side.tp,
-        dtype=side.dtype, deterministic=True, probe=str(probe), save_interval=None,
+        dtype=side.dtype, deterministic=True, probe=str(probe_file), save_interval=None,
     )
     device = None if side.device == "auto" else side.device
     stages.run(train_task, config, nproc=side.tp, device=device, refresh="train" in run.refresh)
     return folder / "dump" / f"step{min(params.dump_steps)}"
-
-
-def comparable(target: Path, bench: Path) -> tuple[Path, Path]:
-    """The step folders when both runs have the same ranks, else each run's first rank
-    (tp=2 against tp=1: rank 0 of each)."""
-    ranks = [sorted(p for p in step.iterdir() if p.is_dir() and p.name.startswith("rank")) for step in (target, bench)]
-    if [p.name for p in ranks[0]] == [p.name for p in ranks[1]]:
-        return target, bench
-    return ranks[0][0], ranks[1][0]
 
 
 @flow(name=FLOW, log_prints=True)
@@ -67,7 +62,6 @@ def precision(params: PrecisionParams = PrecisionParams()) -> dict[str, Any]:
         ), refresh="tokenize" in run.refresh)
         target = dump_run(run, params, params.target, "target", tokenized.path)
         bench = dump_run(run, params, params.bench, "bench", tokenized.path)
-        target, bench = comparable(target, bench)
         out = run.workspace / "precision" / f"compare-{stages.settings_tag(str(target), str(bench))}"
         compared = stages.run(compare_task, CompareConfig(target=target, bench=bench, out=out),
                               refresh="compare" in run.refresh)

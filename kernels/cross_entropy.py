@@ -26,10 +26,16 @@ def _chunk_log_probs(h: torch.Tensor, weight: torch.Tensor, buffers: dict[str, t
     if "logits" not in buffers:
         buffers["logits"] = torch.empty(n, weight.shape[0], dtype=weight.dtype, device=weight.device)
         buffers["log_probs"] = torch.empty(n, weight.shape[0], dtype=torch.float32, device=weight.device)
-    logits = torch.matmul(h, weight.t(), out=buffers["logits"][:n])
+    logits = torch.matmul(h, weight.t(), out=_leading_rows(buffers["logits"], n))
     if logits.dtype != torch.float32:
         return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-    return torch.ops.aten._log_softmax.out(logits, -1, False, out=buffers["log_probs"][:n])
+    return torch.ops.aten._log_softmax.out(logits, -1, False, out=_leading_rows(buffers["log_probs"], n))
+
+
+def _leading_rows(buffer: torch.Tensor, n: int) -> torch.Tensor:
+    # Only a shorter last chunk takes a slice: a slice is a call of its own to the precision
+    # probe, which would record a fresh buffer's uninitialised memory as its input.
+    return buffer if buffer.shape[0] == n else buffer[:n]
 
 
 def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tensor, first: bool) -> None:
@@ -47,7 +53,10 @@ def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, reduction, chunk_rows, want_grad_h, want_grad_w):
-        # Grad mode is off inside forward, so the caller says which gradients are wanted.
+        # Grad mode is off inside forward, so the caller says which gradients are wanted. The
+        # gradients are computed here by hand: the inputs' autograd history is not needed (and
+        # views of them would otherwise keep requires_grad depending on how they were made).
+        hidden, weight = hidden.detach(), weight.detach()
         grad_hidden = torch.empty_like(hidden) if want_grad_h else None
         # Filled by the first chunk's matmul (no zero-fill pass over a vocab x hidden tensor).
         grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if want_grad_w else None

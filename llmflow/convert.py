@@ -186,7 +186,7 @@ def plan_sources(
     """For each key of the checkpoint's model state (``CausalLM.state_dict()`` of the padded
     model), the HF tensor it is read from; checks names and shapes before anything is written."""
     with torch.device("meta"):
-        model = CausalLM(dataclasses.replace(model_config, vocab_size=padded))
+        model = CausalLM(model_config.padded_to(padded))
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     sources = {}
     for name, shape in shapes.items():
@@ -244,7 +244,7 @@ def write_model_state(
 
 def write_random_state(step_dir: Path, config: ModelConfig, padded_vocab: int, seed: int) -> None:
     """A freshly initialised model of ``config`` (vocabulary padded with zero rows) as the step's weights."""
-    model = CausalLM(dataclasses.replace(config, vocab_size=padded_vocab))
+    model = CausalLM(config.padded_to(padded_vocab))
     model.init_weights(generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():  # padding rows are zero, as when converting weights
         model.model.embed_tokens.weight[config.vocab_size:] = 0

@@ -144,7 +144,7 @@ def weight_names(source: Source) -> list[str]:
     embedding), checked against what the source stores."""
     config = ModelConfig.from_hf(source.meta.hf_config, source=str(source.path))
     with torch.device("meta"):
-        model = CausalLM(dataclasses.replace(config, vocab_size=source.meta.padded_vocab_size))
+        model = CausalLM(config.padded_to(source.meta.padded_vocab_size))
     names = expected_names(model)
     missing = [n for n in names if n not in source.tensors]
     if missing:

@@ -46,7 +46,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", merge: bool
         if merge:
             merge_lora(model)
         return model, hf_config
-    config = ModelConfig.from_hf({**meta.hf_config, "vocab_size": meta.padded_vocab_size})
+    config = ModelConfig.from_hf(meta.hf_config).padded_to(meta.padded_vocab_size)
     with torch.device(device):
         model = CausalLM(config)
     tied = config.tie_word_embeddings

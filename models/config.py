@@ -7,6 +7,7 @@ and ``rope_parameters`` (transformers 5), ``torch_dtype`` and ``dtype``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,8 +65,18 @@ class ModelConfig:
     """Beginning-of-sequence token id."""
     eos_token_id: int | list[int] | None = None
     """End-of-sequence token id(s)."""
+    unpadded_vocab_size: int | None = None
+    """The model's own vocabulary when vocab_size was padded (for tensor parallelism): the
+    padded rows are left out of the logits and the loss, so a checkpoint computes what the
+    unpadded model does whatever its padding. None: vocab_size rows, all real."""
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     """The original config.json, kept so that export writes back every key it had."""
+
+    def padded_to(self, rows: int) -> ModelConfig:
+        """This config with embedding and output matrices of ``rows`` rows, the extra rows
+        padding outside the vocabulary."""
+        real = self.unpadded_vocab_size or self.vocab_size
+        return dataclasses.replace(self, vocab_size=rows, unpadded_vocab_size=real if rows != real else None)
 
     @property
     def rope_type(self) -> str:

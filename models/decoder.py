@@ -215,11 +215,12 @@ class CausalLM(nn.Module):
         h = self.model(input_ids, position_ids, document_ids, kv_cache)
         if self.lm_head is None:
             return h
+        real = self.config.unpadded_vocab_size
         if labels is None:
-            return self.lm_head(h)
-        return kernels.linear_cross_entropy(
-            h.reshape(-1, h.shape[-1]), self.lm_head.weight, labels.reshape(-1), reduction=loss_reduction
-        )
+            logits = self.lm_head(h)
+            return logits if real is None else logits[..., :real]
+        weight = self.lm_head.weight if real is None else self.lm_head.weight[:real]
+        return kernels.linear_cross_entropy(h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1), reduction=loss_reduction)
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:

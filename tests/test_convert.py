@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.testing import assert_close
 from safetensors import safe_open
 
 from llmflow.artifacts import read_manifest
@@ -141,6 +142,31 @@ def test_vocab_rows_are_zero_padded_in_the_checkpoint(make_hf_model, tmp_path, t
 
     convert(ConvertConfig(hf=hf_dir, out=tmp_path / "ckpt", pad_vocab_to_multiple=1))
     assert read_meta(latest_step_dir(tmp_path / "ckpt")).padded_vocab_size == VOCAB
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_padded_checkpoint_computes_the_unpadded_models_logits_and_loss(make_hf_model, tokens, tmp_path, tied):
+    """Padding for tp=3 must not change what the model computes: the padded rows stay out of
+    the logits and the loss (and get no gradient), so conversions for different tensor-parallel
+    degrees train alike."""
+    import torch.nn.functional as F
+
+    from llmflow.model_loading import load_model
+
+    hf_model, hf_dir = make_hf_model("qwen2", tie_word_embeddings=tied)
+    convert(ConvertConfig(hf=hf_dir, out=tmp_path / "ckpt", tp=3, pad_vocab_to_multiple=8))
+    model, _ = load_model(tmp_path / "ckpt")
+    assert model.lm_head.weight.shape[0] == 168 and model.config.unpadded_vocab_size == VOCAB
+    ids = tokens(2, 12, VOCAB)
+    labels = ids.roll(-1, dims=1)
+    with torch.no_grad():
+        expected = hf_model(ids).logits
+        assert_close(model(ids), expected, atol=1e-5, rtol=0)  # fp32 logits within 1e-5
+        expected_loss = F.cross_entropy(expected.flatten(0, 1), labels.flatten(), reduction="sum")
+    loss = model(ids, labels=labels, loss_reduction="sum")
+    assert_close(loss.detach(), expected_loss, atol=1e-5 * labels.numel(), rtol=0)
+    loss.backward()
+    assert not model.lm_head.weight.grad[VOCAB:].any() and model.lm_head.weight.grad[:VOCAB].any()
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,8 @@ from llmflow.probe import Dumper, ProbeConfig, load_probe_config, seed_all
 from llmflow.probe.advisor import first_divergence
 from llmflow.probe.compare import CompareConfig, compare_dumps
 from llmflow.probe.config import expand_ranges
+from llmflow.probe.merge import merge_ranks
+from llmflow.probe.reading import Leaf, RankDump
 
 # --- msprobe's dump schema ------------------------------------------------------------------------------
 # Written from msprobe's documentation (Ascend/mstt): the dump.json examples and field list of
@@ -31,7 +34,7 @@ from llmflow.probe.config import expand_ranges
 TENSOR_RECORD = {
     "type": "object",
     "properties": {
-        "type": {"const": "torch.Tensor"},
+        "type": {"enum": ["torch.Tensor", "torch.distributed.tensor.DTensor"]},
         "dtype": {"type": "string", "pattern": r"^torch\.\w+$"},
         "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
         "Max": {"type": ["number", "boolean", "null"]},
@@ -41,6 +44,18 @@ TENSOR_RECORD = {
         "requires_grad": {"type": "boolean"},
         "md5": {"type": "string", "pattern": "^[0-9a-f]{8}$"},
         "data_name": {"type": "string", "pattern": r"\.pt$"},
+        # DTensors (msprobe's PyTorch data processor, get_dtensor_info): the mesh's ranks and the placements.
+        "device_mesh": {"type": "array"},
+        "placements": {
+            "type": "array",
+            "items": {"oneOf": [
+                {"type": "object", "properties": {"Shard": {"type": "object", "properties": {"dim": {"type": "integer"}},
+                                                           "required": ["dim"]}}, "required": ["Shard"]},
+                {"type": "object", "properties": {"Replicate": {"const": {}}}, "required": ["Replicate"]},
+                {"type": "object", "properties": {"Partial": {"type": "object", "properties": {"reduce_op": {"type": "string"}},
+                                                             "required": ["reduce_op"]}}, "required": ["Partial"]},
+            ]},
+        },
     },
     "required": ["type", "dtype", "shape", "Max", "Min", "Mean", "Norm", "requires_grad"],
     "additionalProperties": False,
@@ -286,27 +301,41 @@ def test_advisor_names_the_perturbed_mlp(clean_runs, mode, tmp_path, determinist
 # --- the training worker -----------------------------------------------------------------------------
 
 
-def test_training_worker_dumps_the_listed_steps(tmp_path, deterministic):
+@pytest.fixture(scope="module")
+def pretraining_data(tmp_path_factory) -> tuple[Path, Path]:
+    """The sample model and its tokenized pretraining text."""
     from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig, tokenize_pretrain
     from llmflow.sample import SampleConfig, write_sample
-    from llmflow.train.command import launch_training
+
+    root = tmp_path_factory.mktemp("worker")
+    sample = write_sample(SampleConfig(out=root / "sample", documents=40, instruct_rows=20))
+    tokenize_pretrain(PretrainTokenizeConfig(input=[sample / "pretrain" / "corpus.parquet"], tokenizer=sample / "model",
+                                             out=root / "wiki", append_eod=True))
+    return sample / "model", root / "wiki"
+
+
+def probed_config(tmp_path: Path, name: str, model: Path, data: Path, step: list[int], **train):
+    """A deterministic training run of ``name`` dumping ``step`` at level mix into tmp_path/name."""
     from llmflow.train.config import TrainConfig
+
+    probe = tmp_path / f"{name}.json"
+    probe.write_text(json.dumps({"task": "statistics", "dump_path": str(tmp_path / name), "step": step, "level": "mix"}))
+    return TrainConfig.model_validate({
+        "model": str(model), "out": str(tmp_path / f"run-{name}"), "data": {"paths": [str(data)]}, "seq_length": 32,
+        "micro_batch_size": 2, "deterministic": True, "probe": str(probe), "save_interval": None, **train,
+    })
+
+
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "LLMFLOW_DEVICE": "cpu"}
+
+
+def test_training_worker_dumps_the_listed_steps(pretraining_data, tmp_path, deterministic):
+    from llmflow.train.command import launch_training
     from llmflow.train.loop import train
 
-    sample = write_sample(SampleConfig(out=tmp_path / "sample", documents=40, instruct_rows=20))
-    tokenize_pretrain(PretrainTokenizeConfig(input=[sample / "pretrain" / "corpus.parquet"], tokenizer=sample / "model",
-                                             out=tmp_path / "wiki", append_eod=True))
-
-    def config(name: str) -> TrainConfig:
-        probe = tmp_path / f"{name}.json"
-        probe.write_text(json.dumps({"task": "statistics", "dump_path": str(tmp_path / name), "step": [1], "level": "mix"}))
-        return TrainConfig.model_validate({
-            "model": str(sample / "model"), "out": str(tmp_path / f"run-{name}"),
-            "data": {"paths": [str(tmp_path / "wiki")]}, "steps": 3, "seq_length": 32, "micro_batch_size": 2,
-            "global_batch_size": 4, "deterministic": True, "probe": str(probe),
-        })
-
-    launch_training(config("worker"), 1, on_line=lambda line: None, env={"OMP_NUM_THREADS": "1", "LLMFLOW_DEVICE": "cpu"})
+    model, data = pretraining_data
+    config = functools.partial(probed_config, tmp_path, model=model, data=data, step=[1], steps=3, global_batch_size=4)
+    launch_training(config("worker"), 1, on_line=lambda line: None, env=WORKER_ENV)
     assert [p.name for p in (tmp_path / "worker").iterdir()] == ["step1"]  # probe step 1 = training step 2
     data = validate_dump(tmp_path / "worker" / "step1" / "rank0")["data"]
     assert MLP in data and MLP.replace("forward.0", "forward.1") in data  # both micro-batches
@@ -322,3 +351,55 @@ def test_training_worker_dumps_the_listed_steps(tmp_path, deterministic):
     report = compare_dumps(CompareConfig(target=tmp_path / "worker" / "step1", bench=tmp_path / "local" / "step1",
                                          out=tmp_path / "cmp"))
     assert all(row.result == "pass" for row in report.ranks[0].rows)
+
+
+def test_tp2_against_tp1_compares_the_merged_shards_and_fsdp2_records_parameter_gradients(
+        pretraining_data, tmp_path, deterministic):
+    from llmflow.convert import ConvertConfig, convert
+    from llmflow.train.command import launch_training
+
+    model, data = pretraining_data
+    checkpoint = tmp_path / "ckpt"
+    convert(ConvertConfig(hf=model, out=checkpoint, tp=2))  # one vocabulary padding for both layouts
+    config = functools.partial(probed_config, tmp_path, model=checkpoint, data=data, step=[0], steps=1)
+    for name, nproc, train in (("tp2", 2, {"tp": 2}), ("tp1", 1, {}), ("dp2", 2, {})):
+        batch = 4 if name == "dp2" else 2  # one micro-batch per rank in every run
+        launch_training(config(name, global_batch_size=batch, **train), nproc, on_line=lambda line: None, env=WORKER_ENV)
+    dumps = {name: validate_dump(tmp_path / name / "step0" / "rank0")["data"] for name in ("tp2", "tp1", "dp2")}
+    # The calls torch.distributed makes itself (DTensor redistribution, FSDP2's all-gathers) are
+    # not recorded: every layout dumps the same entries.
+    assert list(dumps["tp2"]) == list(dumps["tp1"]) and sorted(dumps["dp2"]) == sorted(dumps["tp1"])
+    q_proj = "Module.model.layers.0.self_attn.q_proj.Linear"
+    weight = dumps["tp2"][f"{q_proj}.forward.0"]["parameters"]["weight"]
+    assert weight["type"] == "torch.distributed.tensor.DTensor" and weight["placements"] == [{"Shard": {"dim": 0}}]
+    assert weight["device_mesh"] == [0, 1] and weight["shape"] == [64, 128]
+    # Under FSDP2 each rank records the gradient of the unsharded weight it computed with.
+    assert dumps["dp2"][f"{q_proj}.parameters_grad.0"]["weight"][0]["shape"] == [128, 128]
+
+    report = compare_dumps(CompareConfig(target=tmp_path / "tp2" / "step0", bench=tmp_path / "tp1" / "step0", out=tmp_path / "cmp"))
+    (rank,) = report.ranks
+    assert rank.rank == "rank0-1" and len(rank.rows) > 1000
+    uncompared = [row for row in rank.rows if row.result != "pass"]
+    # Partial sums (row-parallel matmuls, gradients of replicated inputs) cannot be merged from
+    # statistics; everything else, sharded or replicated, matches the single process.
+    assert uncompared and all(row.result == "N/A" and "Partial(sum)" in row.messages[0] for row in uncompared)
+    assert report.advice.startswith("[rank0-1] compare_result_rank0-1.csv\nEvery compared value meets the accuracy rules.\n")
+
+
+def _tensor_leaf(name: str, values: torch.Tensor, **record) -> Leaf:
+    stats = {"Max": values.max().item(), "Min": values.min().item(), "Mean": values.mean().item(), "Norm": values.norm().item()}
+    return Leaf(name, name.rsplit(".", 2)[0], "output", {"type": "torch.Tensor", "dtype": "torch.float32",
+                                                           "shape": list(values.shape), **stats, "requires_grad": False, **record})
+
+
+def test_merging_ranks_combines_shards_and_flags_replicas_that_differ():
+    whole = torch.arange(24.0).reshape(2, 12) - 7
+    bench = RankDump("rank0", "statistics", [_tensor_leaf("x.0.forward.output.0", whole), _tensor_leaf("y.0.forward.output.0", whole)], {})
+    halves = whole.chunk(2, dim=1)
+    ranks = [RankDump(f"rank{r}", "statistics", [_tensor_leaf("x.0.forward.output.0", halves[r]),
+                                                 _tensor_leaf("y.0.forward.output.0", whole + r)], {}) for r in (0, 1)]
+    sharded, replica = merge_ranks(ranks, bench).leaves
+    assert sharded.record["shape"] == [2, 12] and sharded.problem is None
+    for stat in ("Max", "Min", "Mean", "Norm"):  # msprobe's merge: max, min, size-weighted mean, root of summed squares
+        assert sharded.record[stat] == pytest.approx(bench.leaves[0].record[stat], rel=1e-6)
+    assert replica.problem == ("warning", "a replica whose copy on rank 1 of the group differs from rank 0's")

@@ -51,7 +51,7 @@ def load_sharded_model(path: str | Path, device: torch.device, mesh: DeviceMesh)
     step_dir = resolve_step_dir(path) if is_checkpoint(path) else None
     meta = read_meta(step_dir) if step_dir is not None else None
     if meta is not None and meta.lora is None:
-        config = ModelConfig.from_hf({**meta.hf_config, "vocab_size": meta.padded_vocab_size})
+        config = ModelConfig.from_hf(meta.hf_config).padded_to(meta.padded_vocab_size)
         model = _empty_sharded_model(config, mesh, device)
         state = model.state_dict()
         if config.tie_word_embeddings:

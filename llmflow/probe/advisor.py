@@ -10,6 +10,7 @@ mismatches, in-place calls and parameters.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from llmflow.probe.apis import is_inplace
@@ -79,7 +80,7 @@ def advise(ranks: list[RankComparison]) -> str:
     for rank in ranks:
         lines = [f"[{rank.rank}] {rank.csv}"]
         found = first_divergence(rank.rows)
-        unmatched = sum(row.result == "N/A" for row in rank.rows)
+        uncompared = Counter("; ".join(row.messages) for row in rank.rows if row.result == "N/A")
         if found is None:
             lines.append(ALL_PASS)
         else:
@@ -95,7 +96,6 @@ def advise(ranks: list[RankComparison]) -> str:
                 "Call stack:",
                 *(f"  {frame}" for frame in row.cells["NPU_Stack_Info"].splitlines()),
             ]
-        if unmatched:
-            lines.append(f"{unmatched} values of the target had no match in the benchmark.")
+        lines += [f"{n} values of the target not compared: {reason}" for reason, n in uncompared.most_common()]
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks) + "\n"

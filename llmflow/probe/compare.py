@@ -24,22 +24,21 @@ import csv
 import itertools
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from pydantic import BaseModel, ConfigDict
 from pydantic_settings import CliPositionalArg
 
 from llmflow.artifacts import MANIFEST, atomic_directory, file_record, manifest_payload, write_json_atomic
 from llmflow.probe.advisor import advise
-from llmflow.probe.dump import TENSOR_DIR
+from llmflow.probe.merge import merge_ranks
+from llmflow.probe.reading import ERROR, PASS, UNMATCHED, WARNING, Leaf, RankDump, load_array, rank_dirs, read_rank
 
 STAGE = "probe-compare"
 
-PASS, WARNING, ERROR, UNMATCHED = "pass", "warning", "error", "N/A"
 
 # msprobe's result rules: the checkers of mindstudio-probe 26.2.0
 # (msprobe/core/compare/indicator_analysis/algorithm.py), which the documentation's
@@ -63,6 +62,11 @@ NORM_GROWTH = 10
 the inputs' highest..."""
 NORM_OUTPUT_FROM_EXACT = 0.1
 """...or, when the inputs agree exactly, above this."""
+NORM_NOISE = 1e-5
+"""statistics mode: norm relative errors below this count as agreement in the rules above.
+Two reductions of the same float32 values in different orders (tp=2 against tp=1, ranks'
+statistics merged) differ by about 1e-7, and msprobe's ten-times rule would flag one
+such error against another."""
 STAT_EPSILON = 1e-10
 """Added to |bench| in statistics' relative errors (msprobe's CompareConst.EPSILON)."""
 REDUNDANT_APIS = frozenset(
@@ -101,19 +105,6 @@ class CompareConfig(BaseModel):
 
 
 @dataclass
-class Leaf:
-    """One compared value of a dump: a tensor or a non-tensor argument."""
-
-    name: str
-    """Row name, e.g. Functional.linear.0.forward.input.0."""
-    entry: str
-    """The dump.json entry it belongs to, e.g. Functional.linear.0.forward."""
-    side: str
-    """input, parameters or output."""
-    record: dict[str, Any]
-
-
-@dataclass
 class Row:
     """One line of the comparison."""
 
@@ -147,76 +138,30 @@ class CompareReport:
     advice: str
 
 
-# --- reading dumps ------------------------------------------------------------------------------------
+# --- pairing ranks -------------------------------------------------------------------------------
 
 
-def leaves(dump: dict[str, Any]) -> list[Leaf]:
-    """The values of a dump.json, in its order (the order the calls finished)."""
-    found: list[Leaf] = []
-    for entry, value in dump["data"].items():
-        if ".parameters_grad" in entry:  # older msprobe versions write no call count after it
-            for pname, grads in value.items():  # msprobe names the rows {entry}.{param}
-                _walk(grads[0] if len(grads) == 1 else grads, f"{entry}.{pname}", entry, "output", found)
-            continue
-        for key, part in value.items():
-            side = key if key in ("output", "parameters") else "input"
-            _walk(part, f"{entry}.{side}", entry, side, found)
-    return found
+def rank_pairs(target: Path, bench: Path) -> list[tuple[str, RankDump, RankDump]]:
+    """(name, target dump, bench dump) of each rank. Ranks pair up by folder name; a single
+    rank on each side pairs up whatever its name ("rank" outside torchrun, "rank0" under
+    it). Runs with different ranks (tp=2 against tp=1) are compared whole: each side's ranks,
+    one tensor-parallel group, are merged into one dump."""
+    targets, benches = rank_dirs(Path(target)), rank_dirs(Path(bench))
+    if len(targets) == 1 and len(benches) == 1 or list(targets) == list(benches):
+        pairs = [(read_rank(t), read_rank(b)) for t, b in zip(targets.values(), benches.values(), strict=True)]
+        return [(t.name, t, b) for t, b in pairs]
+    target_ranks = [read_rank(path) for path in targets.values()]
+    bench_ranks = [read_rank(path) for path in benches.values()]
+    whole_target = _whole(target_ranks, bench_ranks)
+    whole_bench = _whole(bench_ranks, target_ranks)
+    return [(whole_target.name, whole_target, whole_bench)]
 
 
-def _walk(value: Any, name: str, entry: str, side: str, found: list[Leaf]) -> None:
-    if isinstance(value, list):
-        for i, item in enumerate(value):
-            _walk(item, f"{name}.{i}", entry, side, found)
-    elif isinstance(value, dict) and isinstance(value.get("type"), str):
-        # msprobe names a saved tensor's row after its file (a keyword argument: "kwargs", not "input").
-        found.append(Leaf(value["data_name"].removesuffix(".pt") if "data_name" in value else name, entry, side, value))
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _walk(item, f"{name}.{key}", entry, side, found)
-    elif value is None:  # an argument left out (a bias of None): a row, as msprobe makes
-        found.append(Leaf(name, entry, side, {"type": "None", "value": None}))
-
-
-def read_stacks(rank_dir: Path) -> dict[str, list[str]]:
-    """Entry name -> call stack, from stack.json in msprobe's grouped layout
-    ({"0": [[names], [frames]]}) or its older one ({name: [frames]})."""
-    path = rank_dir / "stack.json"
-    stacks: dict[str, list[str]] = {}
-    for key, value in (json.loads(path.read_text()) if path.is_file() else {}).items():
-        if isinstance(value, list) and len(value) == 2 and isinstance(value[0], list):
-            stacks.update({name: value[1] for name in value[0]})
-        else:
-            stacks[key] = value
-    return stacks
-
-
-def dump_mode(dump: dict[str, Any]) -> str:
-    if dump.get("task") == "tensor":
-        return "tensor"
-    return "md5" if any("md5" in leaf.record for leaf in leaves(dump)) else "statistics"
-
-
-def _rank_dirs(path: Path) -> dict[str, Path]:
-    if (path / "dump.json").is_file():
-        return {path.name: path}
-    found = {p.name: p for p in sorted(path.iterdir()) if p.name.startswith("rank") and (p / "dump.json").is_file()}
-    if not found:
-        raise FileNotFoundError(f"{path}: no dump.json in it or in rank folders under it")
-    return found
-
-
-def rank_pairs(target: Path, bench: Path) -> list[tuple[str, Path, Path]]:
-    """(rank, target folder, bench folder) matched by rank folder name; a single rank on
-    each side pairs up whatever its name ("rank" outside torchrun, "rank0" under it)."""
-    targets, benches = _rank_dirs(Path(target)), _rank_dirs(Path(bench))
-    if len(targets) == 1 and len(benches) == 1:
-        (name, t), (_, b) = next(iter(targets.items())), next(iter(benches.items()))
-        return [(name, t, b)]
-    missing = sorted(set(targets) ^ set(benches))
-    if missing:
-        raise ValueError(f"ranks {missing} are in only one of {target} and {bench}")
-    return [(name, targets[name], benches[name]) for name in targets]
+def _whole(ranks: list[RankDump], other: list[RankDump]) -> RankDump:
+    if len(ranks) == 1:
+        return ranks[0]
+    reference = replace(other[0], ranks=len(other))  # shapes of a shard of len(other) ranks
+    return merge_ranks(ranks, reference)
 
 
 # --- metrics --------------------------------------------------------------------------------------
@@ -265,15 +210,6 @@ def same_nonfinite(npu: np.ndarray, bench: np.ndarray) -> bool:
     )
 
 
-def _load_array(rank_dir: Path, record: dict[str, Any]) -> np.ndarray:
-    tensor = torch.load(rank_dir / TENSOR_DIR / record["data_name"], map_location="cpu", weights_only=True)
-    if tensor.is_complex():
-        tensor = tensor.abs()
-    if tensor.dtype in (torch.bfloat16, torch.float16, torch.bool):
-        tensor = tensor.float()  # numpy has no bfloat16
-    return tensor.numpy()
-
-
 def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) else None
 
@@ -293,9 +229,9 @@ def _statistics_metrics(npu: dict[str, Any], bench: dict[str, Any]) -> dict[str,
 # --- rows and results -------------------------------------------------------------------------------
 
 
-def _row(mode: str, leaf: Leaf, bench: Leaf | None, dirs: tuple[Path, Path], stack: list[str]) -> Row:
+def _row(mode: str, leaf: Leaf, bench: Leaf | None, stack: list[str]) -> Row:
     npu, other = leaf.record, bench.record if bench else {}
-    tensor = npu["type"] == "torch.Tensor"
+    tensor = leaf.is_tensor
     cells: dict[str, Any] = {
         "NPU Name": leaf.name,
         "Bench Name": bench.name if bench else None,
@@ -317,6 +253,13 @@ def _row(mode: str, leaf: Leaf, bench: Leaf | None, dirs: tuple[Path, Path], sta
         row.messages.append("No bench data matched.")
         return row
     cells["Requires_grad Consistent"] = npu.get("requires_grad") == other.get("requires_grad")
+    problems = [leaf.problem for leaf in (leaf, bench) if leaf.problem is not None]
+    if any(result == UNMATCHED for result, _ in problems):
+        row.result = UNMATCHED
+        row.messages += [message for _, message in problems]
+        return row
+    for result, message in problems:
+        row.flag(result, message)
     if not tensor:
         if npu.get("value") != other.get("value") or npu["type"] != other["type"]:
             row.flag(ERROR, "non-tensor value differs")
@@ -336,8 +279,8 @@ def _row(mode: str, leaf: Leaf, bench: Leaf | None, dirs: tuple[Path, Path], sta
         row.flag(ERROR, "maximum or minimum is nan, -inf, or inf")
     if mode == "tensor":
         cells["Data_name"] = json.dumps([npu.get("data_name"), other.get("data_name")])
-        if npu.get("data_name") and other.get("data_name") and math.prod(npu["shape"]) > 0:
-            arrays = _load_array(dirs[0], npu), _load_array(dirs[1], other)
+        if leaf.files and bench.files and math.prod(npu["shape"]) > 0:
+            arrays = load_array(leaf), load_array(bench)
             if same_nonfinite(*arrays):
                 row.metrics = tensor_metrics(*arrays)
             else:
@@ -358,6 +301,10 @@ def _extreme(rows: list[Row], metric: str, lowest: bool) -> float:
     return min([1.0, *values]) if lowest else max([0.0, *values])
 
 
+def _denoised(norm_relative_error: float) -> float:
+    return 0.0 if norm_relative_error < NORM_NOISE else norm_relative_error
+
+
 def _judge_outputs(mode: str, rows: list[Row]) -> None:
     """msprobe's rules that judge a call's outputs against its inputs and parameters."""
     inputs = [row for row in rows if row.leaf.side != "output"]
@@ -372,29 +319,24 @@ def _judge_outputs(mode: str, rows: list[Row]) -> None:
         if cosine_in > COSINE_INPUT_MIN and cosine_in - _extreme(outputs, "Cosine", lowest=True) > COSINE_DROP:
             outputs[0].flag(WARNING, "the output's cosine is lower than the inputs' by more than 0.1")
         return
-    norm_in = _extreme(inputs, "NormRelativeErr", lowest=False)
+    norm_in = _denoised(_extreme(inputs, "NormRelativeErr", lowest=False))
     if norm_in < NORM_INPUT_MAX:
         for row in outputs:
             if row.metrics.get("NormRelativeErr", 0.0) > NORM_OUTPUT_MIN:
                 row.flag(ERROR, "the inputs' norm relative error is below 0.1 while the output's exceeds 0.5")
-    norm_out = _extreme(outputs, "NormRelativeErr", lowest=False)
+    norm_out = _denoised(_extreme(outputs, "NormRelativeErr", lowest=False))
     if (norm_in == 0 and norm_out > NORM_OUTPUT_FROM_EXACT) or (norm_in > 0 and norm_out / norm_in > NORM_GROWTH):
         outputs[0].flag(WARNING, "the output's norm relative error exceeds 10 times the inputs' (0.1 when they agree)")
 
 
-def compare_rank(target: Path, bench: Path) -> tuple[str, list[Row]]:
-    """(mode, rows) of one rank's dump against its benchmark, in the target's order."""
-    target_dump = json.loads((target / "dump.json").read_text())
-    bench_dump = json.loads((bench / "dump.json").read_text())
-    mode, bench_mode = dump_mode(target_dump), dump_mode(bench_dump)
-    if mode != bench_mode:
-        raise ValueError(f"{target} is a {mode} dump and {bench} a {bench_mode} dump: compare dumps of the same mode")
-    stacks = read_stacks(target)
-    bench_leaves = {leaf.name: leaf for leaf in leaves(bench_dump)}
+def compare_rank(target: RankDump, bench: RankDump) -> list[Row]:
+    """The rows of one rank's dump against its benchmark, in the target's order."""
+    mode = target.mode
+    bench_leaves = {leaf.name: leaf for leaf in bench.leaves}
     rows: list[Row] = []
-    for entry, group in itertools.groupby(leaves(target_dump), key=lambda leaf: leaf.entry):
-        stack = stacks.get(entry) or stacks.get(entry.replace(".backward", ".forward"), [])
-        entry_rows = [_row(mode, leaf, bench_leaves.get(leaf.name), (target, bench), stack) for leaf in group]
+    for entry, group in itertools.groupby(target.leaves, key=lambda leaf: leaf.entry):
+        stack = target.stacks.get(entry) or target.stacks.get(entry.replace(".backward", ".forward"), [])
+        entry_rows = [_row(mode, leaf, bench_leaves.get(leaf.name), stack) for leaf in group]
         if not entry.startswith("Module.") and entry.split(".")[1] in REDUNDANT_APIS:
             for row in entry_rows:
                 if row.result != UNMATCHED:
@@ -405,7 +347,7 @@ def compare_rank(target: Path, bench: Path) -> tuple[str, list[Row]]:
     for row in rows:
         row.cells["Result"] = row.result
         row.cells["Err_message"] = "; ".join(row.messages)
-    return mode, rows
+    return rows
 
 
 # --- output -----------------------------------------------------------------------------------------
@@ -443,12 +385,16 @@ def compare_dumps(config: CompareConfig) -> CompareReport:
     """Compare ``config.target`` against ``config.bench`` rank by rank and write the tables,
     the advisor's text and the manifest into ``config.out`` (replaced as a whole)."""
     pairs = rank_pairs(config.target, config.bench)
+    for _, target, bench in pairs:
+        if target.mode != bench.mode:
+            raise ValueError(f"{config.target} is a {target.mode} dump and {config.bench} a {bench.mode} dump: "
+                             "compare dumps of the same mode")
     with atomic_directory(config.out) as work:
         ranks, files = [], []
         for rank, target, bench in pairs:
-            mode, rows = compare_rank(target, bench)
-            ranks.append(RankComparison(rank, mode, rows, f"compare_result_{rank}.csv"))
-            files += _write_tables(work, f"compare_result_{rank}", mode, rows)
+            rows = compare_rank(target, bench)
+            ranks.append(RankComparison(rank, target.mode, rows, f"compare_result_{rank}.csv"))
+            files += _write_tables(work, f"compare_result_{rank}", target.mode, rows)
         advice = advise(ranks)
         (work / "advisor.txt").write_text(advice, encoding="utf-8")
         files.append(work / "advisor.txt")

@@ -28,8 +28,11 @@ Backward records come from ``torch.utils.hooks.BackwardHook``, the mechanism beh
 forbids in-place changes to the outputs of a hooked call ("Output 0 of BackwardHookFunction
 is a view and is being modified inplace"); dump such code with data_mode ["forward"].
 
-Under FSDP2, a sharded parameter's gradient is not produced by autograd, so its
-parameters_grad is not recorded. Steps run with torch.compile are not supported.
+parameters_grad records the gradient a rank computes for a parameter, before any
+reduction across data-parallel ranks (under FSDP2: the unsharded parameter's). API calls
+made by torch.distributed itself (DTensor redistribution, parallel styles, FSDP2's
+all-gathers) are not recorded: they differ between parallel layouts. Steps run with
+torch.compile are not supported.
 """
 
 from __future__ import annotations
@@ -60,9 +63,26 @@ from llmflow.probe.records import RecordBuilder
 from llmflow.probe.scope import CallFilter, backward_name
 
 TENSOR_DIR = "dump_tensor_data"
+_TORCH = str(Path(torch.__file__).resolve().parent) + "/"
+_DISTRIBUTED = _TORCH + "distributed/"
 # Frames of torch itself (module call machinery, the function mode) and of the probe tell
 # nothing about where the model made the call.
-_HIDDEN_FRAMES = (str(Path(torch.__file__).resolve().parent), str(Path(__file__).resolve().parent))
+_HIDDEN_FRAMES = (_TORCH, str(Path(__file__).resolve().parent) + "/")
+
+
+def _called_by_distributed(frame: Any) -> bool:
+    """Whether the API call seen from ``frame`` was made for torch.distributed (DTensor,
+    parallel styles, FSDP2) rather than by the model: the nearest frame outside torch's
+    other code is in torch.distributed. That bookkeeping differs between parallel layouts
+    and would shift every later call count."""
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_TORCH):
+            return False
+        if filename.startswith(_DISTRIBUTED):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def call_stack() -> tuple[str, ...]:
@@ -109,8 +129,9 @@ def _has_tensor(value: Any) -> bool:
 
 
 def _write_json(path: Path, payload: Any) -> None:
-    # Without indentation json uses its C encoder: several times faster on a large dump.
-    path.write_text(json.dumps(payload), encoding="utf-8")
+    # Without indentation json uses its C encoder: several times faster on a large dump. The
+    # payload is plain dicts and lists built here: no cycle to check for.
+    path.write_text(json.dumps(payload, check_circular=False), encoding="utf-8")
 
 
 class Dumper:
@@ -164,7 +185,7 @@ class _ApiMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = None if self.session.quiet else api_name(func)
-        if name is None or name in SKIPPED:
+        if name is None or name in SKIPPED or _called_by_distributed(sys._getframe(1)):
             return func(*args, **kwargs)
         return self.session.api_call(name, func, args, kwargs)
 
@@ -181,7 +202,7 @@ class _Session:
         if tensor_dir is not None:
             tensor_dir.mkdir()
         self.dump_data_dir = str(final / TENSOR_DIR) if tensor_dir is not None else None
-        self.records = RecordBuilder(config.md5, tensor_dir)
+        self.records = RecordBuilder(config.md5, tensor_dir, threads=torch.get_num_threads())
         self.filter = CallFilter(config.section.scope, config.section.names)
         self.data: dict[str, dict[str, Any]] = {}
         self.stacks: dict[tuple[str, ...], list[str]] = {}
@@ -189,6 +210,7 @@ class _Session:
         self.counts: defaultdict[str, int] = defaultdict(int)
         self.calls: list[_Call] = []
         self.recorded_modules: set[str] = set()
+        self.hooked_parameters: set[int] = set()
         self.installed = contextlib.ExitStack()
         self.quiet = 0
         """Non-zero while the session runs torch code of its own, which is not recorded."""
@@ -230,7 +252,8 @@ class _Session:
             torch.set_num_threads(1)
         self.quiet += 1
         try:
-            yield
+            with torch._C.DisableTorchFunction():
+                yield
         finally:
             self.quiet -= 1
             if self.quiet == 0:
@@ -283,14 +306,20 @@ class _Session:
             if module is self.model:
                 continue
             prefix = f"Module.{qualname}.{_class_name(module)}."
-            handles = [
+            for handle in (
                 module.register_forward_pre_hook(functools.partial(self._pre, prefix), with_kwargs=True),
                 module.register_forward_hook(functools.partial(self._post, prefix), with_kwargs=True, always_call=True),
-            ]
-            for pname, param in module.named_parameters(recurse=False):
-                if param.requires_grad:
-                    handles.append(param.register_hook(functools.partial(self._param_grad, prefix, pname)))
-            for handle in handles:
+            ):
+                self.installed.callback(handle.remove)
+
+    def _hook_parameters(self, prefix: str, module: nn.Module) -> None:
+        """Hook the gradients of the parameters a module computes with, as its call starts:
+        under FSDP2 these are the unsharded parameters its pre-forward hook has just put in
+        place (the sharded ones get their gradients from a reduce-scatter, not autograd)."""
+        for pname, param in module.named_parameters(recurse=False):
+            if param.requires_grad and id(param) not in self.hooked_parameters:
+                self.hooked_parameters.add(id(param))
+                handle = param.register_hook(functools.partial(self._param_grad, prefix, pname))
                 self.installed.callback(handle.remove)
 
     def _pre(self, prefix: str, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
@@ -299,6 +328,8 @@ class _Session:
             self.counts[prefix] += 1
             parent = self.calls[-1].forward if self.calls else None
             record, record_backward = self.filter.begin(forward, [c.forward for c in self.calls])
+            if record:
+                self._hook_parameters(prefix, module)
             inputs = self._inputs(forward, args, kwargs) if record and self._wants("forward", "input") else {}
             hook = self._backward_hook(forward, parent) if record_backward else None
             if hook is not None:

@@ -5,7 +5,9 @@ Field names, their order and the non-tensor forms follow msprobe's dump.json ref
 PyTorch data processor: a tensor is ``{"type": "torch.Tensor", "dtype", "shape", "Max",
 "Min", "Mean", "Norm", "requires_grad"}``, plus ``"md5"`` (the CRC-32 of its bytes, as
 msprobe computes it) in md5 mode and ``"data_name"`` (its file under dump_tensor_data/)
-in tensor mode; other values are ``{"type", "value"}``; None stays null.
+in tensor mode; a DTensor is recorded as this rank's shard, of type
+``"torch.distributed.tensor.DTensor"`` with ``"device_mesh"`` and ``"placements"``; other
+values are ``{"type", "value"}``; None stays null.
 
 Statistics are computed on the tensor's device and read back once per step, not once per
 tensor, so dumping does not synchronise the device at every call.
@@ -13,22 +15,46 @@ tensor, so dumping does not synchronise the device at every call.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 import zlib
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Shard
+
+TENSOR_TYPE = "torch.Tensor"
+DTENSOR_TYPE = "torch.distributed.tensor.DTensor"
+"""msprobe's type of a DTensor's record, which adds the mesh ("device_mesh", the ranks) and
+the "placements" to a tensor's fields."""
 
 
 def _gap_free(t: torch.Tensor) -> bool:
     """Whether the elements fill one block of memory, in any order (a tensor, a reshape or a
     permutation of it; not a slice with gaps, not an expanded view)."""
+    if t.is_contiguous():
+        return True
     span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True) if size > 1)
     return span == t.numel()
+
+
+PARALLEL_STATISTICS_MIN = 2**18
+"""Elements from which a CPU tensor's statistics use the intra-op threads; the probe runs
+its other work on one thread (see ``dump._Session._quietly``)."""
+
+
+@contextlib.contextmanager
+def _cpu_threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _statistics(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -37,7 +63,18 @@ def _statistics(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if x.ndim == 0:
         return (x.clone(),) * 4  # msprobe reports a scalar's value for all four
     # amax and amin run faster than aminmax on CPU.
-    return x.amax(), x.amin(), x.mean(), torch.linalg.vector_norm(x)
+    return x.amax(), x.amin(), x.mean(), _norm(x)
+
+
+_NORM_ROWS = 64
+
+
+def _norm(x: torch.Tensor) -> torch.Tensor:
+    # A CPU vector norm over one dimension runs on one thread; the norm of 64 row norms
+    # spreads a large tensor over the intra-op threads (and is as deterministic).
+    if x.device.type == "cpu" and x.numel() >= PARALLEL_STATISTICS_MIN and x.is_contiguous() and x.numel() % _NORM_ROWS == 0:
+        return torch.linalg.vector_norm(torch.linalg.vector_norm(x.view(_NORM_ROWS, -1), dim=1))
+    return torch.linalg.vector_norm(x)
 
 
 def _identity(t: torch.Tensor, any_order: bool) -> tuple | None:
@@ -51,6 +88,16 @@ def _identity(t: torch.Tensor, any_order: bool) -> tuple | None:
         return None
     layout = t.numel() if any_order else (tuple(t.shape), t.stride())
     return t.device, t.dtype, t.data_ptr(), layout, version
+
+
+def _placement(placement: Placement) -> dict[str, Any]:
+    """msprobe's record of a DTensor placement: {"Shard": {"dim": d}}, {"Replicate": {}} or
+    {"Partial": {"reduce_op": "sum"}}."""
+    if isinstance(placement, Shard):
+        return {"Shard": {"dim": placement.dim}}
+    if isinstance(placement, Partial):
+        return {"Partial": {"reduce_op": placement.reduce_op}}
+    return {"Replicate": {}}
 
 
 def crc32(t: torch.Tensor) -> str:
@@ -78,10 +125,12 @@ def _value(value: Any) -> dict[str, Any] | None:
 class RecordBuilder:
     """Turns the arguments and results of calls into records; statistics are filled in by ``finish``."""
 
-    def __init__(self, md5: bool, tensor_dir: Path | None) -> None:
+    def __init__(self, md5: bool, tensor_dir: Path | None, threads: int = 1) -> None:
         self.md5 = md5
         self.tensor_dir = tensor_dir
         """Where tensor mode saves each tensor; None in statistics mode."""
+        self.threads = threads
+        """CPU threads for the statistics of large tensors."""
         self._pending: list[tuple[dict[str, Any], tuple[torch.Tensor, ...]]] = []
         # The output of one call is the input of the next, and a module's inputs and outputs
         # are its APIs': each tensor's statistics are computed once. An entry stays valid
@@ -103,11 +152,13 @@ class RecordBuilder:
 
     def _tensor(self, tensor: torch.Tensor, data_name: str) -> dict[str, Any]:
         requires_grad = tensor.requires_grad
-        # A DTensor is dumped as this rank's shard: no collectives inside hooks, so ranks
-        # left out of the dump cannot hang the ones that dump.
-        t = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
+        # A DTensor is dumped as this rank's shard, with its layout: no collectives inside
+        # hooks, so ranks left out of the dump cannot hang the ones that dump. The comparison
+        # puts the shards of the ranks together.
+        distributed = isinstance(tensor, DTensor)
+        t = (tensor.to_local() if distributed else tensor).detach()
         record: dict[str, Any] = {
-            "type": "torch.Tensor",
+            "type": DTENSOR_TYPE if distributed else TENSOR_TYPE,
             "dtype": str(t.dtype),
             "shape": list(t.shape),
             "Max": None,
@@ -116,6 +167,9 @@ class RecordBuilder:
             "Norm": None,
             "requires_grad": requires_grad,
         }
+        if distributed:
+            record["device_mesh"] = tensor.device_mesh.mesh.tolist()
+            record["placements"] = [_placement(p) for p in tensor.placements]
         if not t.is_meta:
             self._summarise(record, t, tensor)
         if self.tensor_dir is not None:
@@ -148,7 +202,10 @@ class RecordBuilder:
             return seen[1], seen[2]
         if not gap_free:
             t = t.contiguous()  # reductions over a strided slice run slower than a copy and a pass
-        summary = _statistics(t), crc32(t) if self.md5 else None
+        parallel = t.device.type == "cpu" and t.numel() >= PARALLEL_STATISTICS_MIN and self.threads > 1
+        with _cpu_threads(self.threads) if parallel else contextlib.nullcontext():
+            stats = _statistics(t)
+        summary = stats, crc32(t) if self.md5 else None
         if key is not None:
             self._seen[key] = (weakref.ref(owner), *summary)
         return summary
