@@ -403,3 +403,14 @@ def test_merging_ranks_combines_shards_and_flags_replicas_that_differ():
     for stat in ("Max", "Min", "Mean", "Norm"):  # msprobe's merge: max, min, size-weighted mean, root of summed squares
         assert sharded.record[stat] == pytest.approx(bench.leaves[0].record[stat], rel=1e-6)
     assert replica.problem == ("warning", "a replica whose copy on rank 1 of the group differs from rank 0's")
+
+
+def test_runs_of_different_ranks_without_a_tensor_parallel_layout_are_refused(clean_runs, tmp_path):
+    import shutil
+
+    dump = clean_runs["statistics"][0] / "rank"
+    for rank in ("rank0", "rank1"):  # two data-parallel ranks: no DTensor tells a group
+        shutil.copytree(dump, tmp_path / "dp2" / rank)
+    with pytest.raises(ValueError, match=r"dumped no DTensor to tell their tensor-parallel group"):
+        compare_dumps(CompareConfig(target=tmp_path / "dp2", bench=clean_runs["statistics"][1], out=tmp_path / "cmp"))
+    assert not (tmp_path / "cmp").exists()

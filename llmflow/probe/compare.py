@@ -160,8 +160,28 @@ def rank_pairs(target: Path, bench: Path) -> list[tuple[str, RankDump, RankDump]
 def _whole(ranks: list[RankDump], other: list[RankDump]) -> RankDump:
     if len(ranks) == 1:
         return ranks[0]
-    reference = replace(other[0], ranks=len(other))  # shapes of a shard of len(other) ranks
-    return merge_ranks(ranks, reference)
+    reference = _tensor_parallel_group(other)
+    return merge_ranks(_tensor_parallel_group(ranks), replace(reference[0], ranks=len(reference)))
+
+
+def _tensor_parallel_group(ranks: list[RankDump]) -> list[RankDump]:
+    """The ranks of rank 0's tensor-parallel group, in mesh order: the mesh of the first
+    DTensor on a 1-D mesh that rank 0 dumped (its other ranks hold other data)."""
+    if len(ranks) == 1:
+        return ranks
+    by_name = {rank.name: rank for rank in ranks}
+    for leaf in ranks[0].leaves:
+        mesh = leaf.record.get("device_mesh")
+        if isinstance(mesh, list) and mesh and all(isinstance(r, int) for r in mesh):
+            missing = [f"rank{r}" for r in mesh if f"rank{r}" not in by_name]
+            if missing:
+                raise ValueError(f"{ranks[0].name}'s tensor-parallel group {mesh} needs the dumps of {missing}")
+            return [by_name[f"rank{r}"] for r in mesh]
+    raise ValueError(
+        f"the runs have different ranks, and {[r.name for r in ranks]} dumped no DTensor to tell their "
+        "tensor-parallel group: compare runs of the same layout rank by rank, or dump the parameters too "
+        "(level L0 or mix) so the group is known"
+    )
 
 
 # --- metrics --------------------------------------------------------------------------------------
