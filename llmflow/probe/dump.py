@@ -26,7 +26,9 @@ under a temporary name and renamed when the step ends, so a folder that exists i
 Backward records come from ``torch.utils.hooks.BackwardHook``, the mechanism behind
 ``register_full_backward_hook`` (msprobe uses the same). Like module backward hooks, it
 forbids in-place changes to the outputs of a hooked call ("Output 0 of BackwardHookFunction
-is a view and is being modified inplace"); dump such code with data_mode ["forward"].
+is a view and is being modified inplace"); dump such code with data_mode ["forward"]. For
+the same reason FSDP2 warns, in a dumped step, that a wrapped module "returned a view
+tensor": harmless unless the caller changes that output in place.
 
 parameters_grad records the gradient a rank computes for a parameter, before any
 reduction across data-parallel ranks (under FSDP2: the unsharded parameter's). API calls
