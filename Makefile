@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
 
 demo: $(STAMP)

@@ -94,9 +94,9 @@ def main() -> None:
         f"| finetune_eval through Prefect | {flow:.1f} |",
         f"| rerun with the last evaluation to redo | {retry:.1f} |",
         "",
-        f"Overhead per stage: {per_stage:.2f} s over {stages} stages (target <= 2 s); rerun / full run: "
+        (f"Overhead per stage: {per_stage:.2f} s over {stages} stages (target <= 2 s); rerun / full run: "
         f"{retry / flow:.1%} (target <= 10%). Prefect server start, excluded: {server_seconds:.1f} s. "
-        f"MMLU before {result['mmlu_before']:.3f}, after {result['mmlu_after']:.3f}.",
+        f"MMLU before {result['mmlu_before']:.3f}, after {result['mmlu_after']:.3f}."),
     ]
     print("\n".join(lines))
     if args.record:

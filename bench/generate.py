@@ -51,9 +51,9 @@ def hf_runner(model_dir: str):
 
 def llmflow_runner(model_dir: str):
     import transformers  # noqa: F401  (same imports on both sides)
-    from llmflow.models import load_hf_model
 
     from llmflow.infer import GenerateConfig, generate
+    from llmflow.models import load_hf_model
 
     model = load_hf_model(model_dir).eval()
     tokenizer = word_tokenizer()

@@ -111,9 +111,10 @@ class MegatronEncoder:
 def run_baseline(corpus: str, tokenizer: str, out: str, workers: int) -> dict:
     import multiprocessing
 
+    from transformers import AutoTokenizer
+
     from llmflow.data.indexed import IndexedDatasetWriter, optimal_token_dtype
     from llmflow.data.readers import iter_texts
-    from transformers import AutoTokenizer
 
     vocab = len(AutoTokenizer.from_pretrained(tokenizer))
     start = time.perf_counter()
@@ -153,7 +154,7 @@ def run_side(side: str, corpus: Path, tokenizer: Path, out: Path, workers: int) 
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     cmd = [sys.executable, "-m", "bench.tokenize", "--side", side, "--corpus", str(corpus), "--tokenizer", str(tokenizer),
            "--out", str(out), "--workers", str(workers)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO, check=False)
     if proc.returncode:
         sys.exit(f"{side} failed:\n{proc.stderr[-4000:]}")
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))

@@ -128,9 +128,9 @@ def main() -> None:
         lines = [
             "",
             f"### train ({time.strftime('%Y-%m-%d')}, {machine})",
-            f"sample model (hidden {params['hidden_size']}, {params['num_hidden_layers']} layers, vocab {params['vocab_size']}), batch {args.batch} x seq {args.seq}, fp32, one rank, "
+            (f"sample model (hidden {params['hidden_size']}, {params['num_hidden_layers']} layers, vocab {params['vocab_size']}), batch {args.batch} x seq {args.seq}, fp32, one rank, "
             f"{args.steps} steps, checkpoint every {args.save_interval}, best of {args.rounds} alternating rounds; "
-            "`python -m bench.train`",
+            "`python -m bench.train`"),
             "",
             "| bare step tok/s | llmflow train tok/s | ratio |",
             "|---|---|---|",

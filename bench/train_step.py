@@ -28,10 +28,10 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 CONFIGS = {
-    "50m": dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048),
-    "large-vocab": dict(vocab_size=151936, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                        num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048),
+    "50m": {"vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
+            "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 2048},
+    "large-vocab": {"vocab_size": 151936, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
+                    "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 2048},
 }
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch_npu  # noqa: F401  (registers the npu device and torch_npu ops)
+import torch_npu  # also registers the npu device
 
 from llmflow.kernels.masks import attention_mask
 
@@ -66,7 +66,7 @@ def attention(
         )[0]
     if document_ids is not None and q_len == kv_len:
         ends = _document_ends(document_ids)
-        tnd = lambda t: t.transpose(1, 2).reshape(batch * q_len, t.shape[1], head_dim)  # noqa: E731
+        tnd = lambda t: t.transpose(1, 2).reshape(batch * q_len, t.shape[1], head_dim)
         out = torch_npu.npu_fusion_attention(
             tnd(q), tnd(k), tnd(v), heads, "TND",
             atten_mask=_causal_compressed_mask(q.device), scale=scale, sparse_mode=_RIGHT_DOWN_CAUSAL,

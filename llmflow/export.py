@@ -269,8 +269,7 @@ def write_weights(
                 adapted = [m for m in modules if m + ".weight" in tensors]
                 if adapted:
                     merge_adapters(tensors, lora.load([m + s for m in adapted for s in (LORA_A, LORA_B)]), scale)
-                for name in batch:
-                    f.write(_finish(name, tensors.pop(name), vocab_size, dtype).view(-1).view(torch.uint8).numpy())
+                f.writelines(_finish(name, tensors.pop(name), vocab_size, dtype).view(-1).view(torch.uint8).numpy() for name in batch)
             f.flush()
             os.fsync(f.fileno())
         weight_map.update(dict.fromkeys(map(ours_to_hf, shard), fname))

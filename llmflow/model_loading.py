@@ -10,7 +10,15 @@ from typing import Any
 
 import torch
 
-from llmflow.checkpoint import LATEST, META, TOKENIZER_DIR, CheckpointError, load_checkpoint, read_meta, resolve_step_dir
+from llmflow.checkpoint import (
+    LATEST,
+    META,
+    TOKENIZER_DIR,
+    CheckpointError,
+    load_checkpoint,
+    read_meta,
+    resolve_step_dir,
+)
 from llmflow.models import CausalLM, LoraConfig, ModelConfig, apply_lora, load_hf_model, lora_state_dict, merge_lora
 
 

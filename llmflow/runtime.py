@@ -159,13 +159,12 @@ def init_distributed(device_type: str | None = None, timeout_s: float = 1800.0) 
     env = dist_env_from_environ(spec.type)
     if spec.type != "cpu":
         torch.accelerator.set_device_index(env.local_rank)
-    if env.world_size > 1 or "MASTER_ADDR" in os.environ:
-        if not dist.is_initialized():
-            dist.init_process_group(
-                backend=spec.backend,
-                device_id=None if spec.type == "cpu" else env.device,
-                timeout=datetime.timedelta(seconds=timeout_s),
-            )
+    if (env.world_size > 1 or "MASTER_ADDR" in os.environ) and not dist.is_initialized():
+        dist.init_process_group(
+            backend=spec.backend,
+            device_id=None if spec.type == "cpu" else env.device,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
     return env
 
 

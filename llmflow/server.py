@@ -69,7 +69,7 @@ def start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
 
 def run_quietly(args: list[str], env: dict[str, str]) -> None:
     """Run a set-up command; its output is shown only when it fails."""
-    done = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"{' '.join(args)} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
 

@@ -18,15 +18,15 @@ none and runs exactly as without it.
 from __future__ import annotations
 
 import torch
+from torch import nn
+
+from llmflow import kernels
 from llmflow.models.config import ModelConfig
 from llmflow.models.rope import (
     inverse_frequencies,
     positions_from_documents,
     rotary_cos_sin,
 )
-from torch import nn
-
-from llmflow import kernels
 
 
 class KVCache:

@@ -59,7 +59,7 @@ def iter_hf_tensors(directory: str | Path) -> Iterator[tuple[Path, str, torch.Te
     """(file, tensor name, tensor) for every tensor of the checkpoint, one at a time."""
     for path in safetensors_files(directory):
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - safe_open has keys() but cannot be iterated
                 yield path, name, f.get_tensor(name)
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.testing import assert_close
 from safetensors import safe_open
+from torch.testing import assert_close
 
 from llmflow.artifacts import read_manifest
 from llmflow.checkpoint import (
@@ -171,7 +171,7 @@ def test_a_padded_checkpoint_computes_the_unpadded_models_logits_and_loss(make_h
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_random_init_needs_only_the_config_and_is_seeded(make_hf_model, tmp_path, tied):
-    hf_model, hf_dir = make_hf_model("qwen2", tie_word_embeddings=tied)
+    _hf_model, hf_dir = make_hf_model("qwen2", tie_word_embeddings=tied)
     for weights in safetensors_files(hf_dir):
         weights.unlink()  # from scratch: config.json and the tokenizer are all it reads
     for out, seed in (("a", 0), ("b", 0), ("c", 1)):
@@ -180,7 +180,7 @@ def test_random_init_needs_only_the_config_and_is_seeded(make_hf_model, tmp_path
     assert read_manifest(tmp_path / "a")["params"]["init"] == "random"
     for (name, pa), (_, pb), (_, pc) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters()):
         assert torch.equal(pa, pb), name
-        assert not torch.equal(pa, pc) or name.endswith("norm.weight") or name.endswith(".bias"), name
+        assert not torch.equal(pa, pc) or name.endswith(("norm.weight", ".bias")), name
     for weight in (a.model.embed_tokens.weight, a.lm_head.weight):
         assert weight.shape[0] == 168 and not weight[VOCAB:].any()  # padding rows zero, as when converting
         assert weight[:VOCAB].std().item() == pytest.approx(0.02, rel=0.1)

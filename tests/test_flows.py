@@ -262,9 +262,8 @@ def test_a_retried_flow_run_reopens_its_mlflow_parent_run(prefect_env, tmp_path)
     tracking.configure(tmp_path / "ws")
     with tracking.flow_run("finetune-eval", "flow-run-1", {"a": 1}) as first:
         pass
-    with tracking.flow_run("finetune-eval", "flow-run-1", {"a": 1}) as retried:
-        with tracking.stage_run("export", {"b": 2}) as stage:
-            pass
+    with tracking.flow_run("finetune-eval", "flow-run-1", {"a": 1}) as retried, tracking.stage_run("export", {"b": 2}) as stage:
+        pass
     with tracking.flow_run("finetune-eval", "flow-run-2", {"a": 1}) as other:
         pass
     assert retried == first and other != first

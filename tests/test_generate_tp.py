@@ -96,7 +96,7 @@ def test_sharded_loaders_build_the_model_of_one_process(sample_model, tmp_path, 
     ],
 )
 def test_impossible_nproc_is_refused_before_spawning(sample_model, options, message, monkeypatch):
-    import llmflow.infer.command as command
+    from llmflow.infer import command
 
     def no_workers(*_args, **_kwargs):
         raise AssertionError("workers were started")

@@ -22,7 +22,7 @@ def clean_env(**extra) -> dict[str, str]:
 
 def run_python(code: str, cwd: Path, **env) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", code], cwd=cwd, env=clean_env(**env), capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code], cwd=cwd, env=clean_env(**env), capture_output=True, text=True, timeout=120, check=False
     )
 
 
@@ -53,7 +53,7 @@ def test_console_script_help(tmp_path):
     script = Path(sys.executable).parent / "llmflow"
     assert script.is_file(), f"no console script at {script}"
     result = subprocess.run(
-        [str(script), "--help"], cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120
+        [str(script), "--help"], cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120, check=False
     )
     assert result.returncode == 0, result.stderr
     out = result.stdout + result.stderr

@@ -167,15 +167,15 @@ def test_one_process_gloo_group_and_mesh(clean_env):
 
 
 def model_config(**overrides) -> ModelConfig:
-    hf = dict(
-        model_type="llama",
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-    )
+    hf = {
+        "model_type": "llama",
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+    }
     hf.update(overrides)
     return ModelConfig.from_hf(hf)
 

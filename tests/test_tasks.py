@@ -30,7 +30,7 @@ from llmflow.tasks.tokenize import tokenize_instruction_task, tokenize_pretrain_
 
 pytestmark = pytest.mark.usefixtures("prefect_env")
 
-WORDS = "the model learns tokens from text and data flows through every stage of the pipeline café 数据".split()
+WORDS = ["the", "model", "learns", "tokens", "from", "text", "and", "data", "flows", "through", "every", "stage", "of", "the", "pipeline", "café", "数据"]
 
 
 def make_docs(n: int, seed: int) -> list[str]:

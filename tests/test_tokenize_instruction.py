@@ -37,7 +37,7 @@ QWEN_GENERATION = (
     "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-WORDS = "what is the capital of country city red blue green sum of two and three answer question please tell me".split()
+WORDS = ["what", "is", "the", "capital", "of", "country", "city", "red", "blue", "green", "sum", "of", "two", "and", "three", "answer", "question", "please", "tell", "me"]
 
 
 def sentence(rng: random.Random, lo: int = 2, hi: int = 12) -> str:

@@ -20,10 +20,7 @@ from llmflow.data.readers import InputError
 from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig, output_paths, tokenize_pretrain
 from llmflow.data.tokenizer import TokenizeError
 
-WORDS = (
-    "the model learns tokens from text and data flows through every stage of training "
-    "pipeline parallel tensor gradient loss falls accuracy rises über café naïve 東京 数据 ✓"
-).split()
+WORDS = ["the", "model", "learns", "tokens", "from", "text", "and", "data", "flows", "through", "every", "stage", "of", "training", "pipeline", "parallel", "tensor", "gradient", "loss", "falls", "accuracy", "rises", "über", "café", "naïve", "東京", "数据", "✓"]
 
 
 def make_docs(n: int, seed: int = 0) -> list[str]:
@@ -79,8 +76,7 @@ def write_parquet(path: Path, docs, key="text") -> Path:
 
 def write_jsonl(path: Path, docs, key="text") -> Path:
     with open(path, "w", encoding="utf-8") as f:
-        for i, d in enumerate(docs):
-            f.write(json.dumps({"id": i, key: d}, ensure_ascii=False) + "\n")
+        f.writelines(json.dumps({"id": i, key: d}, ensure_ascii=False) + "\n" for i, d in enumerate(docs))
     return path
 
 

@@ -4,6 +4,7 @@ resume onto another layout."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -121,7 +122,7 @@ def test_learning_rate_schedule(assets, tmp_path):
     cfg = config(assets, tmp_path, steps=10, optim={"lr": 1.0, "min_lr": 0.1, "warmup_steps": 2})
     lrs = [learning_rate(cfg, s) for s in range(1, 11)]
     assert lrs[:2] == [0.5, 1.0] and lrs[-1] == pytest.approx(0.1)
-    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
+    assert all(a >= b for a, b in itertools.pairwise(lrs[1:]))
 
 
 def test_config_file_and_overrides(tmp_path, assets):

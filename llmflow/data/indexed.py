@@ -18,6 +18,7 @@ import struct
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Self
 
 import numpy as np
 
@@ -130,7 +131,7 @@ class IndexedDatasetWriter:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._bin_tmp)
 
-    def __enter__(self) -> IndexedDatasetWriter:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

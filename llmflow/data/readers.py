@@ -143,7 +143,7 @@ def _iter_parquet(path: Path, required: list[str], optional: list[str], batch_ro
 
     try:
         pf = pq.ParquetFile(path)
-    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad file
+    except Exception as e:  # pyarrow raises several types for a bad file
         raise InputError(f"{path}: not a readable parquet file: {e}") from e
     names = _present(path, pf.schema_arrow.names, required, optional)
     row = 0
@@ -282,7 +282,7 @@ def _iter_hf(path: Path, required: list[str], optional: list[str], batch_rows: i
         raise InputError(f"{path}: a directory, but not one written by datasets save_to_disk; supported: {', '.join(SUPPORTED)}")
     try:
         ds = load_from_disk(str(path))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise InputError(f"{path}: cannot load the saved dataset: {e}") from e
     if isinstance(ds, DatasetDict):
         if len(ds) != 1:

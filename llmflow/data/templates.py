@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 # Qwen2-Instruct's template (a default system prompt when there is none).
 QWEN = (
@@ -109,7 +109,7 @@ def _compile(source: str):
         """``{% generation %}...{% endgeneration %}`` (transformers' assistant-mask marker)
         renders its body unchanged."""
 
-        tags = {"generation"}
+        tags: ClassVar[set[str]] = {"generation"}
 
         def parse(self, parser):
             lineno = next(parser.stream).lineno

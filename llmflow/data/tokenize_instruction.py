@@ -41,7 +41,13 @@ from llmflow.data.packing import Packer
 from llmflow.data.parallel import ordered_map
 from llmflow.data.readers import InputError, describe_row, iter_records, validate_input
 from llmflow.data.templates import ChatTemplate, load_template
-from llmflow.data.tokenizer import TokenizeError, load_tokenizer, out_of_vocab_message, resolve_vocab_size, tokenizer_info
+from llmflow.data.tokenizer import (
+    TokenizeError,
+    load_tokenizer,
+    out_of_vocab_message,
+    resolve_vocab_size,
+    tokenizer_info,
+)
 
 STAGE = "tokenize-instruction"
 IGNORE_INDEX = -100

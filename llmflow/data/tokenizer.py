@@ -32,7 +32,7 @@ def load_tokenizer(directory: str | Path):
         )
     try:
         return Tokenizer.from_file(str(path))
-    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
+    except Exception as e:  # tokenizers raises a bare Exception
         raise TokenizeError(f"tokenizer {path}: cannot be loaded: {e}") from e
 
 

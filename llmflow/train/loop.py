@@ -26,7 +26,14 @@ import torch
 import torch.distributed as dist
 
 from llmflow import runtime
-from llmflow.checkpoint import TOKENIZER_DIR, CheckpointMeta, latest_step_dir, load_checkpoint, load_rng_state, save_checkpoint
+from llmflow.checkpoint import (
+    TOKENIZER_DIR,
+    CheckpointMeta,
+    latest_step_dir,
+    load_checkpoint,
+    load_rng_state,
+    save_checkpoint,
+)
 from llmflow.convert import copy_tokenizer_files
 from llmflow.mesh import ParallelLayout, build_mesh, validate_layout
 from llmflow.model_loading import load_model, tokenizer_dir
@@ -36,8 +43,6 @@ from llmflow.probe import Dumper, load_probe_config, seed_all
 from llmflow.train.config import TrainConfig
 from llmflow.train.data import BlendedSamples, PretrainSamples, SftSamples, check_token_ids, collate
 from llmflow.train.metrics import StepTimer, flops_per_token, memory_gib, peak_flops
-
-
 
 # --- model ----------------------------------------------------------------------------------------
 
