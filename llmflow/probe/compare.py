@@ -1,7 +1,8 @@
 """Compare a dump against a benchmark dump, as msprobe's compare does.
 
 Inputs are step folders (``{dump_path}/step{N}``, ranks matched by folder name) or rank
-folders. Every tensor (and non-tensor argument) of the target dump is matched by name with
+folders. Runs with different ranks (tp=2 against tp=1) are compared whole: each side's
+tensor-parallel group is merged into one dump first (``merge.py``). Every tensor (and non-tensor argument) of the target dump is matched by name with
 the benchmark's, e.g. ``Functional.linear.0.forward.input.0`` or
 ``Module.model.norm.RMSNorm.forward.0.parameters.weight``, and gets msprobe's metrics and
 result (Ascend/mstt, ``debug/accuracy_tools/msprobe/docs/zh/accuracy_compare/pytorch_accuracy_compare_instruct.md``,
@@ -97,7 +98,9 @@ class CompareConfig(BaseModel):
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
     target: CliPositionalArg[Path]
-    """The dump under test: a step folder ({dump_path}/step{N}) or one rank folder."""
+    """The dump under test: a step folder ({dump_path}/step{N}) or one rank folder. With
+    other ranks than the benchmark's (another tensor-parallel degree), the ranks of rank 0's
+    tensor-parallel group are merged into one dump."""
     bench: CliPositionalArg[Path]
     """The benchmark dump, at the same level."""
     out: Path
