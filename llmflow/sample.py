@@ -50,12 +50,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llmflow.artifacts import MANIFEST, atomic_directory, file_record, manifest_payload, write_json_atomic
 from llmflow.data.templates import QWEN
+from llmflow.evaluate.prompts import CONTINUATIONS, FEWSHOT_DELIMITER, MMLU_PROMPT
+from llmflow.evaluate.questions import LETTERS, Question
 from llmflow.models import CausalLM, ModelConfig, save_hf_model
 
 STAGE = "sample"
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
-LETTERS = "ABCD"
 SUBJECTS = ("geography", "national_symbols", "elementary_arithmetic")
 DEV_PER_SUBJECT = 5
 QUIZ_MAX = 5
@@ -198,21 +199,11 @@ def make_facts(rng: random.Random, world: list[Country]) -> dict[str, list[Fact]
 # --- multiple-choice questions ------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Question:
-    """A multiple-choice question in the cais/mmlu layout."""
-
-    question: str
-    subject: str
-    choices: tuple[str, str, str, str]
-    answer: int
-
-
 def make_question(fact: Fact, rng: random.Random) -> Question:
     """``fact`` as a multiple-choice question: the answer in its slot, a random candidate of
     each other slot around it."""
     choices = tuple(fact.answer if i == fact.letter else rng.choice(slot) for i, slot in enumerate(fact.slots))
-    return Question(fact.question, fact.subject, choices, fact.letter)
+    return Question(subject=fact.subject, question=fact.question, choices=choices, answer=fact.letter)
 
 
 def _new_question(fact: Fact, rng: random.Random, taken: set[Question]) -> Question:
@@ -223,19 +214,6 @@ def _new_question(fact: Fact, rng: random.Random, taken: set[Question]) -> Quest
             break
         q = make_question(fact, rng)
     return q
-
-
-def format_question(q: Question, with_answer: bool = False) -> str:
-    """The question as lm-evaluation-harness writes it, ending in "Answer:" (plus " X" and a
-    blank line for a solved few-shot example)."""
-    lines = [q.question.strip(), *(f"{letter}. {c}" for letter, c in zip(LETTERS, q.choices)), "Answer:"]
-    text = "\n".join(lines)
-    return f"{text} {LETTERS[q.answer]}\n\n" if with_answer else text
-
-
-def mmlu_header(subject: str) -> str:
-    """The first line of an MMLU prompt, as lm-evaluation-harness writes it."""
-    return f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
 
 
 def _by_letter(facts: list[Fact]) -> list[Fact]:
@@ -282,9 +260,9 @@ def quiz_row(questions: list[Question]) -> dict[str, str]:
     """Practice questions of one subject answered in the MMLU prompt format: the
     instruction is the prompt's first line, the output the solved questions."""
     return {
-        "instruction": mmlu_header(questions[0].subject).strip(),
+        "instruction": MMLU_PROMPT.describe(questions[0].subject).strip(),
         "input": "",
-        "output": "".join(format_question(q, with_answer=True) for q in questions).rstrip("\n"),
+        "output": FEWSHOT_DELIMITER.join(MMLU_PROMPT.solved_example(q) for q in questions),
     }
 
 
@@ -421,9 +399,9 @@ def write_tokenizer(tokenizer: tokenizers.Tokenizer, directory: Path) -> None:
 
 def check_tokenizer(tokenizer: tokenizers.Tokenizer) -> None:
     """The MMLU answer tokens must be single tokens, or scoring compares the wrong things."""
-    for letter in LETTERS:
-        if len(tokenizer.encode(f" {letter}", add_special_tokens=False).ids) != 1:
-            raise RuntimeError(f"sample tokenizer splits {' ' + letter!r}; raise tokenizer_vocab")
+    for continuation in CONTINUATIONS:
+        if len(tokenizer.encode(continuation, add_special_tokens=False).ids) != 1:
+            raise RuntimeError(f"sample tokenizer splits {continuation!r}; raise tokenizer_vocab")
 
 
 # --- model --------------------------------------------------------------------------------------
@@ -528,7 +506,8 @@ def tokenizer_texts(
     texts = [r["text"] for r in corpus] + ["system user assistant You are a helpful assistant."]
     texts += [f"{r['instruction']}\n\n{r['input']}\n{r['output']}" for r in instructions]
     for subject, splits in mmlu.items():
-        texts += [mmlu_header(subject) + format_question(q, with_answer=True) for q in splits["dev"] + splits["test"]]
+        texts += [MMLU_PROMPT.describe(subject) + MMLU_PROMPT.solved_example(q) + FEWSHOT_DELIMITER
+                  for q in splits["dev"] + splits["test"]]
     return texts
 
 
