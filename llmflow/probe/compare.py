@@ -153,35 +153,33 @@ def rank_pairs(target: Path, bench: Path) -> list[tuple[str, RankDump, RankDump]
     if len(targets) == 1 and len(benches) == 1 or list(targets) == list(benches):
         pairs = [(read_rank(t), read_rank(b)) for t, b in zip(targets.values(), benches.values(), strict=True)]
         return [(t.name, t, b) for t, b in pairs]
-    target_ranks = [read_rank(path) for path in targets.values()]
-    bench_ranks = [read_rank(path) for path in benches.values()]
-    whole_target = _whole(target_ranks, bench_ranks)
-    whole_bench = _whole(bench_ranks, target_ranks)
-    return [(whole_target.name, whole_target, whole_bench)]
+    target_group, bench_group = _tensor_parallel_group(targets), _tensor_parallel_group(benches)
+    whole_target = _whole(target_group, bench_group)
+    return [(whole_target.name, whole_target, _whole(bench_group, target_group))]
 
 
-def _whole(ranks: list[RankDump], other: list[RankDump]) -> RankDump:
-    if len(ranks) == 1:
-        return ranks[0]
-    reference = _tensor_parallel_group(other)
-    return merge_ranks(_tensor_parallel_group(ranks), replace(reference[0], ranks=len(reference)))
+def _whole(group: list[RankDump], other: list[RankDump]) -> RankDump:
+    if len(group) == 1:
+        return group[0]
+    return merge_ranks(group, replace(other[0], ranks=len(other)))  # other[0]: shapes of a shard of len(other) ranks
 
 
-def _tensor_parallel_group(ranks: list[RankDump]) -> list[RankDump]:
-    """The ranks of rank 0's tensor-parallel group, in mesh order: the mesh of the first
-    DTensor on a 1-D mesh that rank 0 dumped (its other ranks hold other data)."""
-    if len(ranks) == 1:
-        return ranks
-    by_name = {rank.name: rank for rank in ranks}
-    for leaf in ranks[0].leaves:
+def _tensor_parallel_group(dirs: dict[str, Path]) -> list[RankDump]:
+    """The dumps of rank 0's tensor-parallel group, in mesh order: the mesh of the first
+    DTensor on a 1-D mesh that rank 0 dumped (its other ranks hold other data, and are not read)."""
+    first = read_rank(next(iter(dirs.values())))
+    if len(dirs) == 1:
+        return [first]
+    for leaf in first.leaves:
         mesh = leaf.record.get("device_mesh")
         if isinstance(mesh, list) and mesh and all(isinstance(r, int) for r in mesh):
-            missing = [f"rank{r}" for r in mesh if f"rank{r}" not in by_name]
+            names = [f"rank{r}" for r in mesh]
+            missing = [name for name in names if name not in dirs]
             if missing:
-                raise ValueError(f"{ranks[0].name}'s tensor-parallel group {mesh} needs the dumps of {missing}")
-            return [by_name[f"rank{r}"] for r in mesh]
+                raise ValueError(f"{first.name}'s tensor-parallel group {mesh} needs the dumps of {missing}")
+            return [first if name == first.name else read_rank(dirs[name]) for name in names]
     raise ValueError(
-        f"the runs have different ranks, and {[r.name for r in ranks]} dumped no DTensor to tell their "
+        f"the runs have different ranks, and {list(dirs)} dumped no DTensor to tell their "
         "tensor-parallel group: compare runs of the same layout rank by rank, or dump the parameters too "
         "(level L0 or mix) so the group is known"
     )
@@ -276,7 +274,7 @@ def _row(mode: str, leaf: Leaf, bench: Leaf | None, stack: list[str]) -> Row:
         row.messages.append("No bench data matched.")
         return row
     cells["Requires_grad Consistent"] = npu.get("requires_grad") == other.get("requires_grad")
-    problems = [leaf.problem for leaf in (leaf, bench) if leaf.problem is not None]
+    problems = [value.problem for value in (leaf, bench) if value.problem is not None]
     if any(result == UNMATCHED for result, _ in problems):
         row.result = UNMATCHED
         row.messages += [message for _, message in problems]

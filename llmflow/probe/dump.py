@@ -61,7 +61,7 @@ from torch.utils.hooks import BackwardHook
 from llmflow.artifacts import atomic_directory
 from llmflow.probe.apis import SKIPPED, api_name, is_inplace
 from llmflow.probe.config import ProbeConfig
-from llmflow.probe.records import RecordBuilder
+from llmflow.probe.records import RecordBuilder, cpu_threads
 from llmflow.probe.scope import CallFilter, backward_name
 
 TENSOR_DIR = "dump_tensor_data"
@@ -186,7 +186,7 @@ class _ApiMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = None if self.session.quiet else api_name(func)
+        name = api_name(func)
         if name is None or name in SKIPPED or _called_by_distributed(sys._getframe(1)):
             return func(*args, **kwargs)
         return self.session.api_call(name, func, args, kwargs)
@@ -214,9 +214,6 @@ class _Session:
         self.recorded_modules: set[str] = set()
         self.hooked_parameters: set[int] = set()
         self.installed = contextlib.ExitStack()
-        self.quiet = 0
-        """Non-zero while the session runs torch code of its own, which is not recorded."""
-        self._threads = 0
 
     def __enter__(self) -> None:
         self.installed.enter_context(warnings.catch_warnings())
@@ -246,20 +243,12 @@ class _Session:
 
     @contextlib.contextmanager
     def _quietly(self) -> Iterator[None]:
-        """The session's own torch work (records, statistics): not recorded, and on one CPU
-        thread. Its thousands of small ops gain less from the intra-op pool than waking it
-        costs, and on a busy machine every wake-up can wait for a time slice."""
-        if self.quiet == 0:
-            self._threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-        self.quiet += 1
-        try:
-            with torch._C.DisableTorchFunction():
-                yield
-        finally:
-            self.quiet -= 1
-            if self.quiet == 0:
-                torch.set_num_threads(self._threads)
+        """The session's own torch work (records, statistics): with torch-function dispatch
+        off, so the API mode neither records it nor is called for it, and on one CPU thread.
+        Its thousands of small ops gain less from the intra-op pool than waking it costs, and
+        on a busy machine every wake-up can wait for a time slice."""
+        with cpu_threads(1), torch._C.DisableTorchFunction():
+            yield
 
     def _wants(self, direction: str, side: str) -> bool:
         """msprobe's data_mode test: a record is kept when "all", its direction or its side is listed."""

@@ -61,8 +61,8 @@ class RankDump:
     """How many ranks' dumps this holds."""
 
 
-def leaves(dump: dict[str, Any], rank_dir: Path | None = None) -> list[Leaf]:
-    """The values of a dump.json, in its order; with ``rank_dir``, saved tensors get their files."""
+def leaves(dump: dict[str, Any], rank_dir: Path) -> list[Leaf]:
+    """The values of the dump.json of ``rank_dir``, in its order, saved tensors with their files."""
     found: list[Leaf] = []
     for entry, value in dump["data"].items():
         if ".parameters_grad" in entry:  # older msprobe versions write no call count after it
@@ -72,10 +72,9 @@ def leaves(dump: dict[str, Any], rank_dir: Path | None = None) -> list[Leaf]:
         for key, part in value.items():
             side = key if key in ("output", "parameters") else "input"
             _walk(part, f"{entry}.{side}", entry, side, found)
-    if rank_dir is not None:
-        for leaf in found:
-            if "data_name" in leaf.record:
-                leaf.files = (rank_dir / TENSOR_DIR / leaf.record["data_name"],)
+    for leaf in found:
+        if "data_name" in leaf.record:
+            leaf.files = (rank_dir / TENSOR_DIR / leaf.record["data_name"],)
     return found
 
 

@@ -48,7 +48,8 @@ its other work on one thread (see ``dump._Session._quietly``)."""
 
 
 @contextlib.contextmanager
-def _cpu_threads(n: int) -> Iterator[None]:
+def cpu_threads(n: int) -> Iterator[None]:
+    """Run the block with ``n`` intra-op CPU threads."""
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
@@ -203,7 +204,7 @@ class RecordBuilder:
         if not gap_free:
             t = t.contiguous()  # reductions over a strided slice run slower than a copy and a pass
         parallel = t.device.type == "cpu" and t.numel() >= PARALLEL_STATISTICS_MIN and self.threads > 1
-        with _cpu_threads(self.threads) if parallel else contextlib.nullcontext():
+        with cpu_threads(self.threads) if parallel else contextlib.nullcontext():
             stats = _statistics(t)
         summary = stats, crc32(t) if self.md5 else None
         if key is not None:
