@@ -13,13 +13,11 @@ from typing import Any
 from prefect import flow
 
 from llmflow.artifacts import write_json_atomic
-from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig
 from llmflow.flows import stages
 from llmflow.flows.params import PrecisionParams, RunSide
 from llmflow.probe.compare import CompareConfig
 from llmflow.probe.config import ProbeConfig
 from llmflow.tasks.probe import compare_task
-from llmflow.tasks.tokenize import tokenize_pretrain_task
 from llmflow.tasks.train import train_task
 from llmflow.train.config import DataConfig, OptimConfig, TrainConfig
 
@@ -55,11 +53,7 @@ def precision(params: PrecisionParams = PrecisionParams()) -> dict[str, Any]:
     with stages.open_flow_run(FLOW, params) as run:
         texts = run.sources.pretraining_text(params.data, params.data_files)
         tokenizer = run.sources.model(params.bench.model)
-        tokenized = stages.run(tokenize_pretrain_task, PretrainTokenizeConfig(
-            input=texts, tokenizer=tokenizer, append_eod=True,
-            out=run.workspace / "data" / stages.slug(params.bench.model) / f"{stages.slug(params.data)}-"
-                f"{stages.settings_tag(params.data_files)}",
-        ), refresh="tokenize" in run.refresh)
+        tokenized = stages.run_tokenize_pretrain(run, texts, tokenizer, params.bench.model, params.data, params.data_files)
         target = dump_run(run, params, params.target, "target", tokenized.path)
         bench = dump_run(run, params, params.bench, "bench", tokenized.path)
         out = run.workspace / "precision" / f"compare-{stages.settings_tag(str(target), str(bench))}"

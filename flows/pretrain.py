@@ -13,14 +13,12 @@ from typing import Any
 
 from prefect import flow
 
-from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig
 from llmflow.export import ExportConfig
 from llmflow.flows import stages
 from llmflow.flows.checks import check_layout
 from llmflow.flows.params import PretrainParams
 from llmflow.flows.summary import publish_summary
 from llmflow.tasks.export import export_task
-from llmflow.tasks.tokenize import tokenize_pretrain_task
 from llmflow.tasks.train import train_task
 from llmflow.train.config import DataConfig
 
@@ -38,10 +36,8 @@ def pretrain(params: PretrainParams = PretrainParams()) -> dict[str, Any]:
         name = stages.slug(params.model)
 
         checkpoint = stages.run_convert(run, model_dir, name, params.train.tp, params.init, params.train.seed)
-        tokenized = stages.run(tokenize_pretrain_task, PretrainTokenizeConfig(
-            input=texts, tokenizer=model_dir, text_key=params.text_key, append_eod=True,
-            out=workspace / "data" / name / f"{stages.slug(params.data)}-{stages.settings_tag(params.data_files, params.text_key)}",
-        ), refresh="tokenize" in refresh)
+        tokenized = stages.run_tokenize_pretrain(run, texts, model_dir, params.model, params.data, params.data_files,
+                                                 params.text_key)
         inputs_tag = stages.settings_tag(params.train, params.seq_length, checkpoint.manifest.get("files"),
                                          tokenized.manifest.get("files"))
         run_name = f"pretrain-{name}-{run.version}-{inputs_tag}"

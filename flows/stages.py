@@ -21,6 +21,7 @@ from llmflow import tracking
 from llmflow.artifacts import atomic_file, read_manifest
 from llmflow.checkpoint import latest_step_dir
 from llmflow.convert import ConvertConfig
+from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig
 from llmflow.download import DownloadConfig, parse_source
 from llmflow.evaluate.engine import EvalConfig
 from llmflow.flows.params import SAMPLE, EvalParams
@@ -30,6 +31,7 @@ from llmflow.tasks.convert import convert_task
 from llmflow.tasks.download import download_task
 from llmflow.tasks.evaluate import EVAL_TASKS
 from llmflow.tasks.sample import sample_task
+from llmflow.tasks.tokenize import tokenize_pretrain_task
 from llmflow.tasks.train import STAGE as TRAIN_STAGE
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv", ".txt", ".arrow")
@@ -112,6 +114,15 @@ def run_convert(context: FlowRun, model_dir: Path, name: str, tp: int, init: str
     config = ConvertConfig(hf=model_dir, out=context.workspace / "checkpoints" / f"{name}-tp{tp}{suffix}", tp=tp,
                            init=init, seed=seed)
     return run(convert_task, config, refresh="convert" in context.refresh)
+
+
+def run_tokenize_pretrain(context: FlowRun, texts: list[Path], tokenizer: Path, model: str, data: str,
+                          data_files: list[str], text_key: str = "text") -> StageArtifact:
+    """The pretraining-text tokenize stage into ``data/{model}/{data}-{settings}``: every flow
+    names a tokenization alike, so they share it."""
+    out = context.workspace / "data" / slug(model) / f"{slug(data)}-{settings_tag(data_files, text_key)}"
+    config = PretrainTokenizeConfig(input=texts, tokenizer=tokenizer, text_key=text_key, append_eod=True, out=out)
+    return run(tokenize_pretrain_task, config, refresh="tokenize" in context.refresh)
 
 
 @dataclass
