@@ -15,11 +15,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from llmflow import runtime
 from llmflow.data.conversations import Format
 from llmflow.data.tokenize_instruction import TemplateName
 from llmflow.models.lora import LoraConfig
 from llmflow.train.config import DataConfig, OptimConfig, TrainConfig
+from llmflow.train.preflight import batch_problems, device_problems, parallel_problems
 
 SAMPLE = "sample"
 """Source value that means "the built-in sample assets" (written by the sample stage)."""
@@ -67,12 +67,10 @@ class TrainParams(Params):
 
     @model_validator(mode="after")
     def _layout_fits(self) -> TrainParams:
-        if self.nproc % self.tp:
-            raise ValueError(f"nproc={self.nproc} is not a multiple of tp={self.tp}")
-        device_type = runtime.detect_device_type()
-        available = runtime.device_count(device_type)
-        if available is not None and self.nproc > available:
-            raise ValueError(f"nproc={self.nproc} but this machine has {available} {device_type} device(s)")
+        problems = parallel_problems(self.nproc, self.tp) + device_problems(self.nproc)
+        problems += batch_problems(self.global_batch_size, self.micro_batch_size, max(self.nproc // self.tp, 1))
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
 

@@ -11,16 +11,18 @@ from pydantic_settings import CliPositionalArg
 from llmflow.artifacts import write_json_atomic
 from llmflow.launch import run_workers, torchrun_command
 from llmflow.train.config import TrainConfig, load_train_config
-
-CONFIG_NAME = "train_config.json"
+from llmflow.train.preflight import CONFIG_NAME, check_training, recorded_config
 
 
 def launch_training(config: TrainConfig, nproc: int, on_line=print, env: dict[str, str] | None = None) -> Path:
-    """Write the resolved config into the run directory and run it on ``nproc`` workers;
+    """Check ``config`` against the model, the data, this machine and the run directory
+    (``llmflow.train.preflight``: every problem at once, before anything is created), then
+    write the resolved config into the run directory and run it on ``nproc`` workers;
     returns the run (checkpoint) directory."""
+    check_training(config, nproc, env)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    config_path = write_json_atomic(out / CONFIG_NAME, config.model_dump(mode="json"))
+    config_path = write_json_atomic(out / CONFIG_NAME, recorded_config(config).model_dump(mode="json"))
     run_workers(torchrun_command("llmflow.train", [str(config_path)], nproc), on_line=on_line, env=env)
     return out
 

@@ -76,11 +76,18 @@ class TrainConfig(BaseModel):
     """Initial weights: a Hugging Face model directory (config.json + safetensors) or a
     checkpoint written by ``llmflow convert`` / a previous run."""
     out: Path
-    """Checkpoint directory of this run. When it holds a checkpoint, training resumes from it."""
+    """Checkpoint directory of this run. When it holds a checkpoint, training resumes from it,
+    but only with the settings the weights depend on unchanged (model, data, optim, lora,
+    seed, seq_length, dtype, global_batch_size; a launch that changes one is refused, naming
+    it). The parallel layout (nproc, tp, dp), micro_batch_size and the settings of
+    recomputation, compilation, logging and saving may change between launches, and steps
+    may grow."""
     data: DataConfig
     """Training data."""
     steps: int = Field(ge=1)
-    """Optimizer steps to train for (in total, across resumes)."""
+    """Optimizer steps to train for (in total, across resumes). A resume may raise it to
+    continue a finished run (the decay then spans the new total); it cannot go below the
+    step of the run's checkpoint."""
     seq_length: int | None = Field(default=None, ge=1)
     """Tokens per sample for pretraining (sft rows take the dataset's seq_length)."""
     micro_batch_size: int = Field(default=1, ge=1)

@@ -43,6 +43,7 @@ from llmflow.probe import Dumper, load_probe_config, seed_all
 from llmflow.train.config import TrainConfig
 from llmflow.train.data import BlendedSamples, PretrainSamples, SftSamples, check_token_ids, collate
 from llmflow.train.metrics import StepTimer, flops_per_token, memory_gib, peak_flops
+from llmflow.train.preflight import batch_problems
 
 # --- model ----------------------------------------------------------------------------------------
 
@@ -147,11 +148,8 @@ def train(config: TrainConfig) -> dict[str, float]:
     topo = topology(config, env, model.config)
     dp = topo.layout.dp
     per_step = config.micro_batch_size * dp
-    if config.global_batch_size % per_step:
-        raise ValueError(
-            f"global_batch_size {config.global_batch_size} is not a multiple of micro_batch_size * dp = "
-            f"{config.micro_batch_size} * {dp}"
-        )
+    for problem in batch_problems(config.global_batch_size, config.micro_batch_size, dp):
+        raise ValueError(problem)
     accumulation = config.global_batch_size // per_step
     samples = data_source(config)
     vocab_size = int(hf_config["vocab_size"])

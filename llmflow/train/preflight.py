@@ -1,0 +1,217 @@
+"""Checks of a training config made before any worker starts: by ``llmflow train`` and by
+the flows' train stage alike (both launch through ``launch_training``), and piece by piece
+by the flows before their expensive stages.
+
+Every problem is collected and reported at once, one line each, in a ``PreflightError``
+(a ValueError, so the CLI prints it without a traceback):
+
+- the parallel layout against the model (heads, KV heads, FFN width, layers) and nproc;
+- the batch sizes against the data-parallel degree;
+- the model and the data exist; the data's vocabulary (from its tokenize manifest) fits
+  the model's embedding;
+- enough devices of the type the workers will use;
+- a run directory that already holds checkpoints is resumed only with the settings its
+  weights depend on (``WEIGHT_SETTINGS``); the layout and a larger ``steps`` may change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from llmflow import runtime
+from llmflow.artifacts import read_manifest
+from llmflow.checkpoint import latest_step_dir, read_meta
+from llmflow.data.tokenize_instruction import STAGE as INSTRUCTION_STAGE
+from llmflow.data.tokenize_pretrain import STAGE as PRETRAIN_STAGE
+from llmflow.mesh import ParallelLayout, layout_problems
+from llmflow.model_loading import hf_config_of, is_checkpoint
+from llmflow.models import ModelConfig
+from llmflow.train.config import TrainConfig
+from llmflow.train.data import pretrain_prefix
+
+CONFIG_NAME = "train_config.json"
+"""The resolved config of the run, in its run directory (written at every launch)."""
+
+WEIGHT_SETTINGS = ("model", "data", "optim", "lora", "seed", "seq_length", "dtype", "global_batch_size")
+"""Settings the trained weights depend on: a run directory holding checkpoints resumes
+only with the same values. Every other setting (tp, dp, nproc, micro_batch_size,
+activation_checkpointing, compile, logging and saving) may change between launches, and
+``steps`` may grow (a continuation)."""
+
+
+class PreflightError(ValueError):
+    """A training config that cannot run; ``problems`` lists every reason, one line each."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
+        super().__init__(f"{count} found before launch, nothing was started:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def parallel_problems(nproc: int, tp: int, dp: int | None = None, model: ModelConfig | None = None) -> list[str]:
+    """Every reason ``nproc`` ranks cannot split ``tp`` ways (and ``dp`` ways, default
+    nproc / tp) for ``model``; empty when they can."""
+    layout = ParallelLayout(dp=dp or max(nproc // tp, 1), tp=tp)
+    if dp is None and nproc % tp:
+        # The layout's own world-size complaint would say the same thing again.
+        return [f"nproc={nproc} is not a multiple of tp={tp}", *layout_problems(layout, layout.world_size, model)]
+    return layout_problems(layout, nproc, model)
+
+
+def batch_problems(global_batch_size: int, micro_batch_size: int, dp: int) -> list[str]:
+    """Why the global batch cannot be cut into micro-batches over ``dp`` ranks, if it cannot."""
+    if global_batch_size % (micro_batch_size * dp):
+        return [(
+            f"global_batch_size {global_batch_size} is not a multiple of micro_batch_size * dp = "
+            f"{micro_batch_size} * {dp}"
+        )]
+    return []
+
+
+def device_problems(nproc: int, device_type: str | None = None) -> list[str]:
+    """Why ``nproc`` workers cannot each have a device of ``device_type`` (default: the
+    detected or LLMFLOW_DEVICE-forced type) on this machine, if they cannot."""
+    try:
+        device_type = runtime.device_spec(device_type).type
+    except ValueError as error:
+        return [str(error)]
+    try:
+        available = runtime.device_count(device_type)
+    except (RuntimeError, AttributeError):  # torch_npu absent: torch has no npu module
+        available = 0
+    if available is not None and nproc > available:
+        return [f"nproc={nproc} but this machine has {available} {device_type} device(s)"]
+    return []
+
+
+def model_problems(model: Path) -> tuple[ModelConfig | None, list[str]]:
+    """The model's config, or the reason it cannot be read."""
+    if not is_checkpoint(model) and not (model / "config.json").is_file():
+        return None, [f"model {model}: neither a Hugging Face model directory (config.json) nor a checkpoint (latest)"]
+    try:
+        return ModelConfig.from_hf(hf_config_of(model), source=str(model)), []
+    except (ValueError, OSError) as error:
+        return None, [f"model {model}: {error}"]
+
+
+def _data_manifest(path: str, kind: str) -> tuple[dict[str, Any] | None, str | None]:
+    """The tokenize manifest of one data path, or why the data is not there."""
+    if kind == "sft":
+        manifest = read_manifest(path)
+        if manifest is None or manifest.get("stage") != INSTRUCTION_STAGE:
+            return None, f"data {path}: no finished instruction dataset ({path}.manifest.json from {INSTRUCTION_STAGE})"
+        return manifest, None
+    prefix = pretrain_prefix(path)
+    missing = [f for f in (Path(f"{prefix}.bin"), Path(f"{prefix}.idx")) if not f.is_file()]
+    if missing:
+        return None, f"data {path}: no pretraining dataset ({missing[0]} does not exist)"
+    manifest = read_manifest(str(prefix).removesuffix("_text_document"))
+    return (manifest if manifest is not None and manifest.get("stage") == PRETRAIN_STAGE else None), None
+
+
+def data_problems(config: TrainConfig, model: ModelConfig | None) -> list[str]:
+    """Why the data cannot train the model: missing datasets, a vocabulary larger than the
+    model's (from the tokenize manifest), too few tokens for one sample."""
+    problems = []
+    if config.data.kind == "pretrain" and config.seq_length is None:
+        problems.append("seq_length is required for pretraining")
+    for path in config.data.paths:
+        manifest, problem = _data_manifest(path, config.data.kind)
+        if problem is not None:
+            problems.append(problem)
+        if manifest is None:
+            continue  # data from elsewhere: the workers check every id against the model
+        vocab = manifest.get("vocab_size")
+        if model is not None and vocab is not None and vocab > model.vocab_size:
+            tokenizer = manifest.get("params", {}).get("tokenizer")
+            problems.append(
+                f"data {path} was tokenized for a vocabulary of {vocab} ids (tokenizer {tokenizer}), but model "
+                f"{config.model} has vocab_size {model.vocab_size}; tokenize the data with the model's tokenizer"
+            )
+        tokens = manifest.get("tokens")
+        if config.data.kind == "pretrain" and config.seq_length and tokens is not None and tokens - 1 < config.seq_length:
+            problems.append(f"data {path}: {tokens} tokens cannot fill one sample of seq_length {config.seq_length} + 1")
+    return problems
+
+
+def weight_settings(config: TrainConfig) -> dict[str, Any]:
+    """The settings of ``config`` the weights depend on, paths resolved, flattened to
+    dotted names (``optim.lr``)."""
+    resolved = recorded_config(config).model_dump(mode="json", include=set(WEIGHT_SETTINGS))
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}.{key}" if prefix else key, item)
+        else:
+            flat[prefix] = value
+
+    walk("", resolved)
+    return flat
+
+
+def recorded_config(config: TrainConfig) -> TrainConfig:
+    """``config`` with its model and data paths made absolute: what the run directory records."""
+    data = config.data.model_copy(update={"paths": [str(Path(p).resolve()) for p in config.data.paths]})
+    return config.model_copy(update={"model": Path(config.model).resolve(), "data": data})
+
+
+def resume_problems(config: TrainConfig, model: ModelConfig | None) -> list[str]:
+    """Why the checkpoints in ``config.out`` cannot continue under ``config``: settings the
+    weights depend on that differ from the run's (``CONFIG_NAME``) or from the checkpoint's
+    own record (model shape, LoRA), or fewer steps than the checkpoint has taken."""
+    out = Path(config.out)
+    try:
+        step_dir = latest_step_dir(out) if out.is_dir() else None
+        meta = read_meta(step_dir) if step_dir is not None else None
+    except ValueError as error:
+        return [f"run directory {out}: {error}"]
+    if meta is None:
+        return []
+    problems = []
+    if config.steps < meta.step:
+        problems.append(
+            f"steps={config.steps} but run directory {out} already holds step {meta.step}: a run continues, "
+            "it cannot go back (choose another out)"
+        )
+    differing: dict[str, tuple[Any, Any]] = {}
+    lora = config.lora.model_dump(mode="json") if config.lora is not None else None
+    if (meta.lora is None) != (lora is None) or (lora is not None and meta.lora != lora):
+        differing["lora"] = (meta.lora, lora)
+    if model is not None and ModelConfig.from_hf(meta.hf_config) != model:
+        differing["model"] = ("another config.json", f"{config.model}'s")
+    try:
+        saved = TrainConfig.model_validate_json((out / CONFIG_NAME).read_text())
+    except (OSError, ValidationError):
+        saved = None  # a run started without launch_training: the checkpoint's record only
+    if saved is not None:
+        before, now = weight_settings(saved), weight_settings(config)
+        for name in sorted(before.keys() | now.keys()):
+            if before.get(name) != now.get(name) and name.split(".")[0] not in differing:
+                differing[name] = (before.get(name), now.get(name))
+    if differing:
+        changes = "; ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in differing.items())
+        problems.append(
+            f"run directory {out} holds checkpoints (step {meta.step}) trained with other settings the weights "
+            f"depend on: {changes}. Resume with the run's settings, or choose another out"
+        )
+    return problems
+
+
+def check_training(config: TrainConfig, nproc: int, env: Mapping[str, str] | None = None) -> None:
+    """Raise PreflightError listing every reason ``config`` cannot run on ``nproc`` workers
+    (whose environment adds ``env``: its LLMFLOW_DEVICE forces the device type)."""
+    model, problems = model_problems(Path(config.model))
+    problems += parallel_problems(nproc, config.tp, config.dp, model)
+    dp = config.dp or max(nproc // config.tp, 1)
+    problems += batch_problems(config.global_batch_size, config.micro_batch_size, dp)
+    problems += data_problems(config, model)
+    problems += device_problems(nproc, (env or {}).get(runtime.DEVICE_ENV))
+    problems += resume_problems(config, model)
+    if problems:
+        raise PreflightError(problems)
