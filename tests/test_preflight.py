@@ -1,0 +1,154 @@
+"""Checks before launch: every problem of a training config is reported at once, one line
+each, before any worker starts or the run directory is created; a run directory with
+checkpoints resumes only with the settings its weights depend on."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from llmflow.checkpoint import latest_step_dir
+from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig, tokenize_pretrain
+from llmflow.train.command import launch_training
+from llmflow.train.config import TrainConfig
+
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "LLMFLOW_DEVICE": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, Path]:
+    """The sample model (4 heads, 2 KV heads, FFN 352, vocab 832) and pretraining data
+    tokenized with its tokenizer."""
+    from llmflow.sample import SampleConfig, write_sample
+
+    root = tmp_path_factory.mktemp("preflight")
+    sample = write_sample(SampleConfig(out=root / "sample", instruct_rows=10, documents=20))
+    model = sample / "model"
+    tokenize_pretrain(PretrainTokenizeConfig(input=[sample / "pretrain" / "corpus.parquet"], tokenizer=model, out=root / "wiki", append_eod=True))
+    return {"root": root, "model": model, "wiki": root / "wiki"}
+
+
+def settings(assets, out: Path, **overrides) -> dict:
+    return {
+        "model": str(assets["model"]),
+        "out": str(out),
+        "data": {"paths": [str(assets["wiki"])]},
+        "steps": 2,
+        "seq_length": 32,
+        "micro_batch_size": 2,
+        "global_batch_size": 4,
+        "optim": {"lr": 1e-3},
+        **overrides,
+    }
+
+
+def config(assets, out: Path, **overrides) -> TrainConfig:
+    return TrainConfig.model_validate(settings(assets, out, **overrides))
+
+
+def refused(cfg: TrainConfig, nproc: int = 1, env: dict[str, str] | None = None) -> list[str]:
+    """The problem lines launch_training reports for ``cfg`` (it must refuse)."""
+    with pytest.raises(ValueError) as caught:
+        launch_training(cfg, nproc, on_line=lambda line: None, env={**WORKER_ENV, **(env or {})})
+    header, *lines = str(caught.value).splitlines()
+    assert header.endswith("found before launch, nothing was started:"), str(caught.value)
+    return [line.removeprefix("  - ") for line in lines]
+
+
+def test_cli_reports_an_impossible_layout_before_launch(assets, tmp_path):
+    out = tmp_path / "run"
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(settings(assets, out)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "llmflow.cli", "train", "--nproc", "3", str(path), "tp=3"],
+        check=False, capture_output=True, text=True, env={**os.environ, **WORKER_ENV}, timeout=120,
+    )
+    assert proc.returncode != 0
+    assert proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        "llmflow train: 3 problems found before launch, nothing was started:",
+        "  - model num_attention_heads=4 is not divisible by tp=3",
+        "  - model num_key_value_heads=2 is not divisible by tp=3",
+        "  - model intermediate_size=352 is not divisible by tp=3",
+    ]
+    assert not out.exists()
+
+
+def test_batch_sizes_against_dp_and_every_problem_at_once(assets, tmp_path):
+    out = tmp_path / "run"
+    problems = refused(config(assets, out, micro_batch_size=4, global_batch_size=4, tp=2, data={"paths": [str(tmp_path / "none")]}), nproc=4)
+    assert problems == [
+        "global_batch_size 4 is not a multiple of micro_batch_size * dp = 4 * 2",
+        f"data {tmp_path / 'none'}: no pretraining dataset ({tmp_path / 'none'}_text_document.bin does not exist)",
+    ]
+    assert not out.exists()
+
+
+def test_data_tokenized_for_a_larger_vocabulary_is_refused(assets, make_hf_model, tmp_path):
+    _, small = make_hf_model("qwen2", vocab_size=160)  # the data's ids go up to the sample model's vocabulary
+    vocab = json.loads((assets["model"] / "config.json").read_text())["vocab_size"]
+    out = tmp_path / "run"
+    assert refused(config(assets, out, model=str(small))) == [(
+        f"data {assets['wiki']} was tokenized for a vocabulary of {vocab} ids (tokenizer {assets['model']}), but model "
+        f"{small} has vocab_size 160; tokenize the data with the model's tokenizer"
+    )]
+    assert not out.exists()
+
+
+def test_more_workers_than_devices_is_refused(assets, tmp_path):
+    nproc = torch.cuda.device_count() + 1
+    out = tmp_path / "run"
+    assert refused(config(assets, out), nproc=nproc, env={"LLMFLOW_DEVICE": "cuda"}) == [
+        f"nproc={nproc} but this machine has {nproc - 1} cuda device(s)"
+    ]
+    assert not out.exists()
+
+
+def test_run_directory_resumes_only_with_the_settings_its_weights_depend_on(assets, tmp_path):
+    from llmflow.train.preflight import check_training
+
+    model = tmp_path / "model"
+    shutil.copytree(assets["model"], model)
+    out = tmp_path / "run"
+    launch_training(config(assets, out, model=str(model), seed=5), 1, on_line=lambda line: None, env=WORKER_ENV)
+    saved = (out / "train_config.json").read_text()
+
+    assert refused(config(assets, out, model=str(model), seed=6, optim={"lr": 2e-3, "decay": "linear"})) == [(
+        f"run directory {out} holds checkpoints (step 2) trained with other settings the weights depend on: "
+        "optim.decay 'cosine' -> 'linear'; optim.lr 0.001 -> 0.002; seed 5 -> 6. "
+        "Resume with the run's settings, or choose another out"
+    )]
+    assert refused(config(assets, out, model=str(model), seed=5, lora={"rank": 4}))[0].startswith(
+        f"run directory {out} holds checkpoints (step 2) trained with other settings the weights depend on: lora None -> {{'rank': 4"
+    )
+    assert refused(config(assets, out, model=str(assets["model"]), seed=5)) == [(
+        f"run directory {out} holds checkpoints (step 2) trained with other settings the weights depend on: "
+        f"model '{model}' -> '{assets['model'].resolve()}'. Resume with the run's settings, or choose another out"
+    )]
+    assert refused(config(assets, out, model=str(model), steps=1, seed=5)) == [
+        f"steps=1 but run directory {out} already holds step 2: a run continues, it cannot go back (choose another out)"
+    ]
+    assert (out / "train_config.json").read_text() == saved  # a refused launch records nothing
+
+    # A continuation onto another layout, other micro-batches and more steps is allowed.
+    check_training(config(assets, out, model=str(model), steps=4, seed=5, tp=2, micro_batch_size=1), 2, WORKER_ENV)
+    launch_training(config(assets, out, model=str(model), steps=3, seed=5, micro_batch_size=1), 1,
+                    on_line=lambda line: None, env=WORKER_ENV)
+    assert latest_step_dir(out).name == "step_00000003"
+    assert json.loads((out / "train_config.json").read_text())["steps"] == 3
+
+    # The same model directory with other content (one layer more) is another model.
+    hf = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**hf, "num_hidden_layers": 5}))
+    assert refused(config(assets, out, model=str(model), steps=4, seed=5)) == [(
+        f"run directory {out} holds checkpoints (step 3) trained with other settings the weights depend on: "
+        f"model 'another config.json' -> \"{model}'s\". Resume with the run's settings, or choose another out"
+    )]
