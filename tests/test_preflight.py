@@ -33,7 +33,7 @@ def assets(tmp_path_factory) -> dict[str, Path]:
     sample = write_sample(SampleConfig(out=root / "sample", instruct_rows=10, documents=20))
     model = sample / "model"
     tokenize_pretrain(PretrainTokenizeConfig(input=[sample / "pretrain" / "corpus.parquet"], tokenizer=model, out=root / "wiki", append_eod=True))
-    return {"root": root, "model": model, "wiki": root / "wiki"}
+    return {"root": root, "model": model, "wiki": root / "wiki", "corpus": sample / "pretrain" / "corpus.parquet"}
 
 
 def settings(assets, out: Path, **overrides) -> dict:
@@ -117,38 +117,54 @@ def test_run_directory_resumes_only_with_the_settings_its_weights_depend_on(asse
 
     model = tmp_path / "model"
     shutil.copytree(assets["model"], model)
+    data = tmp_path / "wiki"
+    for f in assets["root"].glob("wiki[._]*"):
+        shutil.copy(f, tmp_path / f.name)
     out = tmp_path / "run"
-    launch_training(config(assets, out, model=str(model), seed=5), 1, on_line=lambda line: None, env=WORKER_ENV)
+
+    def cfg(**overrides) -> TrainConfig:
+        return config(assets, out, **{"model": str(model), "data": {"paths": [str(data)]}, "seed": 5, **overrides})
+
+    launch_training(cfg(), 1, on_line=lambda line: None, env=WORKER_ENV)
     saved = (out / "train_config.json").read_text()
 
-    assert refused(config(assets, out, model=str(model), seed=6, optim={"lr": 2e-3, "decay": "linear"})) == [(
-        f"run directory {out} holds checkpoints (step 2) trained with other settings the weights depend on: "
-        "optim.decay 'cosine' -> 'linear'; optim.lr 0.001 -> 0.002; seed 5 -> 6. "
-        "Resume with the run's settings, or choose another out"
-    )]
-    assert refused(config(assets, out, model=str(model), seed=5, lora={"rank": 4}))[0].startswith(
-        f"run directory {out} holds checkpoints (step 2) trained with other settings the weights depend on: lora None -> {{'rank': 4"
+    def refusal(*changes: str, step: int = 2) -> list[str]:
+        return [(
+            f"run directory {out} holds checkpoints (step {step}) trained with other settings the weights depend on: "
+            f"{'; '.join(changes)}. Resume with the run's settings, or choose another out"
+        )]
+
+    assert refused(cfg(seed=6, optim={"lr": 2e-3, "decay": "linear"})) == refusal(
+        "optim.decay 'cosine' -> 'linear'", "optim.lr 0.001 -> 0.002", "seed 5 -> 6"
     )
-    assert refused(config(assets, out, model=str(assets["model"]), seed=5)) == [(
-        f"run directory {out} holds checkpoints (step 2) trained with other settings the weights depend on: "
-        f"model '{model}' -> '{assets['model'].resolve()}'. Resume with the run's settings, or choose another out"
-    )]
-    assert refused(config(assets, out, model=str(model), steps=1, seed=5)) == [
+    assert refused(cfg(lora={"rank": 4}))[0].startswith(refusal("lora None -> {'rank': 4")[0].split(". Resume")[0])
+    assert refused(cfg(model=str(assets["model"]))) == refusal(f"model '{model}' -> '{assets['model'].resolve()}'")
+    assert refused(cfg(seq_length=16, data={"paths": [str(assets["wiki"])]})) == refusal(
+        f"data.paths {[str(data)]!r} -> {[str(assets['wiki'].resolve())]!r}", "seq_length 32 -> 16"
+    )
+    assert refused(cfg(steps=1)) == [
         f"steps=1 but run directory {out} already holds step 2: a run continues, it cannot go back (choose another out)"
     ]
     assert (out / "train_config.json").read_text() == saved  # a refused launch records nothing
 
     # A continuation onto another layout, other micro-batches and more steps is allowed.
-    check_training(config(assets, out, model=str(model), steps=4, seed=5, tp=2, micro_batch_size=1), 2, WORKER_ENV)
-    launch_training(config(assets, out, model=str(model), steps=3, seed=5, micro_batch_size=1), 1,
-                    on_line=lambda line: None, env=WORKER_ENV)
+    check_training(cfg(steps=4, tp=2, micro_batch_size=1), 2, WORKER_ENV)
+    launch_training(cfg(steps=3, micro_batch_size=1), 1, on_line=lambda line: None, env=WORKER_ENV)
     assert latest_step_dir(out).name == "step_00000003"
     assert json.loads((out / "train_config.json").read_text())["steps"] == 3
 
-    # The same model directory with other content (one layer more) is another model.
+    # The same paths with other content are other inputs: data tokenized again, a model with
+    # other weights, a model with another shape.
+    tokenize_pretrain(PretrainTokenizeConfig(input=[assets["corpus"]], tokenizer=model, out=data))
+    assert refused(cfg(steps=4)) == refusal(f"data {data}: its content changed since the checkpoints were made", step=3)
+    for f in assets["root"].glob("wiki[._]*"):
+        shutil.copy(f, tmp_path / f.name)
+    check_training(cfg(steps=4), 1, WORKER_ENV)
+    weights = next(model.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes() + b" ")
+    assert refused(cfg(steps=4)) == refusal(f"model {model}: its content changed since the checkpoints were made", step=3)
     hf = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**hf, "num_hidden_layers": 5}))
-    assert refused(config(assets, out, model=str(model), steps=4, seed=5)) == [(
-        f"run directory {out} holds checkpoints (step 3) trained with other settings the weights depend on: "
-        f"model 'another config.json' -> \"{model}'s\". Resume with the run's settings, or choose another out"
-    )]
+    assert refused(cfg(steps=4)) == refusal(
+        f"model: the config.json of {model} is not the one the checkpoints were trained from", step=3
+    )

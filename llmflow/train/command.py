@@ -8,10 +8,9 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import CliPositionalArg
 
-from llmflow.artifacts import write_json_atomic
 from llmflow.launch import run_workers, torchrun_command
 from llmflow.train.config import TrainConfig, load_train_config
-from llmflow.train.preflight import CONFIG_NAME, check_training, recorded_config
+from llmflow.train.preflight import check_training, record_run
 
 
 def launch_training(config: TrainConfig, nproc: int, on_line=print, env: dict[str, str] | None = None) -> Path:
@@ -20,11 +19,9 @@ def launch_training(config: TrainConfig, nproc: int, on_line=print, env: dict[st
     write the resolved config into the run directory and run it on ``nproc`` workers;
     returns the run (checkpoint) directory."""
     check_training(config, nproc, env)
-    out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    config_path = write_json_atomic(out / CONFIG_NAME, recorded_config(config).model_dump(mode="json"))
+    config_path = record_run(config)
     run_workers(torchrun_command("llmflow.train", [str(config_path)], nproc), on_line=on_line, env=env)
-    return out
+    return Path(config.out)
 
 
 class TrainCommand(BaseModel):

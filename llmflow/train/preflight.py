@@ -16,6 +16,8 @@ Every problem is collected and reported at once, one line each, in a ``Preflight
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -23,8 +25,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from llmflow import runtime
-from llmflow.artifacts import read_manifest
-from llmflow.checkpoint import latest_step_dir, read_meta
+from llmflow.artifacts import MANIFEST, read_manifest, write_json_atomic
+from llmflow.checkpoint import META, latest_step_dir, read_meta, resolve_step_dir
 from llmflow.data.tokenize_instruction import STAGE as INSTRUCTION_STAGE
 from llmflow.data.tokenize_pretrain import STAGE as PRETRAIN_STAGE
 from llmflow.mesh import ParallelLayout, layout_problems
@@ -35,6 +37,10 @@ from llmflow.train.data import pretrain_prefix
 
 CONFIG_NAME = "train_config.json"
 """The resolved config of the run, in its run directory (written at every launch)."""
+
+INPUTS_NAME = "train_inputs.json"
+"""Fingerprints of the run's model and data content, in its run directory: a model or
+dataset rewritten in place is another input, though its path is the same."""
 
 WEIGHT_SETTINGS = ("model", "data", "optim", "lora", "seed", "seq_length", "dtype", "global_batch_size")
 """Settings the trained weights depend on: a run directory holding checkpoints resumes
@@ -161,10 +167,57 @@ def recorded_config(config: TrainConfig) -> TrainConfig:
     return config.model_copy(update={"model": Path(config.model).resolve(), "data": data})
 
 
+def _digest(payload: Any) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _model_fingerprint(model: Path) -> str | None:
+    """What the model's content is known by, without reading its weights: a checkpoint's
+    step and meta; a stage output's manifest file records (sha256 included); else its
+    config.json and the names and sizes of its files."""
+    try:
+        if is_checkpoint(model):
+            step_dir = resolve_step_dir(model)
+            return _digest([step_dir.name, (step_dir / META).read_text()])
+        manifest = read_manifest(model)
+        if manifest is not None and "files" in manifest:
+            return _digest(manifest["files"])
+        files = sorted((p.name, p.stat().st_size) for p in model.iterdir() if p.is_file() and p.name != MANIFEST)
+        return _digest([(model / "config.json").read_text(), files])
+    except (OSError, ValueError):
+        return None
+
+
+def input_fingerprints(config: TrainConfig) -> dict[str, str | None]:
+    """Fingerprints of the model and of every dataset (its tokenize manifest's file records,
+    sha256 included; None for data without a manifest)."""
+    fingerprints = {f"model {config.model}": _model_fingerprint(Path(config.model))}
+    for path in config.data.paths:
+        manifest, _ = _data_manifest(path, config.data.kind)
+        fingerprints[f"data {path}"] = _digest(manifest["files"]) if manifest and "files" in manifest else None
+    return fingerprints
+
+
+def record_run(config: TrainConfig) -> Path:
+    """Write the run's resolved config (CONFIG_NAME) and its inputs' fingerprints
+    (INPUTS_NAME) into its run directory; returns the config's path."""
+    out = Path(config.out)
+    recorded = recorded_config(config)
+    write_json_atomic(out / INPUTS_NAME, input_fingerprints(recorded))
+    return write_json_atomic(out / CONFIG_NAME, recorded.model_dump(mode="json"))
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def resume_problems(config: TrainConfig, model: ModelConfig | None) -> list[str]:
     """Why the checkpoints in ``config.out`` cannot continue under ``config``: settings the
-    weights depend on that differ from the run's (``CONFIG_NAME``) or from the checkpoint's
-    own record (model shape, LoRA), or fewer steps than the checkpoint has taken."""
+    weights depend on that differ from the run's record (CONFIG_NAME, INPUTS_NAME) or from
+    the checkpoint's own (model shape, LoRA), or fewer steps than the checkpoint has taken."""
     out = Path(config.out)
     try:
         step_dir = latest_step_dir(out) if out.is_dir() else None
@@ -179,12 +232,12 @@ def resume_problems(config: TrainConfig, model: ModelConfig | None) -> list[str]
             f"steps={config.steps} but run directory {out} already holds step {meta.step}: a run continues, "
             "it cannot go back (choose another out)"
         )
-    differing: dict[str, tuple[Any, Any]] = {}
+    differing: dict[str, str] = {}
     lora = config.lora.model_dump(mode="json") if config.lora is not None else None
     if (meta.lora is None) != (lora is None) or (lora is not None and meta.lora != lora):
-        differing["lora"] = (meta.lora, lora)
+        differing["lora"] = f"lora {meta.lora!r} -> {lora!r}"
     if model is not None and ModelConfig.from_hf(meta.hf_config) != model:
-        differing["model"] = ("another config.json", f"{config.model}'s")
+        differing["model"] = f"model: the config.json of {config.model} is not the one the checkpoints were trained from"
     try:
         saved = TrainConfig.model_validate_json((out / CONFIG_NAME).read_text())
     except (OSError, ValidationError):
@@ -193,12 +246,17 @@ def resume_problems(config: TrainConfig, model: ModelConfig | None) -> list[str]
         before, now = weight_settings(saved), weight_settings(config)
         for name in sorted(before.keys() | now.keys()):
             if before.get(name) != now.get(name) and name.split(".")[0] not in differing:
-                differing[name] = (before.get(name), now.get(name))
+                differing[name] = f"{name} {before.get(name)!r} -> {now.get(name)!r}"
+    recorded = _read_json(out / INPUTS_NAME)
+    if isinstance(recorded, dict):
+        for name, fingerprint in input_fingerprints(recorded_config(config)).items():
+            old = recorded.get(name)
+            if old is not None and fingerprint is not None and old != fingerprint and name.split(" ")[0] not in differing:
+                differing[name.split(" ")[0]] = f"{name}: its content changed since the checkpoints were made"
     if differing:
-        changes = "; ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in differing.items())
         problems.append(
             f"run directory {out} holds checkpoints (step {meta.step}) trained with other settings the weights "
-            f"depend on: {changes}. Resume with the run's settings, or choose another out"
+            f"depend on: {'; '.join(differing.values())}. Resume with the run's settings, or choose another out"
         )
     return problems
 
