@@ -113,8 +113,6 @@ def test_more_workers_than_devices_is_refused(assets, tmp_path):
 
 
 def test_run_directory_resumes_only_with_the_settings_its_weights_depend_on(assets, tmp_path):
-    from llmflow.train.preflight import check_training
-
     model = tmp_path / "model"
     shutil.copytree(assets["model"], model)
     data = tmp_path / "wiki"
@@ -148,6 +146,8 @@ def test_run_directory_resumes_only_with_the_settings_its_weights_depend_on(asse
     assert (out / "train_config.json").read_text() == saved  # a refused launch records nothing
 
     # A continuation onto another layout, other micro-batches and more steps is allowed.
+    from llmflow.train.preflight import check_training
+
     check_training(cfg(steps=4, tp=2, micro_batch_size=1), 2, WORKER_ENV)
     launch_training(cfg(steps=3, micro_batch_size=1), 1, on_line=lambda line: None, env=WORKER_ENV)
     assert latest_step_dir(out).name == "step_00000003"

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from llmflow import runtime
 from llmflow.artifacts import MANIFEST, read_manifest, write_json_atomic
-from llmflow.checkpoint import META, latest_step_dir, read_meta, resolve_step_dir
+from llmflow.checkpoint import latest_step_dir, read_meta, resolve_step_dir
 from llmflow.data.tokenize_instruction import STAGE as INSTRUCTION_STAGE
 from llmflow.data.tokenize_pretrain import STAGE as PRETRAIN_STAGE
 from llmflow.mesh import ParallelLayout, layout_problems
@@ -171,19 +171,25 @@ def _digest(payload: Any) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
+def _file_stats(directory: Path) -> list[tuple[str, int, int]]:
+    return sorted(
+        (p.name, st.st_size, st.st_mtime_ns) for p in directory.iterdir() if p.is_file() and p.name != MANIFEST
+        for st in [p.stat()]
+    )
+
+
 def _model_fingerprint(model: Path) -> str | None:
-    """What the model's content is known by, without reading its weights: a checkpoint's
-    step and meta; a stage output's manifest file records (sha256 included); else its
-    config.json and the names and sizes of its files."""
+    """What the model's content is known by, without reading its weights: a stage output's
+    manifest file records (sha256 included); else, as the stages' cache keys, the names,
+    sizes and modification times of its files (of its step directory for a checkpoint)."""
     try:
         if is_checkpoint(model):
             step_dir = resolve_step_dir(model)
-            return _digest([step_dir.name, (step_dir / META).read_text()])
+            return _digest([step_dir.name, _file_stats(step_dir)])
         manifest = read_manifest(model)
         if manifest is not None and "files" in manifest:
             return _digest(manifest["files"])
-        files = sorted((p.name, p.stat().st_size) for p in model.iterdir() if p.is_file() and p.name != MANIFEST)
-        return _digest([(model / "config.json").read_text(), files])
+        return _digest(_file_stats(model))
     except (OSError, ValueError):
         return None
 
