@@ -179,16 +179,17 @@ def _file_stats(directory: Path) -> list[tuple[str, int, int]]:
 
 
 def _model_fingerprint(model: Path) -> str | None:
-    """What the model's content is known by, without reading its weights: a stage output's
-    manifest file records (sha256 included); else, as the stages' cache keys, the names,
-    sizes and modification times of its files (of its step directory for a checkpoint)."""
+    """What the model's content is known by, without reading its weights: the file records
+    of the manifest of the stage that wrote it (download, convert: what the flows name their
+    run directories by); else, as the stages' cache keys, the names, sizes and modification
+    times of its files (of its step directory for a checkpoint)."""
     try:
-        if is_checkpoint(model):
-            step_dir = resolve_step_dir(model)
-            return _digest([step_dir.name, _file_stats(step_dir)])
         manifest = read_manifest(model)
         if manifest is not None and "files" in manifest:
             return _digest(manifest["files"])
+        if is_checkpoint(model):
+            step_dir = resolve_step_dir(model)
+            return _digest([step_dir.name, _file_stats(step_dir)])
         return _digest(_file_stats(model))
     except (OSError, ValueError):
         return None
