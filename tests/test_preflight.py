@@ -112,6 +112,7 @@ def test_more_workers_than_devices_is_refused(assets, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_run_directory_resumes_only_with_the_settings_its_weights_depend_on(assets, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(assets["model"], model)
