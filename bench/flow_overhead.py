@@ -81,10 +81,10 @@ def main() -> None:
         with prefect_test_harness(server_startup_timeout=180):
             server_seconds = time.perf_counter() - server_start
             start = time.perf_counter()
-            result = finetune_eval(params)
+            result = finetune_eval(**dict(params))
             flow = time.perf_counter() - start
             start = time.perf_counter()
-            finetune_eval(params.model_copy(update={"refresh": ["evaluate"]}))
+            finetune_eval(**dict(params.model_copy(update={"refresh": ["evaluate"]})))
             retry = time.perf_counter() - start
     stages = 8
     per_stage = (flow - direct) / stages

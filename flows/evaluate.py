@@ -8,14 +8,15 @@ from typing import Any
 from prefect import flow
 
 from llmflow.flows import stages
-from llmflow.flows.params import EvaluateParams
+from llmflow.flows.params import EvaluateParams, flow_parameters
 from llmflow.flows.summary import publish_summary
 
 FLOW = "evaluate"
 
 
 @flow(name=FLOW, log_prints=True)
-def evaluate(params: EvaluateParams = EvaluateParams()) -> dict[str, Any]:
+@flow_parameters(EvaluateParams)
+def evaluate(params: EvaluateParams) -> dict[str, Any]:
     """Accuracy of ``params.model`` on each benchmark; returns them with the outputs."""
     with stages.open_flow_run(FLOW, params) as run:
         workspace, refresh, sources = run.workspace, run.refresh, run.sources

@@ -1,5 +1,6 @@
 """The finetune-and-eval flow: a base model finetuned on instruction data, exported, tried
-on prompts, and scored on MMLU before and after; the result registered in MLflow.
+on prompts, and scored on MMLU before and after; the result registered in MLflow when
+its score passes the gate (by default: no worse than the base model's).
 
 Run it from the Prefect UI (deployment ``finetune-eval``), nightly on a schedule, or with
 ``llmflow demo``. Every stage is cached on its inputs: a retried run skips what finished,
@@ -18,12 +19,12 @@ from llmflow.data.tokenize_instruction import InstructionTokenizeConfig
 from llmflow.export import ExportConfig
 from llmflow.flows import stages
 from llmflow.flows.checks import check_layout
-from llmflow.flows.params import FinetuneEvalParams
+from llmflow.flows.params import FinetuneEvalParams, flow_parameters
 from llmflow.flows.summary import publish_summary
 from llmflow.infer.batch import InferConfig
 from llmflow.tasks.export import export_task
 from llmflow.tasks.infer import infer_task
-from llmflow.tasks.register import register_model_task
+from llmflow.tasks.register import register_model_task, registry_gate
 from llmflow.tasks.tokenize import tokenize_instruction_task
 from llmflow.tasks.train import train_task
 from llmflow.train.config import DataConfig
@@ -32,10 +33,11 @@ FLOW = "finetune-eval"
 
 
 @flow(name=FLOW, log_prints=True)
-def finetune_eval(params: FinetuneEvalParams = FinetuneEvalParams()) -> dict[str, Any]:
+@flow_parameters(FinetuneEvalParams)
+def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
     """download -> convert -> tokenize -> MMLU of the base model -> finetune -> export ->
-    answers to the prompts -> MMLU of the finetuned model -> register; returns the scores
-    and where the outputs are."""
+    answers to the prompts -> MMLU of the finetuned model -> register, when the scores pass
+    the gate; returns the scores, the gate's verdict and where the outputs are."""
     with stages.open_flow_run(FLOW, params) as run:
         workspace, refresh, sources = run.workspace, run.refresh, run.sources
         model_dir = sources.model(params.model, params.revision)
@@ -76,10 +78,14 @@ def finetune_eval(params: FinetuneEvalParams = FinetuneEvalParams()) -> dict[str
                                 "evaluate" in refresh).manifest["accuracy"]
         scores = {"mmlu_before": before, "mmlu_after": after}
         tracking.log_metrics(run.mlflow_run, scores)
-        registered = None
+        registered = gate = None
         if params.registered_model:
-            registered = stages.run(register_model_task, params.registered_model, exported, scores,
-                                    refresh="register" in refresh)
+            gate = registry_gate(before, after, params.register_min_gain)
+            tracking.set_tags(run.mlflow_run, gate.tags())
+            print(f"registry gate: {gate.reason}")
+            if gate.passed:
+                registered = stages.run(register_model_task, params.registered_model, exported, scores,
+                                        refresh="register" in refresh)
         result = {
             **scores,
             "version": run.version,
@@ -87,6 +93,7 @@ def finetune_eval(params: FinetuneEvalParams = FinetuneEvalParams()) -> dict[str
             "model": exported.path,
             "answers": answers,
             "registered": registered,
+            "gate": gate.model_dump() if gate else None,
             "mlflow_run": run.mlflow_run,
         }
         publish_summary(FLOW, result, run.mlflow_run)

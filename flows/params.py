@@ -5,13 +5,21 @@ under another module name, and pydantic then cannot read the attribute docstring
 classes defined in it (the form would lose its help text).
 
 Every default points at the built-in sample assets, so each flow runs offline with no
-parameters; real models and data are parameter values (``hf://Qwen/Qwen2.5-0.5B``).
+parameters but its workspace; real models and data are parameter values
+(``hf://Qwen/Qwen2.5-0.5B``).
+
+Each field of a flow's model is a top-level parameter of the flow (``flow_parameters``):
+Prefect merges a run's parameters over its deployment's key by key at the top level only,
+so a run that sets ``train`` keeps the deployment's ``workspace``, ``evaluation``, ...
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -32,6 +40,35 @@ Stage = Literal[
 
 class Params(BaseModel):
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+
+P = TypeVar("P", bound=Params)
+R = TypeVar("R")
+
+
+def flow_parameters(model: type[P]) -> Callable[[Callable[[P], R]], Callable[..., R]]:
+    """Turn ``fn(params: model)`` into a function whose parameters are ``model``'s fields,
+    keyword-only, each with its type, constraints and default: the signature Prefect
+    validates a run's parameters against and builds the run form from. The docstring gets
+    an ``Args:`` section of the fields' docstrings, where Prefect reads the form's help for
+    top-level parameters (nested models carry their own field docstrings)."""
+
+    def decorate(fn: Callable[[P], R]) -> Callable[..., R]:
+        @functools.wraps(fn)
+        def with_fields(**arguments: Any) -> R:
+            return fn(model(**arguments))
+
+        fields = model.model_fields.items()
+        with_fields.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+            [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=field.rebuild_annotation(),
+                               default=field.get_default(call_default_factory=True)) for name, field in fields],
+            return_annotation=inspect.signature(fn).return_annotation,
+        )
+        args = "".join(f"\n    {name}: {' '.join((field.description or '').split())}" for name, field in fields)
+        with_fields.__doc__ = f"{inspect.cleandoc(fn.__doc__ or '')}\n\nArgs:{args}\n"
+        return with_fields
+
+    return decorate
 
 
 class TrainParams(Params):
@@ -103,8 +140,9 @@ SAMPLE_PROMPTS = (
 class FinetuneEvalParams(Params):
     """Finetune a model on instruction data and measure MMLU before and after."""
 
-    workspace: str = "workspace"
-    """Directory of every stage's output (and the default MLflow store)."""
+    workspace: str | None = None
+    """Directory of every stage's output (and the default MLflow store); empty: $LLMFLOW_WORKSPACE
+    (the deployment's, set by llmflow server)."""
     model: str = SAMPLE
     """Base model: hf://org/name, ms://org/name, a local Hugging Face directory, or
     "sample" for the built-in tiny model."""
@@ -143,13 +181,17 @@ class FinetuneEvalParams(Params):
     """Longest answer to each prompt, in tokens (greedy decoding)."""
     registered_model: str | None = "llmflow-finetuned"
     """MLflow registered model that receives the exported model as a new version (empty: skip)."""
+    register_min_gain: float | None = 0.0
+    """Register only when MMLU after minus MMLU before is at least this: 0 when the finetune
+    scores no worse than its base model, 0.01 for a gain of a point; empty: register always."""
 
 
 class PretrainParams(Params):
     """Pretrain a model on raw text, export it and score it on MMLU."""
 
-    workspace: str = "workspace"
-    """Directory of every stage's output (and the default MLflow store)."""
+    workspace: str | None = None
+    """Directory of every stage's output (and the default MLflow store); empty: $LLMFLOW_WORKSPACE
+    (the deployment's, set by llmflow server)."""
     model: str = SAMPLE
     """Initial weights: hf://org/name, ms://org/name, a local Hugging Face directory, or "sample"."""
     revision: str | None = None
@@ -180,8 +222,9 @@ class PretrainParams(Params):
 class EvaluateParams(Params):
     """Evaluate one model on multiple-choice benchmarks."""
 
-    workspace: str = "workspace"
-    """Directory of every stage's output (and the default MLflow store)."""
+    workspace: str | None = None
+    """Directory of every stage's output (and the default MLflow store); empty: $LLMFLOW_WORKSPACE
+    (the deployment's, set by llmflow server)."""
     model: str = SAMPLE
     """Model: hf://org/name, ms://org/name, a local Hugging Face directory, a training
     checkpoint (run directory or step directory, LoRA included), or "sample"."""
@@ -216,8 +259,9 @@ class RunSide(Params):
 class PrecisionParams(Params):
     """Dump a few training steps in two configurations and find where they diverge."""
 
-    workspace: str = "workspace"
-    """Directory of every stage's output (and the default MLflow store)."""
+    workspace: str | None = None
+    """Directory of every stage's output (and the default MLflow store); empty: $LLMFLOW_WORKSPACE
+    (the deployment's, set by llmflow server)."""
     target: RunSide = RunSide(tp=2)
     """The run under test."""
     bench: RunSide = RunSide()

@@ -14,7 +14,7 @@ from prefect import flow
 
 from llmflow.artifacts import write_json_atomic
 from llmflow.flows import stages
-from llmflow.flows.params import PrecisionParams, RunSide
+from llmflow.flows.params import PrecisionParams, RunSide, flow_parameters
 from llmflow.probe.compare import CompareConfig
 from llmflow.probe.config import ProbeConfig
 from llmflow.tasks.probe import compare_task
@@ -47,7 +47,8 @@ def dump_run(run: stages.FlowRun, params: PrecisionParams, side: RunSide, label:
 
 
 @flow(name=FLOW, log_prints=True)
-def precision(params: PrecisionParams = PrecisionParams()) -> dict[str, Any]:
+@flow_parameters(PrecisionParams)
+def precision(params: PrecisionParams) -> dict[str, Any]:
     """Dump both runs, compare the target against the bench; returns the advisor's text,
     row counts and where the comparison is."""
     with stages.open_flow_run(FLOW, params) as run:

@@ -16,7 +16,7 @@ from prefect import flow
 from llmflow.export import ExportConfig
 from llmflow.flows import stages
 from llmflow.flows.checks import check_layout
-from llmflow.flows.params import PretrainParams
+from llmflow.flows.params import PretrainParams, flow_parameters
 from llmflow.flows.summary import publish_summary
 from llmflow.tasks.export import export_task
 from llmflow.tasks.train import train_task
@@ -26,7 +26,8 @@ FLOW = "pretrain"
 
 
 @flow(name=FLOW, log_prints=True)
-def pretrain(params: PretrainParams = PretrainParams()) -> dict[str, Any]:
+@flow_parameters(PretrainParams)
+def pretrain(params: PretrainParams) -> dict[str, Any]:
     """Train ``params.model`` further on ``params.data``; returns the score and the outputs."""
     with stages.open_flow_run(FLOW, params) as run:
         workspace, refresh, sources = run.workspace, run.refresh, run.sources

@@ -33,6 +33,7 @@ from llmflow.tasks.evaluate import EVAL_TASKS
 from llmflow.tasks.sample import sample_task
 from llmflow.tasks.tokenize import tokenize_pretrain_task
 from llmflow.tasks.train import STAGE as TRAIN_STAGE
+from llmflow.workspace import flow_workspace
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv", ".txt", ".arrow")
 
@@ -140,12 +141,12 @@ class FlowRun:
 @contextlib.contextmanager
 def open_flow_run(flow: str, params: BaseModel) -> Iterator[FlowRun]:
     """Set up a flow run from its parameters (``workspace``, ``refresh`` and, when present,
-    ``version``): MLflow pointed at the workspace, the parent MLflow run opened (found again
-    on a retry), the sources ready."""
-    workspace = Path(params.workspace).resolve()
-    tracking.configure(workspace)
+    ``version``): MLflow pointed at the workspace and the flow's experiment, the parent
+    MLflow run opened (found again on a retry), the sources ready."""
+    workspace = flow_workspace(params.workspace)
+    tracking.configure(workspace, tracking.experiment_name(flow))
     version = run_version(getattr(params, "version", None), flow_run.scheduled_start_time)
-    logged = params.model_dump(mode="json") | {"version": version}
+    logged = params.model_dump(mode="json") | {"workspace": str(workspace), "version": version}
     refresh = set(params.refresh)
     with tracking.flow_run(flow, flow_run.id, logged) as parent:
         yield FlowRun(workspace, version, refresh, Sources(workspace, refresh), parent)

@@ -27,6 +27,9 @@ def summary_markdown(flow: str, result: dict[str, Any], mlflow_run: str) -> str:
     if result.get("registered"):
         registered = result["registered"]
         lines.append(f"- registered: `{registered['name']}` version {registered['version']}")
+    if result.get("gate"):
+        gate = result["gate"]
+        lines.append(f"- registry gate ({gate['rule']}): {'passed' if gate['passed'] else 'failed'}: {gate['reason']}")
     lines.append(f"- MLflow: {tracking.run_link(mlflow_run)}")
     return "\n".join(lines) + "\n"
 

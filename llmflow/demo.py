@@ -37,10 +37,10 @@ class DemoCommand(BaseModel):
 def run_demo(command: DemoCommand) -> dict:
     """Run ``finetune_eval`` with its defaults in ``command.workspace``; print and return its result."""
     workspace = use_workspace(command.workspace)
-    from llmflow.flows.finetune_eval import FinetuneEvalParams, finetune_eval
+    from llmflow.flows.finetune_eval import finetune_eval
 
     start = time.monotonic()
-    result = finetune_eval(FinetuneEvalParams(workspace=str(workspace), version=command.version))
+    result = finetune_eval(workspace=str(workspace), version=command.version)
     before, after = result["mmlu_before"], result["mmlu_after"]
     print(f"\nfinetune-eval finished in {time.monotonic() - start:.0f} s")
     print(f"MMLU-style accuracy on the sample set (chance {CHANCE:.0%}): before {before:.1%}, after {after:.1%}")
@@ -53,5 +53,7 @@ def run_demo(command: DemoCommand) -> dict:
     print(f"exported model (Hugging Face format): {result['model']}")
     if result["registered"]:
         print(f"MLflow registered model: {result['registered']['name']} version {result['registered']['version']}")
+    elif result["gate"]:
+        print(f"not registered in MLflow: {result['gate']['reason']}")
     print(f"Prefect and MLflow UIs for these runs: llmflow server --workspace {command.workspace}")
     return result

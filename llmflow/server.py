@@ -18,7 +18,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmflow.launch import kill_group
-from llmflow.workspace import use_workspace
+from llmflow.workspace import WORKSPACE_ENV, use_workspace
 
 ROOT = Path(__file__).resolve().parent.parent
 POOL = "llmflow"
@@ -74,6 +74,15 @@ def run_quietly(args: list[str], env: dict[str, str]) -> None:
         raise RuntimeError(f"{' '.join(args)} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
 
 
+def apply_deployments(env: dict[str, str]) -> None:
+    """Create llmflow's process work pool and apply ``deployments/prefect.yaml`` on the Prefect
+    server of ``env`` (PREFECT_API_URL), which also holds the variables the file reads:
+    LLMFLOW_ROOT, LLMFLOW_WORKSPACE and LLMFLOW_TIMEZONE."""
+    prefect = [str(Path(sys.executable).parent / "prefect"), "--no-prompt"]
+    run_quietly([*prefect, "work-pool", "create", POOL, "--type", "process", "--overwrite"], env)
+    run_quietly([*prefect, "deploy", "--all", "--prefect-file", str(ROOT / "deployments" / "prefect.yaml")], env)
+
+
 def _interrupt(_signum, _frame) -> None:
     raise KeyboardInterrupt
 
@@ -95,7 +104,7 @@ def serve(command: ServerCommand) -> None:
         # The MLflow server's background job runner alone costs ~2 GB.
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
         "LLMFLOW_ROOT": str(ROOT),
-        "LLMFLOW_WORKSPACE": str(workspace),
+        WORKSPACE_ENV: str(workspace),
         "LLMFLOW_TIMEZONE": command.timezone,
     }
     procs: list[subprocess.Popen] = []
@@ -109,10 +118,9 @@ def serve(command: ServerCommand) -> None:
                             "--workers", "1", "--backend-store-uri", f"sqlite:///{workspace / 'mlflow.db'}",
                             "--artifacts-destination", str(workspace / "mlartifacts")], env, logs / "mlflow.log"))
         wait_until_up(f"{prefect_api}/health", "the Prefect server", procs)
-        prefect = [str(bin_dir / "prefect"), "--no-prompt"]
-        run_quietly([*prefect, "work-pool", "create", POOL, "--type", "process", "--overwrite"], env)
-        run_quietly([*prefect, "deploy", "--all", "--prefect-file", str(ROOT / "deployments" / "prefect.yaml")], env)
-        procs.append(start([*prefect, "worker", "start", "--pool", POOL, "--type", "process"], env, logs / "worker.log"))
+        apply_deployments(env)
+        procs.append(start([str(bin_dir / "prefect"), "--no-prompt", "worker", "start", "--pool", POOL, "--type", "process"],
+                           env, logs / "worker.log"))
         wait_until_up(f"{mlflow_url}/health", "the MLflow server", procs)
         print(f"Prefect UI:  http://{command.host}:{command.prefect_port} (deployments: nightly and on-demand "
               f"finetune-eval, on-demand pretrain and evaluate)")

@@ -1,7 +1,9 @@
 """MLflow tracking for stages: one run per stage, nested under the flow's run when there is one.
 
 The tracking URI comes from ``MLFLOW_TRACKING_URI``; without it, a SQLite store under the
-workspace (MLflow's file store refuses to start unless explicitly allowed).
+workspace (MLflow's file store refuses to start unless explicitly allowed). Each flow logs
+to an experiment of its own, ``llmflow-{flow}`` (``llmflow train`` from the command line to
+``llmflow-train``), on a local store and on a tracking server alike.
 """
 
 from __future__ import annotations
@@ -13,14 +15,23 @@ from pathlib import Path
 from typing import Any
 
 EXPERIMENT = "llmflow"
+"""Prefix of the experiments: ``llmflow-{flow}``."""
+RUN_ID_ENV = "LLMFLOW_MLFLOW_RUN_ID"
+"""The MLflow run that training workers log their step metrics to."""
 
 
-def configure(workspace: str | Path = "workspace") -> str:
-    """Point MLflow at ``MLFLOW_TRACKING_URI`` or at ``{workspace}/mlflow.db``; returns the URI.
+def experiment_name(flow: str) -> str:
+    """The experiment of a flow's (or a command's) runs."""
+    return f"{EXPERIMENT}-{flow}"
 
-    With a local store, the experiment (``MLFLOW_EXPERIMENT_NAME``, default "llmflow") keeps
-    its artifacts in ``{workspace}/mlartifacts``: MLflow's own default is ``./mlruns`` in
-    whatever directory the process happens to run. A tracking server decides for itself.
+
+def configure(workspace: str | Path, experiment: str) -> str:
+    """Point MLflow at ``MLFLOW_TRACKING_URI`` or at ``{workspace}/mlflow.db`` and make
+    ``experiment`` (``MLFLOW_EXPERIMENT_NAME`` when set) the active one; returns the URI.
+
+    With a local store the experiment keeps its artifacts in ``{workspace}/mlartifacts``:
+    MLflow's own default is ``./mlruns`` in whatever directory the process happens to run.
+    A tracking server decides that for itself.
     """
     import mlflow
     from mlflow.exceptions import MlflowException
@@ -31,15 +42,15 @@ def configure(workspace: str | Path = "workspace") -> str:
         root.mkdir(parents=True, exist_ok=True)
         uri = f"sqlite:///{root / 'mlflow.db'}"
     mlflow.set_tracking_uri(uri)
-    if not is_server(uri):
-        name = os.environ.get("MLFLOW_EXPERIMENT_NAME", EXPERIMENT)
-        if mlflow.get_experiment_by_name(name) is None:
-            try:
-                mlflow.create_experiment(name, artifact_location=(root / "mlartifacts").as_uri())
-            except MlflowException as error:  # created meanwhile by another process
-                if error.error_code != "RESOURCE_ALREADY_EXISTS":
-                    raise
-        mlflow.set_experiment(name)
+    name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or experiment
+    if mlflow.get_experiment_by_name(name) is None:
+        location = None if is_server(uri) else (root / "mlartifacts").as_uri()
+        try:
+            mlflow.create_experiment(name, artifact_location=location)
+        except MlflowException as error:  # created meanwhile by another process
+            if error.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+    mlflow.set_experiment(name)
     return uri
 
 
@@ -119,3 +130,20 @@ def log_metrics(run_id: str, metrics: Mapping[str, float], step: int | None = No
     client = MlflowClient()
     for key, value in metrics.items():
         client.log_metric(run_id, key, float(value), step=step or 0)
+
+
+def set_tags(run_id: str, tags: Mapping[str, str]) -> None:
+    """Tag a run by id."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
+
+
+def worker_env(run_id: str) -> dict[str, str]:
+    """The environment that makes training workers log their metrics to ``run_id`` in the
+    current tracking store."""
+    import mlflow
+
+    return {RUN_ID_ENV: run_id, "MLFLOW_TRACKING_URI": mlflow.get_tracking_uri()}

@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+WORKSPACE_ENV = "LLMFLOW_WORKSPACE"
+"""The workspace of flow runs that are not given one: ``llmflow server`` sets it for its
+deployments (as a job variable of each, see deployments/prefect.yaml)."""
+
 
 def use_workspace(workspace: str | Path) -> Path:
     """Point Prefect (home, result storage, embedded-server start-up time) and MLflow (a SQLite
@@ -24,3 +28,13 @@ def use_workspace(workspace: str | Path) -> Path:
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
     return root
+
+
+def flow_workspace(workspace: str | None) -> Path:
+    """The workspace of a flow run: ``workspace`` when given, else ``$LLMFLOW_WORKSPACE``.
+    There is no default: deployed runs work in the source checkout (LLMFLOW_ROOT), and a
+    relative default would write into it."""
+    chosen = workspace or os.environ.get(WORKSPACE_ENV)
+    if not chosen:
+        raise ValueError(f"no workspace: give the flow's workspace parameter or set {WORKSPACE_ENV}")
+    return Path(chosen).expanduser().resolve()

@@ -1,4 +1,5 @@
-"""Prefect task of the register stage: an exported model into the MLflow model registry."""
+"""Prefect task of the register stage: an exported model into the MLflow model registry,
+behind the gate that keeps models which score worse than their base model out of it."""
 
 from __future__ import annotations
 
@@ -6,11 +7,46 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from prefect import task
+from pydantic import BaseModel
 
 from llmflow import tracking
 from llmflow.tasks.common import STAGE_CACHE_POLICY, StageArtifact
 
 STAGE = "register"
+GATE_TAG = "llmflow.registry.gate"
+"""Tag of a flow's MLflow run: "passed", "failed" or "off" (registered whatever the score)."""
+REASON_TAG = "llmflow.registry.reason"
+"""Tag of a flow's MLflow run: why the gate passed or failed."""
+SCORE_TOLERANCE = 1e-9
+"""Gains are compared to within this: scores are fractions of question counts, and 0.26 - 0.25
+is 0.010000000000000009 in floating point."""
+
+
+class RegistryGate(BaseModel):
+    """Whether a finetuned model may be registered, and why."""
+
+    passed: bool
+    """The model may be registered."""
+    reason: str
+    """The scores and the rule they were held to."""
+    rule: str
+    """min_gain=X, or "always"."""
+
+    def tags(self) -> dict[str, str]:
+        """The gate as MLflow tags of the flow's run."""
+        state = "off" if self.rule == "always" else "passed" if self.passed else "failed"
+        return {GATE_TAG: state, REASON_TAG: self.reason}
+
+
+def registry_gate(before: float, after: float, min_gain: float | None) -> RegistryGate:
+    """The gate for a model scoring ``after`` whose base model scored ``before``: it passes
+    when ``after - before`` is at least ``min_gain``; ``min_gain`` None passes always."""
+    scores = f"MMLU {before:.4f} -> {after:.4f} ({after - before:+.4f})"
+    if min_gain is None:
+        return RegistryGate(passed=True, reason=f"{scores}; registered whatever the score", rule="always")
+    passed = after - before >= min_gain - SCORE_TOLERANCE
+    verdict = "meets the minimum gain {:+.4f}" if passed else "is below the minimum gain {:+.4f}: not registered"
+    return RegistryGate(passed=passed, reason=f"{scores} {verdict.format(min_gain)}", rule=f"min_gain={min_gain:g}")
 
 
 @task(name=STAGE, cache_policy=STAGE_CACHE_POLICY)

@@ -31,7 +31,6 @@ from llmflow.train.command import launch_training
 from llmflow.train.config import TrainConfig
 
 STAGE = "train"
-RUN_ID_ENV = "LLMFLOW_MLFLOW_RUN_ID"
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) \|")
 
 
@@ -41,11 +40,9 @@ def train_task(config: TrainConfig, nproc: int = 1, device: str | None = None) -
     ``device`` type: cpu, cuda or npu; default: the best one); returns the checkpoint root
     ``config.out`` with the final step's meta. Tracked in MLflow: params are the config,
     metrics the workers' per-step loss, lr, grad_norm, throughput and memory."""
-    import mlflow
-
     logger = get_run_logger()
     with tracking.stage_run(STAGE, config.model_dump(mode="json") | {"nproc": nproc}) as run_id:
-        env = {RUN_ID_ENV: run_id, "MLFLOW_TRACKING_URI": mlflow.get_tracking_uri()}
+        env = tracking.worker_env(run_id)
         if device is not None:
             env[runtime.DEVICE_ENV] = device
         start = time.monotonic()

@@ -1,8 +1,9 @@
 """The finetune-and-eval flow end to end on the sample assets, against the temporary Prefect
-server: every stage, its MLflow run nested under the flow's and the registered model; a
-rerun served from cache; a run failing in its last evaluation, rerun, executing only what
-failed; a run killed mid-training leaving no worker behind, its rerun resuming from the
-checkpoint. Each flow run trains briefly (a torchrun launch each), so there are few.
+server: every stage, its MLflow run nested under the flow's, the registry gate refusing the
+model (nothing registered, the reason in the summary and tags); a rerun served from cache; a
+run failing in its last evaluation, rerun, executing only what failed and registering the
+model (no gate); a run killed mid-training leaving no worker behind, its rerun resuming from
+the checkpoint. Each flow run trains briefly (a torchrun launch each), so there are few.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from mlflow import MlflowClient
 from prefect_helpers import FlowProcess, flow_run_logs, mlflow_runs, task_states, wait_for
 
 from llmflow.flows.finetune_eval import FinetuneEvalParams, finetune_eval
+from llmflow.tasks.register import GATE_TAG, REASON_TAG
 from llmflow.tracking import FLOW_RUN_TAG
 
 pytestmark = pytest.mark.usefixtures("prefect_env")
@@ -28,7 +30,7 @@ import sys
 
 from llmflow.flows.finetune_eval import FinetuneEvalParams, finetune_eval
 
-finetune_eval(FinetuneEvalParams.model_validate_json(open(sys.argv[1]).read()))
+finetune_eval(**dict(FinetuneEvalParams.model_validate_json(open(sys.argv[1]).read())))
 """
 
 
@@ -53,7 +55,7 @@ def flow_params(workspace: Path, **overrides) -> FinetuneEvalParams:
 
 def run_flow(params: FinetuneEvalParams):
     """The flow run's final state and the state names of its stages, in order."""
-    state = finetune_eval(params, return_state=True)
+    state = finetune_eval(**dict(params), return_state=True)
     states = task_states(state.state_details.flow_run_id)
     return state, states
 
@@ -66,14 +68,14 @@ def stage_states(states: dict[str, list[str]]) -> list[tuple[str, str]]:
 
 
 def test_finetune_eval_runs_every_stage_tracks_it_and_reruns_from_cache(prefect_env, tmp_path):
-    params = flow_params(tmp_path / "ws")
+    # A gain no finetune can make: the registry gate fails whatever the scores.
+    params = flow_params(tmp_path / "ws", register_min_gain=2.0)
     state, states = run_flow(params)
     assert state.is_completed(), state.message
     result = state.result()
     assert {name: set(runs) for name, runs in states.items()} == {
         "sample": {"Completed"}, "convert": {"Completed"}, "tokenize-instruction": {"Completed"},
         "eval-mmlu": {"Completed"}, "train": {"Completed"}, "export": {"Completed"}, "infer": {"Completed"},
-        "register": {"Completed"},
     }
     assert len(states["eval-mmlu"]) == 2
     assert 0 <= result["mmlu_before"] <= 1 and 0 <= result["mmlu_after"] <= 1
@@ -89,16 +91,21 @@ def test_finetune_eval_runs_every_stage_tracks_it_and_reruns_from_cache(prefect_
     assert parent.data.metrics["mmlu_after"] == result["mmlu_after"]
     assert any(key.startswith("system/") for key in parent.data.metrics), parent.data.metrics
     assert "summary.md" in {a.path for a in client.list_artifacts(parent.info.run_id)}
-    for stage in ("sample", "convert", "tokenize-instruction", "train", "export", "infer", "eval-mmlu", "register"):
+    for stage in ("sample", "convert", "tokenize-instruction", "train", "export", "infer", "eval-mmlu"):
         runs = mlflow_runs(prefect_env, stage)
         assert runs and all(r.data.tags["mlflow.parentRunId"] == parent.info.run_id for r in runs), stage
     (train_run,) = mlflow_runs(prefect_env, "train")
     assert "loss_curve.png" in {a.path for a in client.list_artifacts(train_run.info.run_id)}
 
-    # The registered model points at the exported directory, tagged with the scores.
-    (version,) = client.search_model_versions("name = 'test-finetuned'")
-    assert version.source == result["model"]
-    assert float(version.tags["mmlu_after"]) == pytest.approx(result["mmlu_after"], rel=1e-5)
+    # The gate failed: the run completed, registered nothing and says why, in MLflow and its summary.
+    gain = result["mmlu_after"] - result["mmlu_before"]
+    reason = (f"MMLU {result['mmlu_before']:.4f} -> {result['mmlu_after']:.4f} ({gain:+.4f}) is below the minimum "
+              "gain +2.0000: not registered")
+    assert result["registered"] is None and result["gate"] == {"passed": False, "reason": reason, "rule": "min_gain=2"}
+    assert mlflow_runs(prefect_env, "register") == [] and client.search_model_versions("name = 'test-finetuned'") == []
+    assert parent.data.tags[GATE_TAG] == "failed" and parent.data.tags[REASON_TAG] == reason
+    summary = client.download_artifacts(parent.info.run_id, "summary.md", str(tmp_path))
+    assert f"- registry gate (min_gain=2): failed: {reason}\n" in Path(summary).read_text()
 
     # Prefect artifacts: the summary, the evaluation tables and the training progress.
     from prefect.client.orchestration import get_client
@@ -110,6 +117,8 @@ def test_finetune_eval_runs_every_stage_tracks_it_and_reruns_from_cache(prefect_
         )
     kinds = {(a.key, a.type) for a in artifacts}
     assert ("finetune-eval-summary", "markdown") in kinds
+    (markdown,) = [a for a in artifacts if a.key == "finetune-eval-summary"]
+    assert f"registry gate (min_gain=2): failed: {reason}" in markdown.data
     assert ("mmlu-accuracy", "table") in kinds
     assert ("infer-samples", "table") in kinds
     progress = [a for a in artifacts if a.type == "progress"]
@@ -135,7 +144,8 @@ def test_a_run_failing_in_its_last_evaluation_reruns_only_that_stage(prefect_env
     backup = tmp_path / "backup.parquet"
     shutil.copy2(victim, backup)
     workspace = tmp_path / "ws"
-    params = flow_params(workspace, evaluation={"data": str(data), "limit": 8})
+    params = flow_params(workspace, evaluation={"data": str(data), "limit": 8}, register_min_gain=None,
+                         registered_model="test-finetuned-always")
 
     def corrupt_once_training_started() -> None:
         deadline = time.monotonic() + 300
@@ -159,6 +169,17 @@ def test_a_run_failing_in_its_last_evaluation_reruns_only_that_stage(prefect_env
         ("eval-mmlu", "Cached"), ("eval-mmlu", "Completed"), ("train", "Cached"), ("export", "Cached"),
         ("infer", "Cached"), ("register", "Completed"),
     ]
+
+    # No gate (register_min_gain empty): the model is registered whatever its score, pointing at
+    # the exported directory, tagged with the scores.
+    result = state.result()
+    assert result["gate"]["passed"] and result["gate"]["rule"] == "always"
+    client = MlflowClient(prefect_env["mlflow_uri"])
+    assert client.get_run(result["mlflow_run"]).data.tags[GATE_TAG] == "off"
+    (version,) = client.search_model_versions("name = 'test-finetuned-always'")
+    assert result["registered"] == {"name": "test-finetuned-always", "version": "1", "source": result["model"]}
+    assert version.source == result["model"]
+    assert float(version.tags["mmlu_after"]) == pytest.approx(result["mmlu_after"], rel=1e-5)
 
 
 def test_a_killed_run_leaves_no_worker_and_its_rerun_resumes_training(prefect_env, prefect_server, tmp_path):
@@ -195,7 +216,7 @@ def test_pretrain_then_evaluate_its_checkpoint(prefect_env, tmp_path):
         "workspace": str(workspace), "version": "test", "seq_length": 64, "evaluation": {"limit": 4},
         "train": {"steps": 4, "micro_batch_size": 4, "global_batch_size": 4, "save_interval": None},
     })
-    state = pretrain(params, return_state=True)
+    state = pretrain(**dict(params), return_state=True)
     assert state.is_completed(), state.message
     result = state.result()
     assert set(task_states(state.state_details.flow_run_id)) == {
@@ -205,13 +226,13 @@ def test_pretrain_then_evaluate_its_checkpoint(prefect_env, tmp_path):
     assert train_run.data.params["data.kind"] == "pretrain" and train_run.data.params["seq_length"] == "64"
 
     # The same score from the training checkpoint as from its export (same weights, same tokenizer).
-    scored = evaluate(EvaluateParams.model_validate(
-        {"workspace": str(workspace), "model": result["checkpoint"], "evaluation": {"limit": 4}}))
+    scored = evaluate(**dict(EvaluateParams.model_validate(
+        {"workspace": str(workspace), "model": result["checkpoint"], "evaluation": {"limit": 4}})))
     assert scored["mmlu"] == result["mmlu"]
     assert Path(scored["evaluation"]) != Path(result["evaluation"])
 
     # From scratch: the model's config and tokenizer, random weights, the same later stages.
-    scratch = pretrain(params.model_copy(update={"init": "random"}), return_state=True)
+    scratch = pretrain(**dict(params.model_copy(update={"init": "random"})), return_state=True)
     assert scratch.is_completed(), scratch.message
     assert scratch.result()["checkpoint"] != result["checkpoint"]
     assert task_states(scratch.state_details.flow_run_id)["tokenize-pretrain"] == ["Cached"]
@@ -243,7 +264,7 @@ def test_precision_flow_dumps_both_runs_and_compares_them(prefect_env, tmp_path,
 
     params = PrecisionParams.model_validate({"workspace": str(tmp_path / "ws"), "target": target, "bench": bench,
                                              "steps": 1, "seq_length": 32, "batch_size": 2})
-    state = precision(params, return_state=True)
+    state = precision(**dict(params), return_state=True)
     assert state.is_completed(), state.message
     result = state.result()
     folders = sorted((tmp_path / "ws" / "precision").glob("*/dump/step0"))
@@ -259,7 +280,7 @@ def test_a_retried_flow_run_reopens_its_mlflow_parent_run(prefect_env, tmp_path)
     """A retry keeps the Prefect flow-run id; its stages nest under the first attempt's run."""
     from llmflow import tracking
 
-    tracking.configure(tmp_path / "ws")
+    tracking.configure(tmp_path / "ws", tracking.experiment_name("finetune-eval"))
     with tracking.flow_run("finetune-eval", "flow-run-1", {"a": 1}) as first:
         pass
     with tracking.flow_run("finetune-eval", "flow-run-1", {"a": 1}) as retried, tracking.stage_run("export", {"b": 2}) as stage:

@@ -1,22 +1,27 @@
 """The convert, export and train tasks inside flows, against the temporary Prefect server:
 artifact records and MLflow runs, the workers' lines in the Prefect log and their step
 metrics in the stage's MLflow run, a failing worker failing the task with its error, a
-cancelled flow run leaving no worker behind, and a rerun resuming from the checkpoint.
+cancelled flow run leaving no worker behind, and a rerun resuming from the checkpoint; and
+``llmflow train`` from the command line tracked in MLflow as the train stage is.
 
-Every torchrun launch costs 6-9 s here, so there are four, on a model of a few thousand
+Every torchrun launch costs 6-9 s here, so there are five, on a model of a few thousand
 parameters.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from mlflow import MlflowClient
 from prefect import flow
 from prefect_helpers import (
     FlowProcess,
@@ -287,3 +292,28 @@ def test_cancelled_flow_kills_every_worker_and_the_rerun_resumes(prefect_env, pr
     resumed = mlflow_runs(prefect_env, "train")[1]
     assert sorted(metric_history(prefect_env, resumed, "loss")) == list(range(saved + 1, 25))
     assert train_flow(config, 2)["name"] == "Cached"
+
+
+@pytest.mark.slow
+def test_train_command_logs_its_run_to_the_workspace_mlflow_store(assets, tmp_path):
+    config = train_config(assets, tmp_path / "run", steps=3)
+    path = tmp_path / "train.json"
+    path.write_text(config.model_dump_json())
+    workspace = tmp_path / "ws"
+    # Neither a tracking URI nor an experiment from the environment: the workspace's store.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")} | {"MLFLOW_DISABLE_TELEMETRY": "true"}
+    done = subprocess.run([str(Path(sys.executable).parent / "llmflow"), "train", str(path), "--workspace", str(workspace)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    losses = {int(m[1]): float(m[3]) for line in done.stdout.splitlines() if (m := STEP_LINE.match(line))}
+    assert sorted(losses) == [1, 2, 3]
+
+    client = MlflowClient(f"sqlite:///{workspace / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("llmflow-train")
+    assert experiment.artifact_location == (workspace / "mlartifacts").as_uri()
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.status == "FINISHED" and run.info.run_name == "train" and run.data.tags["llmflow.stage"] == "train"
+    assert run.data.params["steps"] == "3" and run.data.params["nproc"] == "1" and run.data.params["out"] == str(tmp_path / "run")
+    loss = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")}
+    assert loss.keys() == losses.keys() and all(abs(loss[s] - losses[s]) < 1e-6 for s in loss)
+    assert {m.step for m in client.get_metric_history(run.info.run_id, "grad_norm")} == {1, 2, 3}

@@ -1,0 +1,41 @@
+"""The registry gate of the finetune-and-eval flow: by default a finetune is registered only
+when it scores no worse than its base model; ``register_min_gain`` asks for a gain, or (empty)
+registers always. The flow's end-to-end runs (tests/test_flows.py) check that a failed gate
+completes the run, registers nothing and reports why."""
+
+from __future__ import annotations
+
+from llmflow.flows.params import FinetuneEvalParams
+from llmflow.flows.summary import summary_markdown
+from llmflow.tasks.register import GATE_TAG, REASON_TAG, registry_gate
+
+
+def test_by_default_only_a_model_no_worse_than_its_base_passes():
+    default = FinetuneEvalParams().register_min_gain
+    fell = registry_gate(0.26, 0.24, default)  # the nightly run that registered a regression
+    assert not fell.passed
+    assert fell.reason == "MMLU 0.2600 -> 0.2400 (-0.0200) is below the minimum gain +0.0000: not registered"
+    assert fell.tags() == {GATE_TAG: "failed", REASON_TAG: fell.reason}
+    assert registry_gate(0.25, 0.25, default).passed
+    rose = registry_gate(0.24, 0.26, default)
+    assert rose.passed and rose.tags()[GATE_TAG] == "passed"
+    assert rose.reason == "MMLU 0.2400 -> 0.2600 (+0.0200) meets the minimum gain +0.0000"
+
+
+def test_a_minimum_gain_is_met_exactly_and_always_registers_whatever_the_score():
+    # 0.26 - 0.25 is 0.010000000000000009 and 0.03 - 0.02 is 0.009999999999999998 in floating point.
+    assert registry_gate(0.25, 0.26, 0.01).passed and registry_gate(0.02, 0.03, 0.01).passed
+    assert not registry_gate(0.57, 0.5799, 0.01).passed
+    assert not registry_gate(0.25, 0.25, 0.01).passed
+    assert registry_gate(0.30, 0.28, -0.05).passed  # a tolerated loss
+    always = registry_gate(0.5, 0.1, None)
+    assert always.passed and always.rule == "always" and always.tags()[GATE_TAG] == "off"
+    assert always.reason == "MMLU 0.5000 -> 0.1000 (-0.4000); registered whatever the score"
+
+
+def test_the_summary_says_why_nothing_was_registered():
+    gate = registry_gate(0.26, 0.24, 0.0)
+    markdown = summary_markdown("finetune-eval", {"mmlu_before": 0.26, "mmlu_after": 0.24, "registered": None,
+                                                  "gate": gate.model_dump()}, "run-id")
+    assert f"- registry gate (min_gain=0): failed: {gate.reason}\n" in markdown
+    assert "- registered:" not in markdown
