@@ -15,12 +15,13 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Self
 
 import numpy as np
+
+from llmflow.artifacts import create_temp_file
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
@@ -60,7 +61,7 @@ class IndexedDatasetWriter:
         self.path = Path(path)
         self.dtype = np.dtype(dtype)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, self._bin_tmp = tempfile.mkstemp(prefix=f".{self.path.name}.bin.", dir=self.path.parent)
+        fd, self._bin_tmp = create_temp_file(Path(f"{self.path}.bin"))
         self._bin = os.fdopen(fd, "wb")
         self._lengths: list[np.ndarray] = []
         self._documents: list[np.ndarray] = []
@@ -104,7 +105,7 @@ class IndexedDatasetWriter:
         doc_index = np.zeros(self.num_documents + 1, dtype=np.int64)
         if self._documents:
             np.cumsum(np.concatenate(self._documents), out=doc_index[1:])
-        fd, idx_tmp = tempfile.mkstemp(prefix=f".{self.path.name}.idx.", dir=self.path.parent)
+        fd, idx_tmp = create_temp_file(Path(f"{self.path}.idx"))
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(INDEX_HEADER)
