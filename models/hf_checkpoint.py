@@ -12,6 +12,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -168,12 +169,12 @@ def save_hf_model(
             tensors[ours_to_hf(name)] = param.detach().to(dtype or param.dtype).contiguous().cpu()
         shards = _shard(tensors, max_shard_bytes)
         if len(shards) == 1:
-            _save_safetensors(shards[0], tmp / SAFETENSORS_SINGLE)
+            save_safetensors(shards[0], tmp / SAFETENSORS_SINGLE)
         else:
             weight_map = {}
             for i, shard in enumerate(shards, 1):
                 fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                _save_safetensors(shard, tmp / fname)
+                save_safetensors(shard, tmp / fname)
                 weight_map.update(dict.fromkeys(shard, fname))
             total = sum(t.numel() * t.element_size() for t in tensors.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -191,9 +192,10 @@ def save_hf_model(
     return directory
 
 
-def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """safetensors' ``save_file``; a failed write (a full disk) is an OSError naming ``path``
-    (safetensors reports it as a SafetensorError quoting the OS error number)."""
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' ``save_file`` into a directory this process made; a failed write (a full
+    disk) is an OSError naming ``path`` (safetensors reports it as a SafetensorError quoting
+    the OS error number)."""
     try:
         save_file(tensors, str(path), metadata={"format": "pt"})
     except SafetensorError as error:
@@ -202,6 +204,9 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
             raise
         code = int(found.group(1))
         raise OSError(code, os.strerror(code), str(path)) from error
+    # safetensors writes through a private (0600) temporary file: give it the mode open() would,
+    # 0o666 less the umask, which is the new directory's mode (0o777 less the umask) without x bits.
+    os.chmod(path, stat.S_IMODE(path.parent.stat().st_mode) & 0o666)
 
 
 def _shard(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
