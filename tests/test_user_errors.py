@@ -251,7 +251,10 @@ def test_chat_ctrl_c_during_a_reply_returns_to_the_prompt(sample):
             return written
 
     out = Terminal()
-    history = chat_loop(gen, template, config, io.StringIO("first question\nsecond question\n/exit\n"), out)
+    try:
+        history = chat_loop(gen, template, config, io.StringIO("first question\nsecond question\n/exit\n"), out)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C during a reply ended the chat loop")
     assert out.interrupted
     # The interrupted turn is forgotten: the next one is answered as if it were the first.
     expected = chat_loop(gen, template, config, io.StringIO("second question\n"), io.StringIO())

@@ -21,7 +21,7 @@ from typing import Self
 
 import numpy as np
 
-from llmflow.artifacts import create_temp_file
+from llmflow.artifacts import create_temp_file, remove_empty
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
@@ -60,6 +60,7 @@ class IndexedDatasetWriter:
             raise ValueError(f"dtype {dtype} has no Megatron dtype code; expected one of {list(DTYPE_CODES)}")
         self.path = Path(path)
         self.dtype = np.dtype(dtype)
+        self._made_dirs = [p for p in self.path.parents if not p.exists()]  # removed again by abort
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, self._bin_tmp = create_temp_file(Path(f"{self.path}.bin"))
         self._bin = os.fdopen(fd, "wb")
@@ -131,6 +132,7 @@ class IndexedDatasetWriter:
             self._bin.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._bin_tmp)
+        remove_empty(self._made_dirs)
 
     def __enter__(self) -> Self:
         return self
