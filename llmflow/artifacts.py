@@ -9,6 +9,9 @@ Two shapes of output:
   and renamed into place, with ``manifest.json`` inside;
 - a file prefix (Megatron datasets ``{prefix}_text_document.bin/.idx``): each file written
   beside its final name and renamed, then ``{prefix}.manifest.json``.
+
+Outputs get the permissions a plain ``open``/``mkdir`` gives (0o666 / 0o777 less the user's
+umask), never tempfile's private 0600 / 0700, so that they stay readable on shared file systems.
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ import contextlib
 import hashlib
 import json
 import os
+import secrets
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -86,14 +89,59 @@ def atomic_directory(final: str | Path) -> Iterator[Path]:
     directory is removed and ``final`` is left as it was.
     """
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    with created_parents(final):
+        work = temp_name(final)
+        work.mkdir()
+        try:
+            yield work
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        replace_directory(work, final)
+
+
+def temp_name(final: Path) -> Path:
+    """A fresh hidden name beside ``final`` to write it under before the rename."""
+    return final.with_name(f".{final.name}.tmp-{secrets.token_hex(6)}")
+
+
+def create_temp_file(final: Path) -> tuple[int, Path]:
+    """A new file beside ``final`` (see ``temp_name``), open for writing: ``(fd, path)``. Its
+    mode is 0o666 less the umask, as ``open`` would make it (``tempfile.mkstemp``'s is 0600)."""
+    tmp = temp_name(final)
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), tmp
+
+
+@contextlib.contextmanager
+def created_parents(path: Path) -> Iterator[None]:
+    """Create the missing parent directories of ``path``; when the block fails, remove again
+    those of them that are still empty, so a failed stage leaves no empty directories behind."""
+    missing = [p for p in path.parents if not p.exists()]
     try:
-        yield work
+        path.parent.mkdir(parents=True, exist_ok=True)
+        yield
     except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
+        remove_empty(missing)
         raise
-    replace_directory(work, final)
+
+
+def remove_empty(directories: list[Path]) -> None:
+    """Remove each directory, in order (deepest first), while it is empty; stop at the first that is not."""
+    for directory in directories:
+        try:
+            directory.rmdir()
+        except OSError:
+            return
+
+
+def with_filename(error: OSError, path: Path) -> OSError:
+    """``error`` when it names its file, else the same error naming ``path``: a failed write
+    to an open file (a full disk) names none."""
+    if error.filename is not None or error.errno is None:
+        return error
+    named = OSError(error.errno, error.strerror, str(path))  # OSError picks the subclass of the errno
+    named.__cause__ = error
+    return named
 
 
 def replace_directory(source: Path, final: Path) -> None:
@@ -113,18 +161,20 @@ def atomic_file(final: str | Path, mode: str = "wb") -> Iterator[Any]:
     """Open a temporary file beside ``final``; on success it is fsynced and renamed to
     ``final``, on failure removed."""
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", dir=final.parent)
-    try:
-        with os.fdopen(fd, mode) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with created_parents(final):
+        fd, tmp = create_temp_file(final)
+        try:
+            with os.fdopen(fd, mode) as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except OSError as error:
+            tmp.unlink(missing_ok=True)
+            raise with_filename(error, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
 
 def write_prefix_manifest(manifest: Path, files: list[Path], stage: str, params: dict[str, Any], **extra: Any) -> None:

@@ -22,6 +22,9 @@ at any point leaves the previous ``latest`` and its step directory intact.
 
 from __future__ import annotations
 
+import errno
+import os
+import pickle
 import re
 import shutil
 import warnings
@@ -33,10 +36,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel, ConfigDict, Field
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlanner
 
-from llmflow.artifacts import MANIFEST, atomic_file, read_manifest, replace_directory, write_json_atomic
+from llmflow.artifacts import MANIFEST, atomic_file, read_manifest, replace_directory, with_filename, write_json_atomic
 from llmflow.models.hf_checkpoint import CheckpointError
 
 LATEST = "latest"
@@ -44,6 +48,7 @@ META = "meta.json"
 RNG_DIR = "rng"
 TOKENIZER_DIR = "tokenizer"
 MODEL_KEY = "model"
+DCP_METADATA = ".metadata"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -131,13 +136,52 @@ def read_meta(step_dir: str | Path) -> CheckpointMeta:
 def stored_tensors(step_dir: str | Path, key: str = MODEL_KEY) -> dict[str, TensorStorageMetadata]:
     """Global shape and dtype of every tensor stored under the top-level ``key`` of a step
     directory, by name within that key (``model.layers.0.self_attn.q_proj.weight``)."""
-    metadata = FileSystemReader(str(step_dir)).read_metadata()
+    metadata = read_dcp_metadata(Path(step_dir))
     prefix = f"{key}."
     return {
         fqn.removeprefix(prefix): md
         for fqn, md in metadata.state_dict_metadata.items()
         if fqn.startswith(prefix) and isinstance(md, TensorStorageMetadata)
     }
+
+
+def read_dcp_metadata(directory: Path) -> Metadata:
+    """The DCP metadata of a step directory; CheckpointError naming the file when it cannot be read."""
+    try:
+        return FileSystemReader(str(directory)).read_metadata()
+    except (OSError, EOFError, ValueError, pickle.UnpicklingError) as error:
+        raise CheckpointError(
+            f"{directory / DCP_METADATA}: cannot read the checkpoint's metadata ({type(error).__name__}: {error}); "
+            "the step directory is incomplete or damaged"
+        ) from error
+
+
+def check_dcp_files(directory: Path) -> None:
+    """Refuse a DCP directory whose data files are missing or shorter than its metadata says
+    (a copy cut short), naming the first such file, before anything is read."""
+    needed: dict[str, int] = {}
+    for info in read_dcp_metadata(directory).storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing; the checkpoint step directory is incomplete")
+        if path.stat().st_size < size:
+            raise CheckpointError(
+                f"{path}: {path.stat().st_size} bytes where the checkpoint's metadata needs {size}; the file is truncated"
+            )
+
+
+def _unwrapped(error: CheckpointException, directory: Path) -> BaseException:
+    """The error of the first failed rank when it is the user's (a file that cannot be read or
+    written, a CheckpointError), else ``error`` itself: DCP wraps every failure in its own type."""
+    failure = next(iter(error.failures.values()))[0]
+    if isinstance(failure, OSError):
+        return with_filename(failure, directory)
+    if isinstance(failure, RuntimeError) and directory.exists() and os.statvfs(directory).f_bavail == 0:
+        # torch.save's writer reports a write that hit a full disk as a RuntimeError without errno
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
+    return failure if isinstance(failure, CheckpointError) else error
 
 
 def check_replaceable(out: Path, stage: str) -> None:
@@ -172,16 +216,23 @@ def dcp_save(state: dict[str, Any], directory: Path, writer: FileSystemWriter | 
     plain local save without one."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, storage_writer=writer or FileSystemWriter(str(directory)), planner=planner,
-                 no_dist=not _distributed())
+        try:
+            dcp.save(state, storage_writer=writer or FileSystemWriter(str(directory)), planner=planner,
+                     no_dist=not _distributed())
+        except CheckpointException as error:
+            raise _unwrapped(error, directory) from error
 
 
 def dcp_load(state: dict[str, Any], directory: Path, collective: bool = True) -> None:
     """``dcp.load`` into ``state`` in place; collective under a process group unless
     ``collective`` is False (one process reading for itself)."""
+    check_dcp_files(directory)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=FileSystemReader(str(directory)), no_dist=not (collective and _distributed()))
+        try:
+            dcp.load(state, storage_reader=FileSystemReader(str(directory)), no_dist=not (collective and _distributed()))
+        except CheckpointException as error:
+            raise _unwrapped(error, directory) from error
 
 
 def save_checkpoint(

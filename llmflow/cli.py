@@ -7,6 +7,7 @@ same thing.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
@@ -24,7 +25,7 @@ from llmflow.convert import ConvertCommand
 from llmflow.data.tokenize_instruction import InstructionCommand
 from llmflow.data.tokenize_pretrain import PretrainCommand
 from llmflow.demo import DemoCommand
-from llmflow.download import DownloadCommand
+from llmflow.download import DownloadCommand, DownloadError
 from llmflow.envinfo import EnvCommand
 from llmflow.evaluate.commands import CEvalCommand, CMMLUCommand, MMLUCommand
 from llmflow.export import ExportCommand
@@ -128,22 +129,41 @@ class LLMFlow(BaseSettings):
         CliApp.run_subcommand(self)
 
 
-# Bad input (a missing file, an invalid option or config value, an impossible layout) and
-# failed workers are reported in one message, not as a Python traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, SettingsError, WorkerError)
+# Bad input (a missing file, an invalid option or config value, an impossible layout, a
+# truncated checkpoint, a device that is not there), the file system refusing a read or a
+# write (OSError: permissions, a read-only or full disk), a failed download and failed
+# workers are reported in one message, not as a Python traceback.
+USER_ERRORS = (ValueError, OSError, DownloadError, SettingsError, WorkerError)
+# errno values that only a write can meet: their message says so.
+_WRITE_ERRNOS = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def error_message(error: BaseException) -> str:
+    """The one-line message of a user error: for an OSError the file it concerns and why."""
+    if isinstance(error, SettingsError):
+        return str(error.__cause__ or error)
+    if isinstance(error, OSError) and error.filename is not None:
+        where = str(error.filename) + (f" -> {error.filename2}" if error.filename2 is not None else "")
+        why = error.strerror or str(error)
+        return f"cannot write {where}: {why}" if error.errno in _WRITE_ERRNOS else f"{where}: {why}"
+    return str(error)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``llmflow`` console script (``LLMFLOW_DEBUG=1`` shows tracebacks)."""
     args = sys.argv[1:] if argv is None else argv
+    command = " ".join(a for a in args[:2] if not a.startswith("-"))
     try:
         CliApp.run(LLMFlow, cli_args=args or ["--help"])
     except USER_ERRORS as error:
         if os.environ.get("LLMFLOW_DEBUG"):
             raise
-        command = " ".join(a for a in args[:2] if not a.startswith("-"))
-        message = str(error.__cause__ or error) if isinstance(error, SettingsError) else str(error)
-        sys.exit(f"llmflow {command}: {message}")
+        sys.exit(f"llmflow {command}: {error_message(error)}")
+    except KeyboardInterrupt:
+        if os.environ.get("LLMFLOW_DEBUG"):
+            raise
+        print(f"llmflow {command}: interrupted", file=sys.stderr)
+        sys.exit(130)  # the shell's status for a program ended by Ctrl-C (128 + SIGINT)
 
 
 if __name__ == "__main__":

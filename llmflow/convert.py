@@ -151,6 +151,9 @@ def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
             raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {entry['dtype']}")
         begin, end = entry["data_offsets"]
         tensors[name] = StoredTensor(path, dtype, tuple(entry["shape"]), 8 + header_len + begin, end - begin)
+    needed = max((t.offset + t.nbytes for t in tensors.values()), default=8 + header_len)
+    if path.stat().st_size < needed:
+        raise CheckpointError(f"{path}: {path.stat().st_size} bytes where its header needs {needed}; the file is truncated")
     return tensors
 
 

@@ -32,6 +32,7 @@ from llmflow.artifacts import (
     file_record,
     manifest_payload,
     read_manifest,
+    remove_empty,
     sha256_file,
     write_json_atomic,
 )
@@ -131,6 +132,14 @@ def _git_blob_sha1(path: Path) -> str:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _holds_data(out: Path) -> bool:
+    """Whether ``out`` holds any downloaded bytes (a partial file an interrupted download
+    resumes from counts), beyond the hub client's empty bookkeeping and lock files."""
+    return any(
+        p.is_file() and p.stat().st_size > 0 and p.suffix != ".lock" and p.name != ".gitignore" for p in out.rglob("*")
+    )
 
 
 def _unlink(out: Path, rel: str) -> None:
@@ -268,15 +277,22 @@ def download(config: DownloadConfig) -> Path:
             _unlink(out, rel)
 
     # From here on files change: the output must not look complete until the new manifest.
+    created = [p for p in (out, *out.parents) if not p.exists()]
     out.mkdir(parents=True, exist_ok=True)
     _unlink(out, MANIFEST)
 
-    if scheme == "hf":
-        result = _download_hf(config, ref, out)
-    elif scheme == "ms":
-        result = _download_ms(config, ref, out)
-    else:
-        result = _download_local(config, Path(ref), out)
+    try:
+        if scheme == "hf":
+            result = _download_hf(config, ref, out)
+        elif scheme == "ms":
+            result = _download_ms(config, ref, out)
+        else:
+            result = _download_local(config, Path(ref), out)
+    except BaseException:
+        if created and not _holds_data(out):  # a failure before any byte arrived leaves nothing behind
+            shutil.rmtree(out, ignore_errors=True)
+            remove_empty(created[1:])
+        raise
 
     files = [file_record(out / rel, out) for rel in result["files"]]
     write_json_atomic(

@@ -27,7 +27,6 @@ from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
-from safetensors.torch import save_file
 
 from llmflow.artifacts import MANIFEST, atomic_directory, file_record, manifest_payload, write_json_atomic
 from llmflow.checkpoint import (
@@ -44,7 +43,7 @@ from llmflow.checkpoint import (
 from llmflow.convert import StoredTensor, copy_tokenizer_files, index_hf_tensors, read_tensor, safetensors_header
 from llmflow.models.config import ConfigError, ModelConfig
 from llmflow.models.decoder import CausalLM
-from llmflow.models.hf_checkpoint import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, CheckpointError
+from llmflow.models.hf_checkpoint import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, CheckpointError, save_safetensors
 from llmflow.models.hf_names import TIED_INPUT, TIED_OUTPUT, expected_names, ours_to_hf
 
 STAGE = "export"
@@ -294,7 +293,7 @@ def write_peft_adapter(work: Path, lora: Source, vocab_size: int, config: Export
     dtype = _DTYPES[config.dtype] if config.dtype else None
     tensors = lora.load([m + s for m in modules for s in (LORA_A, LORA_B)])
     out = {PEFT_PREFIX + ours_to_hf(n): _finish(n, t, vocab_size, dtype) for n, t in tensors.items()}
-    save_file(out, str(work / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_safetensors(out, work / ADAPTER_WEIGHTS)
     lora_config = lora.meta.lora or {}
     adapter_config = {
         "peft_type": "LORA",

@@ -20,6 +20,7 @@ from llmflow.checkpoint import (
     resolve_step_dir,
 )
 from llmflow.models import CausalLM, LoraConfig, ModelConfig, apply_lora, load_hf_model, lora_state_dict, merge_lora
+from llmflow.runtime import available_device
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -36,7 +37,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", merge: bool
     A LoRA checkpoint gives its base with the adapters applied, merged into the base
     weights when ``merge`` (else left as adapters)."""
     path = Path(path)
-    device = torch.device(device)
+    device = available_device(device)
     if not is_checkpoint(path):
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model {path}: neither a Hugging Face model directory (config.json) nor a checkpoint (latest)")

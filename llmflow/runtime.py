@@ -101,6 +101,27 @@ def device_count(device_type: str) -> int | None:
     return torch.get_device_module(device_type).device_count()
 
 
+def available_device(device: str | torch.device) -> torch.device:
+    """``device`` ("cpu", "cuda", "npu", optionally with an index: "cuda:1") as a torch.device,
+    once it is known to exist on this machine; ValueError naming it otherwise, before any work."""
+    if isinstance(device, torch.device):
+        device = str(device)
+    device_type, _, index = device.partition(":")
+    if device_type not in DEVICES or (index and not index.isdigit()):
+        raise ValueError(f"device {device!r}: expected one of {sorted(DEVICES)}, optionally with an index (cuda:1)")
+    if device_type == "cpu":
+        return torch.device(device)
+    if device_type == "npu" and not npu_available():
+        raise ValueError(f"device {device!r}: no Ascend NPU here (torch_npu is not installed or sees none); use cpu")
+    count = device_count(device_type)
+    if not count:
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "torch sees no GPU"
+        raise ValueError(f"device {device!r}: no {device_type} device here ({why}); use cpu")
+    if index and int(index) >= count:
+        raise ValueError(f"device {device!r}: only {count} {device_type} device(s) are visible")
+    return torch.device(device)
+
+
 def bf16_supported(device_type: str) -> bool:
     """Whether the device computes in bfloat16 natively."""
     if device_type == "cuda":

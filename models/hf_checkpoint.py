@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
 import shutil
-import tempfile
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -58,7 +60,11 @@ def safetensors_files(directory: str | Path) -> list[Path]:
 def iter_hf_tensors(directory: str | Path) -> Iterator[tuple[Path, str, torch.Tensor]]:
     """(file, tensor name, tensor) for every tensor of the checkpoint, one at a time."""
     for path in safetensors_files(directory):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        try:
+            opened = safe_open(str(path), framework="pt", device="cpu")
+        except SafetensorError as error:  # a truncated or damaged file
+            raise CheckpointError(f"{path}: not a readable safetensors file ({error})") from error
+        with opened as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has keys() but cannot be iterated
                 yield path, name, f.get_tensor(name)
 
@@ -152,7 +158,9 @@ def save_hf_model(
     complete or not at all (written beside it, then renamed into place)."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    # Made by mkdir (0o777 less the umask), not tempfile.mkdtemp (0700): the directory is renamed into place.
+    tmp = directory.with_name(f".{directory.name}.tmp-{secrets.token_hex(6)}")
+    tmp.mkdir()
     try:
         tensors = {}
         for name, param in model.named_parameters():
@@ -161,12 +169,12 @@ def save_hf_model(
             tensors[ours_to_hf(name)] = param.detach().to(dtype or param.dtype).contiguous().cpu()
         shards = _shard(tensors, max_shard_bytes)
         if len(shards) == 1:
-            save_file(shards[0], str(tmp / SAFETENSORS_SINGLE), metadata={"format": "pt"})
+            save_safetensors(shards[0], tmp / SAFETENSORS_SINGLE)
         else:
             weight_map = {}
             for i, shard in enumerate(shards, 1):
                 fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+                save_safetensors(shard, tmp / fname)
                 weight_map.update(dict.fromkeys(shard, fname))
             total = sum(t.numel() * t.element_size() for t in tensors.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -182,6 +190,23 @@ def save_hf_model(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return directory
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' ``save_file`` into a directory this process made; a failed write (a full
+    disk) is an OSError naming ``path`` (safetensors reports it as a SafetensorError quoting
+    the OS error number)."""
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as error:
+        found = re.search(r"\(os error (\d+)\)", str(error))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from error
+    # safetensors writes through a private (0600) temporary file: give it the mode open() would,
+    # 0o666 less the umask, which is the new directory's mode (0o777 less the umask) without x bits.
+    os.chmod(path, stat.S_IMODE(path.parent.stat().st_mode) & 0o666)
 
 
 def _shard(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:

@@ -15,12 +15,13 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Self
 
 import numpy as np
+
+from llmflow.artifacts import create_temp_file, remove_empty
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
@@ -59,8 +60,9 @@ class IndexedDatasetWriter:
             raise ValueError(f"dtype {dtype} has no Megatron dtype code; expected one of {list(DTYPE_CODES)}")
         self.path = Path(path)
         self.dtype = np.dtype(dtype)
+        self._made_dirs = [p for p in self.path.parents if not p.exists()]  # removed again by abort
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, self._bin_tmp = tempfile.mkstemp(prefix=f".{self.path.name}.bin.", dir=self.path.parent)
+        fd, self._bin_tmp = create_temp_file(Path(f"{self.path}.bin"))
         self._bin = os.fdopen(fd, "wb")
         self._lengths: list[np.ndarray] = []
         self._documents: list[np.ndarray] = []
@@ -104,7 +106,7 @@ class IndexedDatasetWriter:
         doc_index = np.zeros(self.num_documents + 1, dtype=np.int64)
         if self._documents:
             np.cumsum(np.concatenate(self._documents), out=doc_index[1:])
-        fd, idx_tmp = tempfile.mkstemp(prefix=f".{self.path.name}.idx.", dir=self.path.parent)
+        fd, idx_tmp = create_temp_file(Path(f"{self.path}.idx"))
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(INDEX_HEADER)
@@ -130,6 +132,7 @@ class IndexedDatasetWriter:
             self._bin.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._bin_tmp)
+        remove_empty(self._made_dirs)
 
     def __enter__(self) -> Self:
         return self

@@ -32,7 +32,7 @@ from llmflow.evaluate.prompts import CONTINUATIONS, chat_prompt
 from llmflow.evaluate.questions import LETTERS, BenchmarkData, Question
 from llmflow.evaluate.scoring import encode_requests, score_requests
 from llmflow.model_loading import load_model, tokenizer_dir
-from llmflow.runtime import detect_device_type, resolve_dtype
+from llmflow.runtime import available_device, detect_device_type, resolve_dtype
 
 DEFAULT_MAX_LENGTH = 2048
 
@@ -138,6 +138,8 @@ def _predictions_lines(questions: list[Question], scores: torch.Tensor, fast: li
 
 def evaluate(benchmark: Benchmark, config: EvalConfig) -> Path:
     """Evaluate ``config.model`` on ``benchmark``; writes the results into ``config.out`` and returns it."""
+    if config.device != "auto":
+        available_device(config.device)  # a device that is not there is refused before any download
     data_dir = local_data(config.data, config.cache_dir, benchmark.hub_include(config.subjects))
     data = benchmark.load(data_dir, config.subjects)
     questions = select_questions(benchmark, data, config.limit)

@@ -186,12 +186,17 @@ def _write(out: TextIO, text: str) -> None:
 
 def chat_loop(gen: Generator, template: ChatTemplate, config: GenerateConfig, inp: TextIO, out: TextIO) -> list[Message]:
     """A conversation on ``inp``/``out``: each line is a user turn, answered as it is
-    generated; ``/reset`` forgets the history, ``/exit`` or end of input ends. Returns the
-    history at the end."""
+    generated; ``/reset`` forgets the history, ``/exit`` or end of input (Ctrl-D) ends.
+    Ctrl-C during a reply stops it and returns to the prompt (the turn is forgotten); Ctrl-C
+    at the prompt raises KeyboardInterrupt after ending the line. Returns the history at the end."""
     history: list[Message] = []
     while True:
         _write(out, "> ")
-        line = inp.readline()
+        try:
+            line = inp.readline()
+        except KeyboardInterrupt:
+            _write(out, "\n")
+            raise
         if not line or line.strip() == EXIT:
             return history
         if line.strip() == RESET:
@@ -199,7 +204,12 @@ def chat_loop(gen: Generator, template: ChatTemplate, config: GenerateConfig, in
             continue
         history.append({"role": "user", "content": line.rstrip("\n")})
         prompt = encode_prompts(gen.tokenizer, [template.render(history, add_generation_prompt=True)], False)
-        reply = gen.run(prompt, config, on_text=lambda _, text: _write(out, text))[0]
+        try:
+            reply = gen.run(prompt, config, on_text=lambda _, text: _write(out, text))[0]
+        except KeyboardInterrupt:
+            history.pop()
+            _write(out, "\n")
+            continue
         _write(out, "\n")
         history.append({"role": "assistant", "content": reply.text})
 
@@ -221,4 +231,7 @@ class ChatCommand(GenerateConfig):
     def cli_cmd(self) -> None:
         gen = load_generator(self.model, self.device)
         config = GenerateConfig(**self.model_dump(include=set(GenerateConfig.model_fields)))
-        chat_loop(gen, load_template(gen.tokenizer_dir, self.template), config, sys.stdin, sys.stdout)
+        try:
+            chat_loop(gen, load_template(gen.tokenizer_dir, self.template), config, sys.stdin, sys.stdout)
+        except KeyboardInterrupt:  # Ctrl-C at the prompt ends the chat quietly
+            raise SystemExit(130) from None
