@@ -108,7 +108,8 @@ def main() -> None:
             f.write(
                 f"\n## Non-finite guard overhead ({time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores, "
                 f"torch {torch.__version__}, {args.threads} threads, {args.device}, load average {load})\n\n"
-                f"`python -m bench.nonfinite_guard --steps {args.steps} --rounds {args.rounds}`: a train step of the sample "
+                f"`python -m bench.nonfinite_guard --steps {args.steps} --rounds {args.rounds} --batch {args.batch} "
+                f"--seq {args.seq} --threads {args.threads}`: a train step of the sample "
                 f"model (batch {args.batch} x seq {args.seq}, fp32: forward, backward, gradient norm, clipping, AdamW), "
                 f"with the training loop's guard (loss and gradient norm fetched in one host sync and checked) and "
                 f"without (no host sync); ratio per round, {args.rounds} alternating rounds.\n\n"
