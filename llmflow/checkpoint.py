@@ -28,6 +28,7 @@ import pickle
 import re
 import shutil
 import warnings
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +40,10 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlanner
+from torch.distributed.tensor import DTensor
 
 from llmflow.artifacts import MANIFEST, atomic_file, read_manifest, replace_directory, with_filename, write_json_atomic
-from llmflow.models.hf_checkpoint import CheckpointError
+from llmflow.models.hf_checkpoint import CheckpointError, all_finite
 
 LATEST = "latest"
 META = "meta.json"
@@ -197,6 +199,48 @@ def check_replaceable(out: Path, stage: str) -> None:
         )
 
 
+class NonFiniteError(RuntimeError):
+    """Training produced NaN or ±Inf (a loss, a gradient norm, or a value about to be saved)."""
+
+
+def named_tensors(state: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in a nested state dict (dicts and lists), by dotted path."""
+    if isinstance(state, torch.Tensor):
+        yield prefix, state
+    elif isinstance(state, dict):
+        for key, value in state.items():
+            yield from named_tensors(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(state, (list, tuple)):
+        for i, value in enumerate(state):
+            yield from named_tensors(value, f"{prefix}.{i}" if prefix else str(i))
+
+
+def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+    """The first name whose tensor holds NaN or ±Inf on any rank, or None. Looks at each
+    rank's own shards of DTensors; under a process group every rank must pass the same
+    names in the same order (a collective: one all-reduce agrees on the first)."""
+    names, flags = [], []
+    for name, tensor in named:
+        names.append(name)
+        flags.append(all_finite(tensor.to_local() if isinstance(tensor, DTensor) else tensor))
+    if not names:
+        return None
+    finite = torch.stack(flags).tolist()
+    first = torch.tensor(next((i for i, ok in enumerate(finite) if not ok), len(names)), device=flags[0].device)
+    if _distributed():
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    index = int(first)
+    return names[index] if index < len(names) else None
+
+
+def resume_note(root: str | Path) -> str:
+    """Where a rerun of the run in ``root`` starts from, for an error message."""
+    pointer = Path(root) / LATEST
+    if pointer.is_file():
+        return f"{pointer} still names {pointer.read_text().strip()}, where a rerun resumes"
+    return f"no checkpoint is saved in {root}; a rerun starts from the beginning"
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -254,6 +298,9 @@ def save_checkpoint(
     if keep is not None and keep < 1:
         raise ValueError(f"keep={keep}: must be >= 1 (or None to keep every step)")
     root = Path(root)
+    nonfinite = first_nonfinite(named_tensors(state))
+    if nonfinite is not None:
+        raise NonFiniteError(f"refusing to save step {step}: {nonfinite} holds NaN or Inf; {resume_note(root)}")
     final = root / step_name(step)
     # Every rank derives the same temporary path; rank 0 clears what a killed save left there.
     tmp = root / f".{final.name}.tmp"

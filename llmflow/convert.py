@@ -26,6 +26,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem
 
@@ -43,7 +44,7 @@ from llmflow.checkpoint import (
 )
 from llmflow.models.config import ConfigError, ModelConfig
 from llmflow.models.decoder import CausalLM
-from llmflow.models.hf_checkpoint import CheckpointError, safetensors_files
+from llmflow.models.hf_checkpoint import CheckpointError, check_finite, safetensors_files
 from llmflow.models.hf_names import TIED_INPUT, TIED_OUTPUT, hf_to_ours
 
 STAGE = "convert"
@@ -238,11 +239,20 @@ def write_model_state(
 
     def read(fqn: str) -> torch.Tensor:
         name = fqn.removeprefix(f"{MODEL_KEY}.")
-        return read_tensor(hf_tensors[sources[name]], padded if name in VOCAB_PARAMS else None)
+        stored = hf_tensors[sources[name]]
+        tensor = read_tensor(stored, padded if name in VOCAB_PARAMS else None)
+        check_finite(tensor, stored.path, sources[name])  # as it streams: each tensor is read once
+        return tensor
 
     # One file per tensor: the writer keeps every tensor of a file alive until the file is done.
     writer = FileSystemWriter(str(step_dir), single_file_per_rank=False)
-    dcp_save({MODEL_KEY: meta_state}, step_dir, writer=writer, planner=StreamingSavePlanner(read))
+    try:
+        dcp_save({MODEL_KEY: meta_state}, step_dir, writer=writer, planner=StreamingSavePlanner(read))
+    except CheckpointException as error:  # DCP wraps what read() raised: report that, in one line
+        refused = [e for e, _ in error.failures.values() if isinstance(e, CheckpointError)]
+        if refused:
+            raise refused[0] from None
+        raise
 
 
 def write_random_state(step_dir: Path, config: ModelConfig, padded_vocab: int, seed: int) -> None:

@@ -8,13 +8,17 @@ log, or the terminal), and the last lines are kept to quote when a worker fails.
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 import signal
 import subprocess
 import sys
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+_TORCHRUN_REPORT = re.compile(r"torch/distributed/elastic/.*\] failed \(exitcode")
 
 
 class WorkerError(RuntimeError):
@@ -23,8 +27,11 @@ class WorkerError(RuntimeError):
     def __init__(self, returncode: int, tail: list[str]) -> None:
         self.returncode = returncode
         self.tail = tail
-        error_lines = [line for line in tail if "Error" in line or "error" in line] or tail
-        super().__init__(f"workers exited with code {returncode}; last output:\n" + "\n".join(error_lines[-20:]))
+        # What follows torchrun's "failed (exitcode ...)" line is its own report of the exit codes.
+        workers = list(itertools.takewhile(lambda line: not _TORCHRUN_REPORT.search(line), tail))
+        error_lines = [line for line in workers if "Error" in line or "error" in line] or workers or tail
+        quoted = error_lines[-20:]
+        super().__init__(f"workers exited with code {returncode}; last output:" + ("\n" if len(quoted) > 1 else " ") + "\n".join(quoted))
 
 
 def torchrun_command(

@@ -13,6 +13,7 @@ import torch
 from llmflow.checkpoint import (
     LATEST,
     META,
+    MODEL_KEY,
     TOKENIZER_DIR,
     CheckpointError,
     load_checkpoint,
@@ -20,6 +21,7 @@ from llmflow.checkpoint import (
     resolve_step_dir,
 )
 from llmflow.models import CausalLM, LoraConfig, ModelConfig, apply_lora, load_hf_model, lora_state_dict, merge_lora
+from llmflow.models.hf_checkpoint import check_finite
 from llmflow.runtime import available_device
 
 
@@ -51,7 +53,9 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", merge: bool
         base = base if base.is_absolute() else _checkpoint_root(step_dir) / base
         model, hf_config = load_model(base, device)
         apply_lora(model, LoraConfig(**meta.lora))
-        load_checkpoint(step_dir, {"model": lora_state_dict(model)})
+        adapters = lora_state_dict(model)
+        load_checkpoint(step_dir, {"model": adapters})
+        _check_finite(step_dir, adapters)
         if merge:
             merge_lora(model)
         return model, hf_config
@@ -61,8 +65,15 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", merge: bool
     tied = config.tie_word_embeddings
     state = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     load_checkpoint(step_dir, {"model": state})
+    _check_finite(step_dir, state)
     model.model.reset_rope(device)
     return model, meta.hf_config
+
+
+def _check_finite(step_dir: Path, state: dict[str, torch.Tensor]) -> None:
+    """Refuse loaded weights that hold NaN or ±Inf, naming the step directory and the tensor."""
+    for name, tensor in state.items():
+        check_finite(tensor, step_dir, f"{MODEL_KEY}.{name}")
 
 
 def hf_config_of(path: str | Path) -> dict[str, Any]:

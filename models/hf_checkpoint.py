@@ -34,6 +34,30 @@ class CheckpointError(ValueError):
     """A checkpoint directory that does not hold what the model needs."""
 
 
+def all_finite(tensor: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool tensor on ``tensor``'s device: no value of ``tensor`` is NaN or ±Inf.
+    One reduction pass (min and max propagate NaN), no copy of the tensor and no host sync."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=tensor.device)
+    if tensor.element_size() == 1:  # float8: no min/max kernel
+        tensor = tensor.float()
+    return torch.isfinite(torch.stack(torch.aminmax(tensor))).all()
+
+
+def nonfinite_message(tensor: torch.Tensor) -> str:
+    """How many values of ``tensor`` are NaN and how many ±Inf, for an error message."""
+    return f"{int(torch.isnan(tensor).sum())} NaN and {int(torch.isinf(tensor).sum())} Inf values of {tensor.numel()}"
+
+
+def check_finite(tensor: torch.Tensor, where: str | Path, name: str) -> None:
+    """Refuse a weight that holds NaN or ±Inf, naming the file (or directory) and the tensor."""
+    if not bool(all_finite(tensor)):
+        raise CheckpointError(
+            f"{where}: tensor {name!r} holds non-finite numbers ({nonfinite_message(tensor)}); "
+            "the file is damaged or the model diverged"
+        )
+
+
 def safetensors_files(directory: str | Path) -> list[Path]:
     """The weight files of an HF checkpoint directory, from its index when there is one."""
     directory = Path(directory)
@@ -93,6 +117,7 @@ def load_hf_weights(
                 f"{path}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
                 f"config.json implies {tuple(shapes[name])}"
             )
+        check_finite(tensor, path, hf_name)
         _set_parameter(model, name, tensor.to(device=device, dtype=dtype))
         loaded.add(name)
     missing = [n for n in shapes if n not in loaded]

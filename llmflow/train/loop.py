@@ -11,6 +11,11 @@ global_batch)``; each data-parallel rank takes its slice of every micro-batch. T
 is the mean over every target token of the global batch (summed per rank, divided by the
 global count), so any (dp, tp) layout and any accumulation computes the same loss as one
 process. The learning rate is a function of the step, so resuming needs only the step.
+
+Every step checks its loss and gradient norm before the optimizer uses them: NaN or ±Inf
+stops the run with ``NonFiniteError`` naming the step and the first parameter whose
+gradient is not finite, before anything is updated or saved, so the run's ``latest``
+checkpoint stays the last good one and a rerun resumes from it.
 """
 
 from __future__ import annotations
@@ -24,14 +29,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+from torch.distributed.tensor import DTensor
 
 from llmflow import runtime
 from llmflow.checkpoint import (
     TOKENIZER_DIR,
     CheckpointMeta,
+    NonFiniteError,
+    first_nonfinite,
     latest_step_dir,
     load_checkpoint,
     load_rng_state,
+    resume_note,
     save_checkpoint,
 )
 from llmflow.convert import copy_tokenizer_files
@@ -207,6 +217,7 @@ def train(config: TrainConfig) -> dict[str, float]:
     peak = peak_flops(env.device)
     timer = StepTimer()
     metrics: dict[str, float] = {}
+    trainable = [p for p in model.parameters() if p.requires_grad]
     model.train()
 
     for step in range(start_step + 1, config.steps + 1):
@@ -237,22 +248,22 @@ def train(config: TrainConfig) -> dict[str, float]:
                 # FSDP averages gradients over dp ranks; scaling by dp makes that a global-token mean.
                 (loss * ((dp if sharded else 1) / total)).backward()
                 loss_sum += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in model.parameters() if p.requires_grad], config.optim.clip_grad or float("inf")
-        )
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in trainable if p.grad is not None])
         if topo.dp_group is not None:
             dist.all_reduce(loss_sum, group=topo.dp_group)
+        loss_value, norm_value = finite_step(step, loss_sum / total, grad_norm, model, out)
+        if config.optim.clip_grad:
+            torch.nn.utils.clip_grads_with_norm_(trainable, config.optim.clip_grad, grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         seconds = timer.lap()
 
         if step % config.log_interval == 0 or step == config.steps:
             tokens = config.global_batch_size * seq_length
-            norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             metrics = {
-                "loss": (loss_sum / total).item(),
+                "loss": loss_value,
                 "lr": lr,
-                "grad_norm": float(norm),
+                "grad_norm": norm_value,
                 "tokens_per_s": tokens / seconds,
                 "samples_per_s": config.global_batch_size / seconds,
                 "memory_gib": memory_gib(env.device),
@@ -268,6 +279,29 @@ def train(config: TrainConfig) -> dict[str, float]:
 
     runtime.destroy_distributed()
     return metrics
+
+
+def finite_step(step: int, loss: torch.Tensor, grad_norm: torch.Tensor, model: torch.nn.Module, out: Path) -> tuple[float, float]:
+    """The step's loss and total gradient norm as numbers (the step's one host sync; a
+    DTensor norm is completed across ranks first, so every rank sees the same values), or
+    ``NonFiniteError`` when either is NaN or ±Inf (Megatron's check_for_nan_in_loss_and_grad),
+    naming the step and the first parameter whose gradient holds NaN or ±Inf (one
+    all-reduce, only then). Call it before clipping, which would spread a NaN to every gradient."""
+    norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+    loss_value, norm_value = torch.stack([loss.float(), norm.float()]).tolist()
+    if math.isfinite(loss_value) and math.isfinite(norm_value):
+        return loss_value, norm_value
+    first = first_nonfinite((_clean_name(name), p.grad) for name, p in model.named_parameters() if p.grad is not None)
+    if first is not None:
+        where = f"first non-finite gradient: {first}"
+    else:
+        where = "every gradient is finite" + ("" if math.isfinite(norm_value) else "; their norm overflows")
+    raise NonFiniteError(f"step {step}: loss {loss_value}, grad_norm {norm_value} ({where}); training stopped, {resume_note(out)}")
+
+
+def _clean_name(name: str) -> str:
+    """A parameter's name as the checkpoint stores it (without activation-checkpointing wrappers)."""
+    return name.replace(_CHECKPOINT_PREFIX, "")
 
 
 def _copy_tokenizer(source: Path, out: Path) -> None:
