@@ -9,6 +9,7 @@ to an experiment of its own, ``llmflow-{flow}`` (``llmflow train`` from the comm
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -36,6 +37,8 @@ def configure(workspace: str | Path, experiment: str) -> str:
     import mlflow
     from mlflow.exceptions import MlflowException
 
+    # A new store announces its table creation at INFO on stderr: noise in a command's output.
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
     root = Path(workspace).resolve()
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if not uri:

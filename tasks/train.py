@@ -29,6 +29,7 @@ from llmflow.checkpoint import latest_step_dir, read_meta
 from llmflow.tasks.common import STAGE_CACHE_POLICY, InputFiles, StageArtifact
 from llmflow.train.command import launch_training
 from llmflow.train.config import TrainConfig
+from llmflow.train.preflight import check_training
 
 STAGE = "train"
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) \|")
@@ -41,10 +42,10 @@ def train_task(config: TrainConfig, nproc: int = 1, device: str | None = None) -
     ``config.out`` with the final step's meta. Tracked in MLflow: params are the config,
     metrics the workers' per-step loss, lr, grad_norm, throughput and memory."""
     logger = get_run_logger()
+    device_env = {runtime.DEVICE_ENV: device} if device is not None else {}
+    check_training(config, nproc, device_env)
     with tracking.stage_run(STAGE, config.model_dump(mode="json") | {"nproc": nproc}) as run_id:
-        env = tracking.worker_env(run_id)
-        if device is not None:
-            env[runtime.DEVICE_ENV] = device
+        env = tracking.worker_env(run_id) | device_env
         start = time.monotonic()
         out = launch_training(config, nproc, on_line=progress_reporter(logger.info, config.out), env=env)
         artifact = checkpoint_artifact(out, config.steps)

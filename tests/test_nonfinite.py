@@ -212,7 +212,7 @@ def test_cli_train_reports_the_non_finite_step_in_one_line(poisoned_model, tmp_p
     path = tmp_path / "train.json"
     path.write_text(config.model_dump_json())
     done = subprocess.run(
-        [sys.executable, "-m", "llmflow.cli", "train", str(path), "--nproc", "1"],
+        [sys.executable, "-m", "llmflow.cli", "train", str(path), "--nproc", "1", "--workspace", str(tmp_path)],
         check=False, capture_output=True, text=True, env={**os.environ, **WORKER_ENV},
     )
     assert done.returncode == 1

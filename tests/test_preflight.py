@@ -19,6 +19,7 @@ from llmflow.checkpoint import latest_step_dir
 from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig, tokenize_pretrain
 from llmflow.train.command import launch_training
 from llmflow.train.config import TrainConfig
+from llmflow.train.preflight import check_training
 
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "LLMFLOW_DEVICE": "cpu"}
 
@@ -55,9 +56,9 @@ def config(assets, out: Path, **overrides) -> TrainConfig:
 
 
 def refused(cfg: TrainConfig, nproc: int = 1, env: dict[str, str] | None = None) -> list[str]:
-    """The problem lines launch_training reports for ``cfg`` (it must refuse)."""
+    """The problem lines check_training reports for ``cfg`` (it must refuse)."""
     with pytest.raises(ValueError) as caught:
-        launch_training(cfg, nproc, on_line=lambda line: None, env={**WORKER_ENV, **(env or {})})
+        check_training(cfg, nproc, {**WORKER_ENV, **(env or {})})
     header, *lines = str(caught.value).splitlines()
     assert header.endswith("found before launch, nothing was started:"), str(caught.value)
     return [line.removeprefix("  - ") for line in lines]
@@ -144,11 +145,9 @@ def test_run_directory_resumes_only_with_the_settings_its_weights_depend_on(asse
     assert refused(cfg(steps=1)) == [
         f"steps=1 but run directory {out} already holds step 2: a run continues, it cannot go back (choose another out)"
     ]
-    assert (out / "train_config.json").read_text() == saved  # a refused launch records nothing
+    assert (out / "train_config.json").read_text() == saved  # a refused run records nothing
 
     # A continuation onto another layout, other micro-batches and more steps is allowed.
-    from llmflow.train.preflight import check_training
-
     check_training(cfg(steps=4, tp=2, micro_batch_size=1), 2, WORKER_ENV)
     launch_training(cfg(steps=3, micro_batch_size=1), 1, on_line=lambda line: None, env=WORKER_ENV)
     assert latest_step_dir(out).name == "step_00000003"

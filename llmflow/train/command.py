@@ -15,11 +15,9 @@ from llmflow.train.preflight import check_training, record_run
 
 
 def launch_training(config: TrainConfig, nproc: int, on_line=print, env: dict[str, str] | None = None) -> Path:
-    """Check ``config`` against the model, the data, this machine and the run directory
-    (``llmflow.train.preflight``: every problem at once, before anything is created), then
-    write the resolved config into the run directory and run it on ``nproc`` workers;
-    returns the run (checkpoint) directory."""
-    check_training(config, nproc, env)
+    """Write the resolved config into the run directory and run it on ``nproc`` workers
+    (whose environment adds ``env``); returns the run (checkpoint) directory. Callers run
+    ``check_training`` first, before they open anything (an MLflow run, the run directory)."""
     config_path = record_run(config)
     run_workers(torchrun_command("llmflow.train", [str(config_path)], nproc), on_line=on_line, env=env)
     return Path(config.out)
@@ -44,6 +42,7 @@ class TrainCommand(BaseModel):
 
     def cli_cmd(self) -> None:
         config = load_train_config(self.config, self.overrides)
+        check_training(config, self.nproc)
         tracking.configure(self.workspace, tracking.experiment_name("train"))
         with tracking.stage_run("train", config.model_dump(mode="json") | {"nproc": self.nproc}) as run_id:
             launch_training(config, self.nproc, env=tracking.worker_env(run_id))

@@ -1,6 +1,6 @@
 """Checks of a training config made before any worker starts: by ``llmflow train`` and by
-the flows' train stage alike (both launch through ``launch_training``), and piece by piece
-by the flows before their expensive stages.
+the flows' train stage alike (both call ``check_training`` before they open their MLflow
+run or the run directory), and piece by piece by the flows before their expensive stages.
 
 Every problem is collected and reported at once, one line each, in a ``PreflightError``
 (a ValueError, so the CLI prints it without a traceback):
