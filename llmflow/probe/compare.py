@@ -72,6 +72,10 @@ CROSS_LAYOUT_NOISE_FLOOR = 1e-5
 """A ``norm_noise_floor`` for runs of different tensor-parallel layouts: two reductions of the
 same float32 values in different orders (tp=2 against tp=1, ranks' statistics merged) differ
 by about 1e-7, and msprobe's ten-times rule flags one such error against another."""
+COSINE_ROUNDED_ABOVE = 0.9999
+"""msprobe rounds a Cosine above this to 6 decimals (CompareConst.COSINE_THRESHOLD)."""
+UNSUPPORTED = "unsupported"
+"""msprobe's cell for a tensor-mode metric it does not compute."""
 REDUNDANT_APIS = frozenset(
     {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_with_format", "numpy", "to",
      "__setitem__"}
@@ -212,28 +216,39 @@ def relative_error(npu: np.ndarray, bench: np.ndarray) -> np.ndarray:
         return np.abs((n - b) / b)
 
 
-def tensor_metrics(npu: np.ndarray, bench: np.ndarray) -> dict[str, float]:
+def _twelve_decimals(value: float) -> float:
+    """msprobe's format_value."""
+    return float(f"{value:.12f}")
+
+
+def tensor_metrics(npu: np.ndarray, bench: np.ndarray) -> dict[str, float | str]:
     """msprobe's tensor-mode metrics of two arrays of one shape (the caller has checked that nan
-    and inf sit at the same places). Cosine needs two elements, EucDist and the ratios one
-    dimension, as in msprobe; what cannot be computed is left out."""
+    and inf sit at the same places), with its rounding: "unsupported" where msprobe computes
+    none (Cosine of fewer than two elements; EucDist and the ratios of a 0-d tensor)."""
     finite = np.isfinite(npu) & np.isfinite(bench)
     npu, bench = np.where(finite, npu, 0), np.where(finite, bench, 0)  # msprobe zeroes matching nan/inf
     n, b = npu.reshape(-1).astype(np.float64), bench.reshape(-1).astype(np.float64)
     relative = relative_error(npu, bench)
-    metrics = {"MaxAbsErr": float(np.abs(n - b).max()), "MaxRelativeErr": float(relative.max())}
+    metrics: dict[str, float | str] = {"MaxAbsErr": _twelve_decimals(np.abs(n - b).max()),
+                                       "MaxRelativeErr": _twelve_decimals(relative.max())}
     if npu.ndim == 0:
-        return metrics
+        return {**metrics, **dict.fromkeys(("Cosine", "EucDist", *_TENSOR[4:]), UNSUPPORTED)}
     metrics["EucDist"] = float(np.linalg.norm(n - b))
-    metrics["One Thousandth Err Ratio"] = float(np.mean(relative < 0.001))
-    metrics["Five Thousandths Err Ratio"] = float(np.mean(relative < 0.005))
-    if n.size > 1:
-        n_norm, b_norm = np.linalg.norm(n), np.linalg.norm(b)
-        eps = np.finfo(float).eps
-        if np.array_equal(n, b) or (n_norm <= eps and b_norm <= eps):
-            metrics["Cosine"] = 1.0
-        elif n_norm > eps and b_norm > eps:
-            metrics["Cosine"] = float(np.dot(n, b) / (n_norm * b_norm))
+    metrics["One Thousandth Err Ratio"] = _twelve_decimals(np.mean(relative < 0.001))
+    metrics["Five Thousandths Err Ratio"] = _twelve_decimals(np.mean(relative < 0.005))
+    metrics["Cosine"] = _cosine(n, b) if n.size > 1 else UNSUPPORTED
     return metrics
+
+
+def _cosine(n: np.ndarray, b: np.ndarray) -> float | str:
+    n_norm, b_norm = np.linalg.norm(n), np.linalg.norm(b)
+    eps = np.finfo(float).eps
+    if n_norm <= eps and b_norm <= eps:
+        return 1.0
+    if n_norm <= eps or b_norm <= eps:
+        return "Nan"  # msprobe's CompareConst.NAN: all zeros on one side
+    cosine = _twelve_decimals(np.dot(n, b) / (n_norm * b_norm))
+    return round(cosine, 6) if cosine > COSINE_ROUNDED_ABOVE else cosine
 
 
 def same_nonfinite(npu: np.ndarray, bench: np.ndarray) -> bool:
@@ -381,13 +396,14 @@ def _row(mode: str, leaf: Leaf, bench: Leaf | None, stack: list[str]) -> Row:
                 row.stat_errors[stat] = percent(rel)
         if mode == "statistics":
             row.metrics = {f"{stat[0]}{stat[1:].lower()}RelativeErr": e for stat, e in row.stat_errors.items()}
-    if mode == "tensor" and leaf.is_tensor:
-        cells["Data_name"] = json.dumps([npu.get("data_name"), other.get("data_name")])
+    if mode == "tensor":
+        cells["Data_name"] = str([npu.get("data_name") or "-1", other.get("data_name") or "-1"])
+        cells.update(dict.fromkeys(_TENSOR, UNSUPPORTED))
         if leaf.files and bench.files and npu.get("shape") == other.get("shape") and math.prod(npu["shape"]) > 0:
             arrays = load_array(leaf), load_array(bench)
             if same_nonfinite(*arrays):
-                row.metrics = tensor_metrics(*arrays)
-                cells.update(row.metrics)
+                cells.update(tensor_metrics(*arrays))
+                row.metrics = {name: cells[name] for name in _TENSOR if isinstance(cells[name], float)}
             else:
                 row.flag(ERROR, "the positions of inf or nan differ")
     return row
