@@ -59,11 +59,13 @@ def _calls(rows: list[Row]) -> list[tuple[int, list[Row]]]:
     return calls
 
 
-def diverging_call(rows: list[Row], threshold: float = DIFF_THRESHOLD) -> tuple[int, list[Row]] | None:
-    """(index of its first row, its rows) of the first call whose output diverges: a relative
-    error of a statistic above ``threshold`` or a result of warning or error."""
+def diverging_call(rows: list[Row], floor: float = 0.0, threshold: float = DIFF_THRESHOLD) -> tuple[int, list[Row]] | None:
+    """(index of its first row, its rows) of the first call whose output diverges: a result of
+    warning or error, or a relative error of a statistic above ``threshold`` where the norm's
+    is not below ``floor`` (the noise floor: a mean near 0 moved by rounding is no divergence)."""
     return next(((index, call) for index, call in _calls(rows) if any(
-        ".output." in row.leaf.name and (row.result in FLAGGED or _worst_error(row)[1] > threshold) for row in call)),
+        ".output." in row.leaf.name and (row.result in FLAGGED or (
+            _worst_error(row)[1] > threshold and row.stat_errors.get("Norm", 0.0) >= floor)) for row in call)),
         None)
 
 
@@ -141,7 +143,7 @@ def advise(ranks: list[RankComparison], noise_floor: float = 0.0) -> str:
     blocks = []
     for rank in ranks:
         lines = [f"[{rank.rank}] {rank.csv}"]
-        call = diverging_call(rank.rows)
+        call = diverging_call(rank.rows, noise_floor)
         flagged = first_divergence(rank.rows)
         if call is None and flagged is not None:  # only inputs flagged (a dtype, a nan)
             call = next((i, rows) for i, rows in _calls(rank.rows) if flagged[1] in rows)
