@@ -154,10 +154,11 @@ def advise(ranks: list[RankComparison], noise_floor: float = 0.0) -> str:
             index, rows = call
             cause, advice, row = likely_cause(rows, rank.rows, noise_floor)
             stat, error = _worst_error(row)
+            measured = f"; {stat} relative error {error:.4g}" if row.stat_errors else ""
             lines += [
                 f"Suspect Nodes: {row.leaf.entry}",
                 f"Line: {index + 2}",
-                f"Row: {row.leaf.name} ({row.result}; {stat} relative error {error:.4g})",
+                f"Row: {row.leaf.name} ({row.result}{measured})",
                 *([f"Weight: {weight_of(row, rank.rows)}"] if cause == "weight" else []),
                 f"Likely cause: {cause}",
                 f"Expert Advice: {advice}",
