@@ -15,7 +15,7 @@ from prefect import flow
 from llmflow.artifacts import write_json_atomic
 from llmflow.flows import stages
 from llmflow.flows.params import PrecisionParams, RunSide, flow_parameters
-from llmflow.probe.compare import CompareConfig
+from llmflow.probe.compare import CROSS_LAYOUT_NOISE_FLOOR, CompareConfig
 from llmflow.probe.config import ProbeConfig
 from llmflow.tasks.probe import compare_task
 from llmflow.tasks.train import train_task
@@ -58,7 +58,8 @@ def precision(params: PrecisionParams) -> dict[str, Any]:
         target = dump_run(run, params, params.target, "target", tokenized.path)
         bench = dump_run(run, params, params.bench, "bench", tokenized.path)
         out = run.workspace / "precision" / f"compare-{stages.settings_tag(str(target), str(bench))}"
-        compared = stages.run(compare_task, CompareConfig(target=target, bench=bench, out=out),
+        noise_floor = CROSS_LAYOUT_NOISE_FLOOR if params.target.tp != params.bench.tp else 0.0  # float32 rounding
+        compared = stages.run(compare_task, CompareConfig(target=target, bench=bench, out=out, norm_noise_floor=noise_floor),
                               refresh="compare" in run.refresh)
         advice = (Path(compared.path) / "advisor.txt").read_text(encoding="utf-8")
         result = {"advice": advice, "comparison": compared.path, "mlflow_run": run.mlflow_run}

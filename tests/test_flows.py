@@ -273,6 +273,7 @@ def test_precision_flow_dumps_both_runs_and_compares_them(prefect_env, tmp_path,
     rows, passed = run.data.metrics["rows"], run.data.metrics.get("rows_pass", 0)
     assert rows > 1000 and (passed == rows if target.get("tp") else passed < rows)
     assert finding in result["advice"]
+    assert ("Noise floor on" in result["advice"]) == ("tp" in target)  # only across tensor-parallel layouts
     assert (Path(result["comparison"]) / "advisor.txt").read_text() == result["advice"]
 
 

@@ -11,9 +11,14 @@ result (Ascend/mstt, ``debug/accuracy_tools/msprobe/docs/zh/accuracy_compare/pyt
 
 - tensor mode (task tensor): Cosine, EucDist, MaxAbsErr, MaxRelativeErr, One Thousandth
   Err Ratio, Five Thousandths Err Ratio, computed on the saved tensors;
-- statistics mode: differences of max/min/mean/L2 norm and their relative errors
-  (fractions, not msprobe's percent strings);
+- statistics mode: differences of max/min/mean/L2 norm and their relative errors, as
+  msprobe writes them (percent strings; "0" where the values are equal, "inf" against 0);
 - md5 mode: the CRC-32 values, equal or not.
+
+Every column and result equals what ``msprobe compare`` (mindstudio-probe 26.2) writes for the
+same dumps, in its row order (a call's inputs, then its parameters, then its outputs). The
+one departure is opt-in: ``norm_noise_floor`` (see CompareConfig), which the precision flow
+sets when the runs have different tensor-parallel layouts, and advisor.txt then says so.
 
 The output folder gets ``compare_result_{rank}.csv`` per rank (and ``.xlsx`` when openpyxl
 is installed), ``advisor.txt`` and ``manifest.json`` (written last).
@@ -30,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import CliPositionalArg
 
 from llmflow.artifacts import MANIFEST, atomic_directory, file_record, manifest_payload, write_json_atomic
@@ -63,13 +68,14 @@ NORM_GROWTH = 10
 the inputs' highest..."""
 NORM_OUTPUT_FROM_EXACT = 0.1
 """...or, when the inputs agree exactly, above this."""
-NORM_NOISE = 1e-5
-"""statistics mode: norm relative errors below this count as agreement in the rules above.
-Two reductions of the same float32 values in different orders (tp=2 against tp=1, ranks'
-statistics merged) differ by about 1e-7, and msprobe's ten-times rule would flag one
-such error against another."""
-STAT_EPSILON = 1e-10
-"""Added to |bench| in statistics' relative errors (msprobe's CompareConst.EPSILON)."""
+CROSS_LAYOUT_NOISE_FLOOR = 1e-5
+"""A ``norm_noise_floor`` for runs of different tensor-parallel layouts: two reductions of the
+same float32 values in different orders (tp=2 against tp=1, ranks' statistics merged) differ
+by about 1e-7, and msprobe's ten-times rule flags one such error against another."""
+COSINE_ROUNDED_ABOVE = 0.9999
+"""msprobe rounds a Cosine above this to 6 decimals (CompareConst.COSINE_THRESHOLD)."""
+UNSUPPORTED = "unsupported"
+"""msprobe's cell for a tensor-mode metric it does not compute."""
 REDUNDANT_APIS = frozenset(
     {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_with_format", "numpy", "to",
      "__setitem__"}
@@ -105,6 +111,11 @@ class CompareConfig(BaseModel):
     """The benchmark dump, at the same level."""
     out: Path
     """Output folder: compare_result_{rank}.csv (.xlsx with openpyxl), advisor.txt, manifest.json."""
+    norm_noise_floor: float = Field(0.0, ge=0)
+    """Statistics mode: norm relative errors below this count as agreement in msprobe's rules
+    (0, the default: off, msprobe's own verdicts). For runs of different tensor-parallel
+    layouts, whose float32 reductions differ by rounding, 1e-5 (CROSS_LAYOUT_NOISE_FLOOR);
+    advisor.txt says when it is on."""
 
 
 @dataclass
@@ -117,6 +128,11 @@ class Row:
     messages: list[str] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     """Metric values used by the result rules."""
+    stack: list[str] = field(default_factory=list)
+    """The call stack of the row's call."""
+    stat_errors: dict[str, float] = field(default_factory=dict)
+    """Relative errors of the Max, Min, Mean and Norm statistics (any mode but md5), where
+    msprobe gives one in percent."""
 
     def flag(self, result: str, message: str) -> None:
         if result == ERROR or self.result == PASS:
@@ -200,28 +216,39 @@ def relative_error(npu: np.ndarray, bench: np.ndarray) -> np.ndarray:
         return np.abs((n - b) / b)
 
 
-def tensor_metrics(npu: np.ndarray, bench: np.ndarray) -> dict[str, float]:
+def _twelve_decimals(value: float) -> float:
+    """msprobe's format_value."""
+    return float(f"{value:.12f}")
+
+
+def tensor_metrics(npu: np.ndarray, bench: np.ndarray) -> dict[str, float | str]:
     """msprobe's tensor-mode metrics of two arrays of one shape (the caller has checked that nan
-    and inf sit at the same places). Cosine needs two elements, EucDist and the ratios one
-    dimension, as in msprobe; what cannot be computed is left out."""
+    and inf sit at the same places), with its rounding: "unsupported" where msprobe computes
+    none (Cosine of fewer than two elements; EucDist and the ratios of a 0-d tensor)."""
     finite = np.isfinite(npu) & np.isfinite(bench)
     npu, bench = np.where(finite, npu, 0), np.where(finite, bench, 0)  # msprobe zeroes matching nan/inf
     n, b = npu.reshape(-1).astype(np.float64), bench.reshape(-1).astype(np.float64)
     relative = relative_error(npu, bench)
-    metrics = {"MaxAbsErr": float(np.abs(n - b).max()), "MaxRelativeErr": float(relative.max())}
+    metrics: dict[str, float | str] = {"MaxAbsErr": _twelve_decimals(np.abs(n - b).max()),
+                                       "MaxRelativeErr": _twelve_decimals(relative.max())}
     if npu.ndim == 0:
-        return metrics
+        return {**metrics, **dict.fromkeys(("Cosine", "EucDist", *_TENSOR[4:]), UNSUPPORTED)}
     metrics["EucDist"] = float(np.linalg.norm(n - b))
-    metrics["One Thousandth Err Ratio"] = float(np.mean(relative < 0.001))
-    metrics["Five Thousandths Err Ratio"] = float(np.mean(relative < 0.005))
-    if n.size > 1:
-        n_norm, b_norm = np.linalg.norm(n), np.linalg.norm(b)
-        eps = np.finfo(float).eps
-        if np.array_equal(n, b) or (n_norm <= eps and b_norm <= eps):
-            metrics["Cosine"] = 1.0
-        elif n_norm > eps and b_norm > eps:
-            metrics["Cosine"] = float(np.dot(n, b) / (n_norm * b_norm))
+    metrics["One Thousandth Err Ratio"] = _twelve_decimals(np.mean(relative < 0.001))
+    metrics["Five Thousandths Err Ratio"] = _twelve_decimals(np.mean(relative < 0.005))
+    metrics["Cosine"] = _cosine(n, b) if n.size > 1 else UNSUPPORTED
     return metrics
+
+
+def _cosine(n: np.ndarray, b: np.ndarray) -> float | str:
+    n_norm, b_norm = np.linalg.norm(n), np.linalg.norm(b)
+    eps = np.finfo(float).eps
+    if n_norm <= eps and b_norm <= eps:
+        return 1.0
+    if n_norm <= eps or b_norm <= eps:
+        return "Nan"  # msprobe's CompareConst.NAN: all zeros on one side
+    cosine = _twelve_decimals(np.dot(n, b) / (n_norm * b_norm))
+    return round(cosine, 6) if cosine > COSINE_ROUNDED_ABOVE else cosine
 
 
 def same_nonfinite(npu: np.ndarray, bench: np.ndarray) -> bool:
@@ -231,47 +258,125 @@ def same_nonfinite(npu: np.ndarray, bench: np.ndarray) -> bool:
     )
 
 
-def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) else None
+# --- statistics as msprobe writes them --------------------------------------------------------------
+
+NONE = "None"
+"""msprobe's cell for a statistic a value does not have (an argument of None, a slice)."""
+NA = "N/A"
+_SIDE_ORDER = {"input": 0, "parameters": 1, "output": 2}
+"""msprobe's row order within a call (reorder_index): inputs, parameters, outputs."""
 
 
-def _statistics_metrics(npu: dict[str, Any], bench: dict[str, Any]) -> dict[str, float]:
-    metrics: dict[str, float] = {}
-    for stat, diff_col, rel_col in zip(_STATS, _STATISTICS[:4], _STATISTICS[4:], strict=True):
-        n, b = _number(npu.get(stat)), _number(bench.get(stat))
-        if n is None or b is None:
-            continue
-        diff = 0.0 if n == b or (math.isnan(n) and math.isnan(b)) else n - b
-        metrics[diff_col] = diff
-        metrics[rel_col] = abs(diff) / (abs(b) + STAT_EPSILON)
-    return metrics
+def summary(leaf: Leaf) -> tuple[Any, Any, list[Any]]:
+    """(dtype, shape, [max, min, mean, norm]) of a value as msprobe's gen_op_item gives them: a
+    non-tensor argument's dtype is its Python type and its statistics its value."""
+    record = leaf.record
+    if record["type"] == "None" and record.get("value") is None and "dtype" not in record:
+        return None, None, [NONE] * 4  # an argument of None: msprobe's default item
+    stats = [_statistic(record.get(stat)) for stat in _STATS]
+    if leaf.is_tensor or "dtype" in record:
+        return record.get("dtype"), record.get("shape"), stats
+    kind, value = record["type"], record.get("value")
+    if kind == "torch.Size":
+        return kind, str(value), stats
+    if kind == "slice":
+        return kind, str(np.shape(np.array(value))), stats
+    value = _statistic(value)
+    return (kind if kind == "ellipsis" else str(type(record.get("value")))), "[]", [value] * 4
+
+
+def _statistic(value: Any) -> Any:
+    if value is None:
+        return NONE
+    return "Nan" if str(value).lower() == "nan" else value  # msprobe's CompareConst.NAN
+
+
+def _kind(value: Any) -> str:
+    """msprobe's CalcStatsDiff.classify of a statistic's cell."""
+    text = str(value).lower()
+    if text == "nan" or (isinstance(value, float) and math.isnan(value)):
+        return "nan"
+    if text in ("inf", "-inf"):
+        return text
+    if text not in ("true", "false"):
+        try:
+            float(text)
+            return "number"
+        except ValueError:
+            pass
+    if any(device in text for device in ("npu", "cpu", "cuda")):
+        return "device"
+    return "n/a" if str(value) == NA else "other"
+
+
+_SPECIAL = {("inf", "number"): "inf", ("inf", "-inf"): "inf", ("-inf", "number"): "-inf", ("-inf", "inf"): "-inf",
+            ("number", "inf"): "-inf", ("number", "-inf"): "inf", ("device", "device"): NA}
+
+
+def statistic_difference(npu: Any, bench: Any) -> tuple[Any, str]:
+    """(difference, relative error) of one statistic as msprobe's CalcStatsDiff writes them:
+    "0" for equal cells, the relative error in percent (against 0: "inf"), else a marker."""
+    if str(npu) == str(bench):
+        return "0", "0"
+    kinds = _kind(npu), _kind(bench)
+    if kinds == ("number", "number"):
+        n, b = float(str(npu)), float(str(bench))
+        diff = n - b
+        return diff, "inf" if b == 0 else f"{abs(diff / b * 100)!r}%"
+    if "n/a" in kinds:
+        marker = NA
+    elif "nan" in kinds and set(kinds) <= {"nan", "number", "inf", "-inf"}:
+        marker = "Nan"
+    elif kinds in _SPECIAL:
+        marker = _SPECIAL[kinds]
+    else:
+        marker = "Diff" if set(kinds) & {"device", "other"} else NA
+    return marker, marker
+
+
+def percent(cell: Any) -> float | None:
+    """The fraction a relative-error cell stands for ("12.5%" -> 0.125); None for the others
+    ("0", "inf", markers), which msprobe's rules skip."""
+    return float(cell[:-1]) / 100 if isinstance(cell, str) and cell.endswith("%") else None
 
 
 # --- rows and results -------------------------------------------------------------------------------
 
+# msprobe's messages (msprobe/core/compare/indicator_analysis/algorithm.py)
+INF_NAN = "error: There is nan/inf/-inf in the maximum or minimum value of NPU."
+NORM_ERROR = "error: The NormRelativeErr of output is greater than 0.5."
+THOUSANDTH_ERROR = "error: The input/parameters of One Thousandth Err Ratio > 0.9 while the output < 0.6."
+REQUIRES_GRAD_ERROR = "error: The Required_Grad of NPU and Bench are inconsistent"
+SCALAR_ERROR = "error: The scalar parameters of NPU and Bench are inconsistent."
+CRC_ERROR = "error: The CRC-32 value of NPU differs from that of the bench."
+DTYPE_ERROR = "error: The dtype of NPU and Bench are inconsistent."
+SHAPE_ERROR = "error: The shape of NPU and Bench are inconsistent."
+NORM_WARNING = "warning: The norm relative error of output is 10 times that of input."
+COSINE_WARNING = "warning: The input/parameters of Cosine > 0.9, and input/parameters - output > 0.1"
+NO_BENCH = "No bench data matched."
+
 
 def _row(mode: str, leaf: Leaf, bench: Leaf | None, stack: list[str]) -> Row:
     npu, other = leaf.record, bench.record if bench else {}
-    tensor = leaf.is_tensor
+    npu_dtype, npu_shape, npu_stats = summary(leaf)
+    bench_dtype, bench_shape, bench_stats = summary(bench) if bench else (None, None, [None] * 4)
     cells: dict[str, Any] = {
         "NPU Name": leaf.name,
         "Bench Name": bench.name if bench else None,
-        "NPU Dtype": npu.get("dtype", npu["type"]),
-        "Bench Dtype": other.get("dtype", other.get("type")),
-        "NPU Tensor Shape": npu.get("shape"),
-        "Bench Tensor Shape": other.get("shape"),
+        "NPU Dtype": npu_dtype,
+        "Bench Dtype": bench_dtype,
+        "NPU Tensor Shape": npu_shape,
+        "Bench Tensor Shape": bench_shape,
         "NPU Requires_grad": npu.get("requires_grad"),
         "Bench Requires_grad": other.get("requires_grad"),
-        "NPU_Stack_Info": "\n".join(stack),
+        "NPU MD5": npu.get("md5"),
+        "BENCH MD5": other.get("md5"),
     }
-    for prefix, record in (("NPU", npu), ("Bench", other)):
-        values = [record.get(stat) for stat in _STATS] if tensor else [record.get("value"), None, None, None]
-        cells.update(zip((f"{prefix} max", f"{prefix} min", f"{prefix} mean", f"{prefix} l2norm"), values, strict=True))
-    cells["NPU MD5"], cells["BENCH MD5"] = npu.get("md5"), other.get("md5")
-    row = Row(leaf, cells)
+    cells.update(zip(_SUMMARY, npu_stats + bench_stats, strict=True))
+    row = Row(leaf, cells, stack=stack)
     if bench is None:
         row.result = WARNING if mode == "md5" else UNMATCHED  # msprobe's CRC-32 rule warns
-        row.messages.append("No bench data matched.")
+        row.messages.append(NO_BENCH)
         return row
     cells["Requires_grad Consistent"] = npu.get("requires_grad") == other.get("requires_grad")
     problems = [value.problem for value in (leaf, bench) if value.problem is not None]
@@ -281,39 +386,39 @@ def _row(mode: str, leaf: Leaf, bench: Leaf | None, stack: list[str]) -> Row:
         return row
     for result, message in problems:
         row.flag(result, message)
-    if not tensor:
-        if npu.get("value") != other.get("value") or npu["type"] != other["type"]:
-            row.flag(ERROR, "non-tensor value differs")
-        return row
-    if npu.get("dtype") != other.get("dtype"):
-        row.flag(ERROR, f"dtype differs ({npu.get('dtype')} vs {other.get('dtype')})")
-    if npu.get("shape") != other.get("shape"):
-        row.flag(ERROR, "shape differs")
-        return row
-    if not cells["Requires_grad Consistent"]:
-        row.flag(ERROR, "requires_grad is inconsistent")
-    if mode == "md5":
-        if npu.get("md5") != other.get("md5"):
-            row.flag(ERROR, "CRC-32 differs")
-        return row
-    if any(_nonfinite(npu.get(s)) and not _nonfinite(other.get(s)) for s in ("Max", "Min")):
-        row.flag(ERROR, "maximum or minimum is nan, -inf, or inf")
+    if mode != "md5":
+        for stat, diff_col, rel_col, n, b in zip(_STATS, _STATISTICS[:4], _STATISTICS[4:], npu_stats, bench_stats,
+                                                 strict=True):
+            diff, rel = statistic_difference(n, b)
+            if mode == "statistics":
+                cells[diff_col], cells[rel_col] = diff, rel
+            if percent(rel) is not None:
+                row.stat_errors[stat] = percent(rel)
+        if mode == "statistics":
+            row.metrics = {f"{stat[0]}{stat[1:].lower()}RelativeErr": e for stat, e in row.stat_errors.items()}
     if mode == "tensor":
-        cells["Data_name"] = json.dumps([npu.get("data_name"), other.get("data_name")])
-        if leaf.files and bench.files and math.prod(npu["shape"]) > 0:
+        cells["Data_name"] = str([npu.get("data_name") or "-1", other.get("data_name") or "-1"])
+        cells.update(dict.fromkeys(_TENSOR, UNSUPPORTED))
+        if leaf.files and bench.files and npu.get("shape") == other.get("shape") and math.prod(npu["shape"]) > 0:
             arrays = load_array(leaf), load_array(bench)
             if same_nonfinite(*arrays):
-                row.metrics = tensor_metrics(*arrays)
+                cells.update(tensor_metrics(*arrays))
+                row.metrics = {name: cells[name] for name in _TENSOR if isinstance(cells[name], float)}
             else:
                 row.flag(ERROR, "the positions of inf or nan differ")
-    else:
-        row.metrics = _statistics_metrics(npu, other)
-    cells.update(row.metrics)
     return row
 
 
 def _nonfinite(value: Any) -> bool:
-    return isinstance(value, float) and not math.isfinite(value)
+    return (isinstance(value, float) and not math.isfinite(value)) or str(value).strip().lower() in ("inf", "-inf", "nan")
+
+
+def _str2float(cell: Any) -> float:
+    """msprobe's str2float: "12.5%" -> 0.125, "inf" -> inf, 0 for what is not a number."""
+    try:
+        return float(str(cell).strip("%")) / 100
+    except ValueError:
+        return 0.0
 
 
 def _extreme(rows: list[Row], metric: str, lowest: bool) -> float:
@@ -322,52 +427,80 @@ def _extreme(rows: list[Row], metric: str, lowest: bool) -> float:
     return min([1.0, *values]) if lowest else max([0.0, *values])
 
 
-def _denoised(norm_relative_error: float) -> float:
-    return 0.0 if norm_relative_error < NORM_NOISE else norm_relative_error
-
-
-def _judge_outputs(mode: str, rows: list[Row]) -> None:
-    """msprobe's rules that judge a call's outputs against its inputs and parameters."""
-    inputs = [row for row in rows if row.leaf.side != "output"]
-    outputs = [row for row in rows if row.leaf.side == "output"]
+def _judge(mode: str, rows: list[Row], noise_floor: float) -> None:
+    """msprobe's checkers, in its order, on the rows of one call: outputs are the rows named
+    ``.output.``, every other row (parameters, parameter gradients) counts among the inputs."""
+    matched = [row for row in rows if row.result != UNMATCHED and row.cells["Bench Name"] is not None]
+    if mode == "md5":
+        for row in matched:
+            if row.cells["NPU MD5"] != row.cells["BENCH MD5"]:
+                row.flag(ERROR, CRC_ERROR)
+        return
+    inputs = [row for row in matched if ".output." not in row.leaf.name]
+    outputs = [row for row in matched if ".output." in row.leaf.name]
+    for row in matched:
+        if not _nonfinite(row.cells["Bench max"]) and not _nonfinite(row.cells["Bench min"]) and (
+                _nonfinite(row.cells["NPU max"]) or _nonfinite(row.cells["NPU min"])):
+            row.flag(ERROR, INF_NAN)
+    if mode == "tensor":
+        ratio_in = _extreme(inputs, "One Thousandth Err Ratio", lowest=True)
+        if outputs and ratio_in > THOUSANDTH_INPUT_MIN and _extreme(outputs, "One Thousandth Err Ratio", lowest=True) < THOUSANDTH_OUTPUT_MAX:
+            outputs[0].flag(ERROR, THOUSANDTH_ERROR)
+    else:
+        norm_in = _extreme(inputs, "NormRelativeErr", lowest=False)
+        norm_in = 0.0 if norm_in < noise_floor else norm_in
+        if norm_in < NORM_INPUT_MAX:
+            for row in outputs:
+                if abs(_str2float(row.cells.get("NormRelativeErr"))) > NORM_OUTPUT_MIN:
+                    row.flag(ERROR, NORM_ERROR)
+    for row in matched:
+        n, b = row.cells["NPU Requires_grad"], row.cells["Bench Requires_grad"]
+        if n is not None and b is not None and n != b:
+            row.flag(ERROR, REQUIRES_GRAD_ERROR)
+    for row in inputs:
+        n_dtype, b_dtype = str(row.cells["NPU Dtype"]), str(row.cells["Bench Dtype"])
+        if "class" in n_dtype and "class" in b_dtype and row.cells["NPU Tensor Shape"] == "[]" and (
+                row.cells["NPU max"] != row.cells["Bench max"]):
+            row.flag(ERROR, SCALAR_ERROR)
+    for row in matched:
+        bench_name = row.cells["Bench Name"]
+        dtypes = row.cells["NPU Dtype"], row.cells["Bench Dtype"]
+        if "qkv" not in bench_name and "gate_up" not in bench_name and all(dtypes) and dtypes[0] != dtypes[1]:
+            row.flag(ERROR, DTYPE_ERROR)
+    for row in matched:
+        shapes = row.cells["NPU Tensor Shape"], row.cells["Bench Tensor Shape"]
+        if None not in shapes and str(shapes[0]) != str(shapes[1]):
+            row.flag(ERROR, SHAPE_ERROR)
     if not outputs:
         return
     if mode == "tensor":
-        ratio_in = _extreme(inputs, "One Thousandth Err Ratio", lowest=True)
-        if ratio_in > THOUSANDTH_INPUT_MIN and _extreme(outputs, "One Thousandth Err Ratio", lowest=True) < THOUSANDTH_OUTPUT_MAX:
-            outputs[0].flag(ERROR, "the inputs' one thousandth err ratio exceeds 0.9 while the output's is below 0.1")
         cosine_in = _extreme(inputs, "Cosine", lowest=True)
         if cosine_in > COSINE_INPUT_MIN and cosine_in - _extreme(outputs, "Cosine", lowest=True) > COSINE_DROP:
-            outputs[0].flag(WARNING, "the output's cosine is lower than the inputs' by more than 0.1")
+            outputs[0].flag(WARNING, COSINE_WARNING)
         return
-    norm_in = _denoised(_extreme(inputs, "NormRelativeErr", lowest=False))
-    if norm_in < NORM_INPUT_MAX:
-        for row in outputs:
-            if row.metrics.get("NormRelativeErr", 0.0) > NORM_OUTPUT_MIN:
-                row.flag(ERROR, "the inputs' norm relative error is below 0.1 while the output's exceeds 0.5")
-    norm_out = _denoised(_extreme(outputs, "NormRelativeErr", lowest=False))
+    norm_out = _extreme(outputs, "NormRelativeErr", lowest=False)
+    norm_out = 0.0 if norm_out < noise_floor else norm_out
     if (norm_in == 0 and norm_out > NORM_OUTPUT_FROM_EXACT) or (norm_in > 0 and norm_out / norm_in > NORM_GROWTH):
-        outputs[0].flag(WARNING, "the output's norm relative error exceeds 10 times the inputs' (0.1 when they agree)")
+        outputs[0].flag(WARNING, NORM_WARNING)
 
 
-def compare_rank(target: RankDump, bench: RankDump) -> list[Row]:
-    """The rows of one rank's dump against its benchmark, in the target's order."""
+def compare_rank(target: RankDump, bench: RankDump, noise_floor: float = 0.0) -> list[Row]:
+    """The rows of one rank's dump against its benchmark, in msprobe's order: calls in the
+    target's order, each call's inputs, then its parameters, then its outputs."""
     mode = target.mode
     bench_leaves = {leaf.name: leaf for leaf in bench.leaves}
     rows: list[Row] = []
     for entry, group in itertools.groupby(target.leaves, key=lambda leaf: leaf.entry):
-        stack = target.stacks.get(entry) or target.stacks.get(entry.replace(".backward", ".forward"), [])
-        entry_rows = [_row(mode, leaf, bench_leaves.get(leaf.name), stack) for leaf in group]
-        if not entry.startswith("Module.") and entry.split(".")[1] in REDUNDANT_APIS:
-            for row in entry_rows:
-                if row.result != UNMATCHED:
-                    row.result, row.messages = PASS, []
-        elif mode != "md5" and ".parameters_grad" not in entry:  # msprobe counts these among the inputs
-            _judge_outputs(mode, entry_rows)
+        stack = target.stacks.get(entry)
+        ordered = sorted(group, key=lambda leaf: _SIDE_ORDER[leaf.side])
+        entry_rows = [_row(mode, leaf, bench_leaves.get(leaf.name), stack or []) for leaf in ordered]
+        entry_rows[0].cells["NPU_Stack_Info"] = None if stack is None else str(stack)
+        if entry.startswith("Module.") or entry.split(".")[1] not in REDUNDANT_APIS:
+            _judge(mode, entry_rows, noise_floor)
         rows.extend(entry_rows)
     for row in rows:
         row.cells["Result"] = row.result
-        row.cells["Err_message"] = "; ".join(row.messages)
+        row.cells["Err_message"] = json.dumps(row.messages) if row.result != UNMATCHED else "; ".join(row.messages)
     return rows
 
 
@@ -376,7 +509,9 @@ def compare_rank(target: RankDump, bench: RankDump) -> list[Row]:
 
 def _cell(value: Any) -> Any:
     if value is None:
-        return "N/A"
+        return NA
+    if isinstance(value, float) and math.isinf(value):
+        return f" {value}"  # msprobe's, so that spreadsheets read it
     return json.dumps(value) if isinstance(value, list) else value
 
 
@@ -413,10 +548,10 @@ def compare_dumps(config: CompareConfig) -> CompareReport:
     with atomic_directory(config.out) as work:
         ranks, files = [], []
         for rank, target, bench in pairs:
-            rows = compare_rank(target, bench)
+            rows = compare_rank(target, bench, config.norm_noise_floor)
             ranks.append(RankComparison(rank, target.mode, rows, f"compare_result_{rank}.csv"))
             files += _write_tables(work, f"compare_result_{rank}", target.mode, rows)
-        advice = advise(ranks)
+        advice = advise(ranks, config.norm_noise_floor)
         (work / "advisor.txt").write_text(advice, encoding="utf-8")
         files.append(work / "advisor.txt")
         params = config.model_dump(mode="json")
