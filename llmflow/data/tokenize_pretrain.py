@@ -36,7 +36,9 @@ from llmflow.data.tokenizer import (
     load_tokenizer,
     out_of_vocab_message,
     resolve_vocab_size,
+    tokenizer_from_state,
     tokenizer_info,
+    tokenizer_state,
 )
 
 STAGE = "tokenize-pretrain"
@@ -80,11 +82,11 @@ _worker_vocab = 0
 _worker_dtype: Any = np.uint16
 
 
-def _init_worker(tokenizer_dir: str, eod: int | None, vocab_size: int, dtype: str, single_thread: bool) -> None:
+def _init_worker(tokenizer: tuple[str, bool], eod: int | None, vocab_size: int, dtype: str, single_thread: bool) -> None:
     global _worker_tokenizer, _worker_eod, _worker_vocab, _worker_dtype
     if single_thread:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker_tokenizer = load_tokenizer(tokenizer_dir)
+    _worker_tokenizer = tokenizer_from_state(tokenizer)
     _worker_eod, _worker_vocab, _worker_dtype = eod, vocab_size, np.dtype(dtype)
 
 
@@ -164,7 +166,8 @@ def tokenize_pretrain(config: PretrainTokenizeConfig) -> Path:
     # A manifest from an earlier run must not vouch for the files this run replaces.
     outputs["manifest"].unlink(missing_ok=True)
     skipped = [0]
-    init_args = (str(config.tokenizer), eod, vocab_size, dtype.name, config.workers > 1)
+    # Workers rebuild the tokenizer transformers built here (they need not import transformers).
+    init_args = (tokenizer_state(load_tokenizer(config.tokenizer)), eod, vocab_size, dtype.name, config.workers > 1)
     writer = IndexedDatasetWriter(outputs["prefix"], dtype.type)
     documents = 0
     next_log = config.log_every
