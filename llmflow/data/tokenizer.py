@@ -29,11 +29,24 @@ def has_tokenizer(directory: str | Path) -> bool:
     return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
 
 
+def _checkpoint_model_config(directory: Path) -> dict | None:
+    """The HF config of the checkpoint whose ``tokenizer/`` folder ``directory`` is, when it has
+    no config.json of its own: transformers picks some tokenizer classes by the model type."""
+    from llmflow.checkpoint import LATEST, TOKENIZER_DIR, read_meta, resolve_step_dir
+
+    if (directory / "config.json").is_file() or directory.name != TOKENIZER_DIR or not (directory.parent / LATEST).is_file():
+        return None
+    return read_meta(resolve_step_dir(directory.parent)).hf_config
+
+
 @lru_cache(maxsize=8)
 def _auto_tokenizer(directory: str, _files: tuple):
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     try:
+        model_config = _checkpoint_model_config(Path(directory))
+        if model_config is not None:
+            return AutoTokenizer.from_pretrained(directory, config=AutoConfig.for_model(**model_config))
         return AutoTokenizer.from_pretrained(directory)
     except Exception as e:  # transformers raises anything from OSError to ValueError here
         reason = " ".join(str(e).split())
