@@ -26,7 +26,7 @@ from llmflow.data.templates import QWEN, load_template
 from llmflow.data.tokenize_instruction import IGNORE_INDEX
 from llmflow.data.tokenize_instruction import output_paths as instruction_paths
 from llmflow.data.tokenize_pretrain import output_paths as pretrain_paths
-from llmflow.data.tokenizer import load_tokenizer
+from llmflow.data.tokenizer import TokenizeError, load_tokenizer
 from llmflow.evaluate.prompts import CONTINUATIONS
 from llmflow.evaluate.scoring import model_requests
 from llmflow.infer.batch import encode
@@ -225,3 +225,10 @@ def test_checkpoint_tokenizer_folder_tokenizes_as_its_model(make_hf_model, tmp_p
     tokenizer = load_tokenizer(tmp_path / "ckpt" / "tokenizer")
     assert [e.ids for e in tokenizer.encode_batch(TEXTS)] == [want(t)["input_ids"] for t in TEXTS]
     assert np.any([want(t)["input_ids"] != load_tokenizer(_bpe_dir(tmp_path / "plain")).encode(t).ids for t in TEXTS])
+
+
+def test_a_directory_transformers_cannot_load_is_named(tmp_path):
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "tokenizer.json").write_text("{")
+    with pytest.raises(TokenizeError, match=r"broken: transformers' AutoTokenizer cannot load it: .+"):
+        load_tokenizer(tmp_path / "broken")

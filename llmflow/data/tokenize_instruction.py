@@ -2,9 +2,11 @@
 
 Each record (see ``llmflow.data.conversations`` for the layouts) becomes a conversation,
 rendered with a chat template (``llmflow.data.templates``, the same one generation and
-evaluation use) and split into prompt text and assistant text. Prompt tokens get label
--100, assistant tokens (and the end-of-turn text the template closes them with) are
-trained, in every assistant turn of a multi-turn conversation.
+evaluation use) and split into prompt text and assistant text. The rendered text is
+encoded whole, with the tokenizer transformers' AutoTokenizer builds and no special tokens
+added, so the ids are ``apply_chat_template``'s. Prompt tokens get label -100, assistant
+tokens (and the end-of-turn text the template closes them with) are trained, in every
+assistant turn of a multi-turn conversation.
 
 Output, named as MindSpeed-LLM names its instruction data:
 
@@ -68,8 +70,9 @@ class InstructionTokenizeConfig(BaseModel):
     """Input files, read in order: .parquet, .jsonl, .json (array or lines), .csv (alpaca
     only), or a datasets save_to_disk directory."""
     tokenizer: Path
-    """Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json with the chat
-    template; a config.json there supplies the model's vocab_size)."""
+    """Hugging Face tokenizer or model directory, encoded as transformers' AutoTokenizer loads
+    it (tokenizer.json or tokenizer.model, tokenizer_config.json with the chat template; a
+    config.json there gives the model type and the model's vocab_size)."""
     out: Path
     """Output prefix: writes {out}_packed_input_ids_document.bin/.idx,
     {out}_packed_labels_document.bin/.idx and {out}.manifest.json."""

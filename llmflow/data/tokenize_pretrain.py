@@ -56,8 +56,9 @@ class PretrainTokenizeConfig(BaseModel):
     """Input files, read in order: .parquet, .jsonl, .json (array or lines), .csv (with a
     header), .txt (one document per non-empty line), or a datasets save_to_disk directory."""
     tokenizer: Path
-    """Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json; a config.json
-    there supplies the model's vocab_size)."""
+    """Hugging Face tokenizer or model directory, encoded as transformers' AutoTokenizer loads
+    it (tokenizer.json or tokenizer.model, tokenizer_config.json; a config.json there gives
+    the model type and the model's vocab_size)."""
     out: Path
     """Output prefix: writes {out}_text_document.bin/.idx and {out}.manifest.json."""
     text_key: str = "text"

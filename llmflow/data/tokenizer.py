@@ -21,7 +21,7 @@ class TokenizeError(ValueError):
 
 
 # Files from which transformers can build a tokenizer (one of them must be in the directory).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "tekken.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tekken.json")
 
 
 def has_tokenizer(directory: str | Path) -> bool:
