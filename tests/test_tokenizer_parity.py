@@ -211,7 +211,6 @@ def test_sample_tokenizer_json_says_what_transformers_does(sample):
             assert raw.encode(text).ids == hf(text)["input_ids"]
 
 
-@pytest.mark.slow
 def test_checkpoint_tokenizer_folder_tokenizes_as_its_model(make_hf_model, tmp_path):
     """A checkpoint's tokenizer/ folder has no config.json; transformers picks Qwen2's tokenizer
     by the model type, so the checkpoint's ids must still be those of the model directory."""
