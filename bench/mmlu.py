@@ -19,13 +19,12 @@ from pathlib import Path
 
 import torch
 
-from llmflow.data.tokenizer import load_tokenizer
 from llmflow.evaluate.mmlu import prompts_for, select_questions
 from llmflow.evaluate.mmlu_data import load_mmlu
 from llmflow.evaluate.prompts import CONTINUATIONS
 from llmflow.evaluate.scoring import (
     Request,
-    encode_requests,
+    model_requests,
     score_loglikelihood,
     score_requests,
 )
@@ -52,7 +51,7 @@ def run(model_path: Path, data_path: Path, shots: int, limit: int, batch_size: i
     max_length = int(hf_config.get("max_position_embeddings") or 2048)
     data = load_mmlu(data_path)
     prompts = prompts_for(select_questions(data, limit), data, shots)
-    requests: list[Request] = encode_requests(load_tokenizer(tokenizer_dir(model_path)), prompts, CONTINUATIONS)
+    requests: list[Request] = model_requests(tokenizer_dir(model_path), prompts, CONTINUATIONS)
     (ours, _), ours_s = timed(lambda: score_requests(model, requests, batch_size, max_length))
     theirs, theirs_s = timed(lambda: score_loglikelihood(model, requests, batch_size, max_length))
     n = len(requests)

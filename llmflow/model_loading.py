@@ -20,6 +20,7 @@ from llmflow.checkpoint import (
     read_meta,
     resolve_step_dir,
 )
+from llmflow.data.tokenizer import has_tokenizer
 from llmflow.models import CausalLM, LoraConfig, ModelConfig, apply_lora, load_hf_model, lora_state_dict, merge_lora
 from llmflow.models.hf_checkpoint import check_finite
 from llmflow.runtime import available_device
@@ -89,10 +90,10 @@ def tokenizer_dir(path: str | Path) -> Path | None:
     checkpoint's ``tokenizer/`` folder, or (LoRA) its base's."""
     path = Path(path)
     if not is_checkpoint(path):
-        return path if (path / "tokenizer.json").is_file() else None
+        return path if has_tokenizer(path) else None
     step_dir = resolve_step_dir(path)
     root = _checkpoint_root(step_dir)
-    if (root / TOKENIZER_DIR / "tokenizer.json").is_file():
+    if has_tokenizer(root / TOKENIZER_DIR):
         return root / TOKENIZER_DIR
     meta = read_meta(step_dir)
     if meta.base_checkpoint is not None:

@@ -348,9 +348,17 @@ def make_corpus(rng: random.Random, world: list[Country], documents: int) -> lis
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> tokenizers.Tokenizer:
     """A byte-level BPE (no prefix space, every byte in the alphabet) with the three
-    special tokens appended after the merges, as in Qwen2's vocabulary."""
+    special tokens appended after the merges, as in Qwen2's vocabulary. Its normalizer and
+    pre-tokenizer are those transformers' ``Qwen2Tokenizer`` builds (NFC; Qwen2's split regex,
+    single digits, then bytes), so tokenizer.json says what ``AutoTokenizer`` does."""
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
     tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.normalizer = tokenizers.normalizers.NFC()
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([
+        tokenizers.pre_tokenizers.Split(tokenizers.Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tokenizer.decoder = tokenizers.decoders.ByteLevel()
     trainer = tokenizers.trainers.BpeTrainer(
         vocab_size=vocab_size, min_frequency=2, show_progress=False,
@@ -385,7 +393,7 @@ def write_tokenizer(tokenizer: tokenizers.Tokenizer, directory: Path) -> None:
         "model_max_length": MAX_POSITIONS,
         "pad_token": ENDOFTEXT,
         "split_special_tokens": False,
-        "tokenizer_class": "PreTrainedTokenizerFast",
+        "tokenizer_class": "Qwen2Tokenizer",
         "unk_token": None,
     }
     special_map = {

@@ -24,7 +24,7 @@ from llmflow.evaluate.benchmarks import CEVAL, CMMLU, Benchmark
 from llmflow.evaluate.engine import EvalConfig, evaluate, prompts_for, select_questions
 from llmflow.evaluate.prompts import CONTINUATIONS, chat_prompt
 from llmflow.evaluate.questions import BenchmarkDataError
-from llmflow.evaluate.scoring import encode_requests, score_loglikelihood
+from llmflow.evaluate.scoring import model_requests, score_loglikelihood
 from llmflow.model_loading import load_model
 from llmflow.sample import SampleConfig, write_sample
 
@@ -180,7 +180,7 @@ def reference_scores(benchmark: Benchmark, sample: Path, data_path: Path, shots:
     prompts = prompts_for(benchmark, select_questions(benchmark, data, 2), data, shots)
     if template != "none":
         prompts = [chat_prompt(p, load_template(sample / "model", template)) for p in prompts]
-    requests = encode_requests(load_tokenizer(sample / "model"), prompts, CONTINUATIONS)
+    requests = model_requests(sample / "model", prompts, CONTINUATIONS)
     model = load_model(sample / "model")[0].eval()
     return score_loglikelihood(model, requests, batch_size=1, max_length=1024)
 
@@ -219,7 +219,7 @@ def test_ceval_command_writes_results_scored_as_loglikelihood(sample, ceval, tmp
 def test_cmmlu_letters_after_the_chinese_answer_prompt(sample, cmmlu, tmp_path):
     _, _, archive = cmmlu
     tokenizer = load_tokenizer(sample / "model")
-    requests = encode_requests(tokenizer, ["题目\n答案："], CONTINUATIONS)
+    requests = model_requests(sample / "model", ["题目\n答案："], CONTINUATIONS)
     assert requests[0].continuations == [tokenizer.encode(f" {x}", add_special_tokens=False).ids for x in "ABCD"]
     assert requests[0].single_token
     for template, single_pass in (("none", 4), ("tokenizer", 0)):

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from llmflow.cli import main
-from llmflow.data.tokenizer import load_tokenizer
 from llmflow.evaluate.benchmarks import MMLU
 from llmflow.evaluate.engine import summarize
 from llmflow.evaluate.mmlu import (
@@ -25,7 +24,7 @@ from llmflow.evaluate.mmlu_data import load_mmlu
 from llmflow.evaluate.prompts import CONTINUATIONS
 from llmflow.evaluate.questions import BenchmarkDataError, Question
 from llmflow.evaluate.scoring import (
-    encode_requests,
+    model_requests,
     score_loglikelihood,
     score_requests,
     score_single_token,
@@ -144,7 +143,7 @@ def sample_requests(sample, shots: int, limit: int = 2, template=None):
         from llmflow.evaluate.prompts import chat_prompt
 
         prompts = [chat_prompt(p, template) for p in prompts]
-    return encode_requests(load_tokenizer(sample / "model"), prompts, CONTINUATIONS)
+    return model_requests(sample / "model", prompts, CONTINUATIONS)
 
 
 def test_single_pass_scores_equal_loglikelihood(sample, model):

@@ -18,7 +18,7 @@ from llmflow.data.templates import QWEN, load_template
 from llmflow.models import load_hf_model
 from llmflow.sample import SUBJECTS, SampleConfig, write_sample
 
-FINETUNE_STEPS = 400  # measured: 300 steps 61%, 400 steps 87%, 500 steps (the demo) 100%
+FINETUNE_STEPS = 600  # measured: 400 steps 49%, 600 steps above 60% (numbers are one token per digit, as Qwen2 splits them)
 
 MMLU_SCHEMA = pa.schema(
     [("question", pa.string()), ("subject", pa.string()), ("choices", pa.list_(pa.string())), ("answer", pa.int64())]
@@ -109,11 +109,11 @@ def test_tokenizer_files(sample):
     config = json.loads((sample / "tokenizer" / "tokenizer_config.json").read_text())
     assert config["eos_token"] == "<|im_end|>" and config["pad_token"] == "<|endoftext|>"
     assert config["bos_token"] is None
-    assert config["tokenizer_class"] == "PreTrainedTokenizerFast" and config["chat_template"] == QWEN
+    assert config["tokenizer_class"] == "Qwen2Tokenizer" and config["chat_template"] == QWEN
     special = {int(i): t["content"] for i, t in config["added_tokens_decoder"].items()}
     size = tok.get_vocab_size()
     assert special == {size - 3: "<|endoftext|>", size - 2: "<|im_start|>", size - 1: "<|im_end|>"}
-    assert 900 <= size <= 2048
+    assert 800 <= size <= 2048
     for letter in "ABCD":
         assert len(tok.encode(f" {letter}", add_special_tokens=False).ids) == 1
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -145,7 +145,7 @@ def test_tokenizer_and_model_load_in_transformers(sample):
                 {"role": "assistant", "content": "Answer: B"}]
     chat = hf_tok.apply_chat_template(messages, tokenize=False)
     assert chat == load_template(model_dir).render(messages)
-    text = "The capital of Zorbia is Plinth.\nAnswer: B"
+    text = "The capital of Zorbia is Plinth, 1999 km away.\nAnswer: B"
     for s in (text, chat):
         assert hf_tok(s, add_special_tokens=False)["input_ids"] == ours.encode(s, add_special_tokens=False).ids
     assert hf_tok.eos_token == "<|im_end|>" and hf_tok.pad_token == "<|endoftext|>" and hf_tok.bos_token is None

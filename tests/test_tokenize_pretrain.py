@@ -300,7 +300,7 @@ def test_tokenizer_dir_missing_files(tmp_path, tokenizer_dir):
     empty = tmp_path / "emptytok"
     empty.mkdir()
     (empty / "tokenizer_config.json").write_text("{}")
-    _bad(tmp_path, empty, [src], TokenizeError, r"emptytok: missing tokenizer\.json .*found \['tokenizer_config\.json'\]")
+    _bad(tmp_path, empty, [src], TokenizeError, r"emptytok: no tokenizer files \(expected one of tokenizer\.json, .*found \['tokenizer_config\.json'\]")
     _bad(tmp_path, tmp_path / "absent", [src], TokenizeError, "absent: no such directory")
     # --append-eod with a tokenizer that has no eos token.
     import shutil

@@ -185,12 +185,6 @@ class ChatTemplate:
         return pieces
 
 
-def _token_text(value: Any) -> str | None:
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
 def tokenizer_config(tokenizer_dir: str | Path) -> dict[str, Any]:
     """``tokenizer_config.json`` of a tokenizer directory ({} when there is none)."""
     path = Path(tokenizer_dir) / "tokenizer_config.json"
@@ -212,13 +206,13 @@ def load_template(tokenizer_dir: str | Path, name: str | None = None) -> ChatTem
     """The template to use with the tokenizer in ``tokenizer_dir``: ``name`` when given (a
     named template, or "tokenizer"), else the tokenizer's own, else an error that lists the
     named ones."""
+    from llmflow.data.tokenizer import hf_tokenizer
+
     tokenizer_dir = Path(tokenizer_dir)
     config = tokenizer_config(tokenizer_dir)
-    special = tuple(
-        (key, text)
-        for key in ("bos_token", "eos_token", "pad_token", "unk_token")
-        if (text := _token_text(config.get(key))) is not None
-    )
+    # The variables transformers' apply_chat_template renders with: the special tokens of
+    # the tokenizer AutoTokenizer builds (its class may default some the config leaves out).
+    special = tuple(hf_tokenizer(tokenizer_dir).special_tokens_map.items())
     if name not in (None, "tokenizer"):
         if name not in NAMED_TEMPLATES:
             raise TemplateError(f"unknown template {name!r}; expected one of {', '.join(TEMPLATE_CHOICES)}")

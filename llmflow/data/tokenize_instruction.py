@@ -2,9 +2,11 @@
 
 Each record (see ``llmflow.data.conversations`` for the layouts) becomes a conversation,
 rendered with a chat template (``llmflow.data.templates``, the same one generation and
-evaluation use) and split into prompt text and assistant text. Prompt tokens get label
--100, assistant tokens (and the end-of-turn text the template closes them with) are
-trained, in every assistant turn of a multi-turn conversation.
+evaluation use) and split into prompt text and assistant text. The rendered text is
+encoded whole, with the tokenizer transformers' AutoTokenizer builds and no special tokens
+added, so the ids are ``apply_chat_template``'s. Prompt tokens get label -100, assistant
+tokens (and the end-of-turn text the template closes them with) are trained, in every
+assistant turn of a multi-turn conversation.
 
 Output, named as MindSpeed-LLM names its instruction data:
 
@@ -46,7 +48,9 @@ from llmflow.data.tokenizer import (
     load_tokenizer,
     out_of_vocab_message,
     resolve_vocab_size,
+    tokenizer_from_state,
     tokenizer_info,
+    tokenizer_state,
 )
 
 STAGE = "tokenize-instruction"
@@ -66,8 +70,9 @@ class InstructionTokenizeConfig(BaseModel):
     """Input files, read in order: .parquet, .jsonl, .json (array or lines), .csv (alpaca
     only), or a datasets save_to_disk directory."""
     tokenizer: Path
-    """Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json with the chat
-    template; a config.json there supplies the model's vocab_size)."""
+    """Hugging Face tokenizer or model directory, encoded as transformers' AutoTokenizer loads
+    it (tokenizer.json or tokenizer.model, tokenizer_config.json with the chat template; a
+    config.json there gives the model type and the model's vocab_size)."""
     out: Path
     """Output prefix: writes {out}_packed_input_ids_document.bin/.idx,
     {out}_packed_labels_document.bin/.idx and {out}.manifest.json."""
@@ -116,29 +121,35 @@ def dataset_files(out: str | Path) -> list[Path]:
 _worker: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer_dir: str, template: ChatTemplate, vocab_size: int, single_thread: bool) -> None:
+def _init_worker(tokenizer: tuple[str, bool], template: ChatTemplate, vocab_size: int, single_thread: bool) -> None:
     if single_thread:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker.update(tokenizer=load_tokenizer(tokenizer_dir), template=template, vocab_size=vocab_size)
+    _worker.update(tokenizer=tokenizer_from_state(tokenizer), template=template, vocab_size=vocab_size)
 
 
 def encode_conversations(
     tokenizer, template: ChatTemplate, conversations: list[list[Message]]
 ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(input_ids, labels) of each conversation: every segment encoded on its own, labels
-    -100 on the prompt segments."""
+    """(input_ids, labels) of each conversation: the rendered conversation encoded whole, as
+    transformers' ``apply_chat_template`` encodes it (no special tokens added), labels -100 on
+    every token outside the trained segments (a token that overlaps one is trained, as in
+    transformers' assistant-token mask)."""
     pieces = [template.segments(messages) for messages in conversations]
-    texts = [text for segments in pieces for text, _ in segments]
-    encoded = iter(tokenizer.encode_batch_fast(texts, add_special_tokens=False))
+    texts = ["".join(text for text, _ in segments) for segments in pieces]
+    encoded = tokenizer.encode_batch(texts, add_special_tokens=False)  # with offsets
     samples = []
-    for segments in pieces:
-        ids: list[int] = []
-        labels: list[int] = []
-        for _, trained in segments:
-            seg = next(encoded).ids
-            ids += seg
-            labels += seg if trained else [IGNORE_INDEX] * len(seg)
-        samples.append((np.array(ids, dtype=np.int64), np.array(labels, dtype=LABEL_DTYPE)))
+    for segments, encoding in zip(pieces, encoded):
+        spans, start = [], 0
+        for text, trained in segments:
+            if trained:
+                spans.append((start, start + len(text)))
+            start += len(text)
+        ids = np.array(encoding.ids, dtype=np.int64)
+        labels = np.full(ids.size, IGNORE_INDEX, dtype=LABEL_DTYPE)
+        for i, (begin, end) in enumerate(encoding.offsets):
+            if any(begin < e and end > s for s, e in spans):
+                labels[i] = ids[i]
+        samples.append((ids, labels))
     return samples
 
 
@@ -227,7 +238,7 @@ def tokenize_instruction(config: InstructionTokenizeConfig) -> Path:
         counts.rows += 1
 
     try:
-        init_args = (str(config.tokenizer), template, vocab_size, config.workers > 1)
+        init_args = (tokenizer_state(tokenizer), template, vocab_size, config.workers > 1)
         encoded = ordered_map(_encode_batch, _batches(config, keys), config.workers, _init_worker, init_args, key=lambda b: b[2])
         for (path, rows, _), (samples, bad) in encoded:
             if bad >= 0:

@@ -1,8 +1,10 @@
 """Pretraining tokenization: text corpora -> one Megatron indexed dataset.
 
 ``tokenize_pretrain`` reads every input (see ``llmflow.data.readers`` for the formats),
-tokenizes batches of documents with the fast (Rust) tokenizer's batch encoding in
-``workers`` processes, checks every id against the model's vocabulary, and streams the
+tokenizes batches of documents with the fast (Rust) tokenizer that transformers'
+``AutoTokenizer`` builds for the directory, in ``workers`` processes: a document's ids are
+``AutoTokenizer(text, add_special_tokens=False)``'s (no BOS unless ``add_special_tokens``),
+then the EOD with ``append_eod``. It checks every id against the model's vocabulary, and streams the
 tokens into ``{out}_text_document.bin/.idx`` (one document per sequence, as Megatron-LM's
 ``tools/preprocess_data.py`` writes). ``{out}.manifest.json`` is written last; on any
 error the partial files are removed, so an output without a manifest never looks complete.
@@ -36,7 +38,9 @@ from llmflow.data.tokenizer import (
     load_tokenizer,
     out_of_vocab_message,
     resolve_vocab_size,
+    tokenizer_from_state,
     tokenizer_info,
+    tokenizer_state,
 )
 
 STAGE = "tokenize-pretrain"
@@ -52,8 +56,9 @@ class PretrainTokenizeConfig(BaseModel):
     """Input files, read in order: .parquet, .jsonl, .json (array or lines), .csv (with a
     header), .txt (one document per non-empty line), or a datasets save_to_disk directory."""
     tokenizer: Path
-    """Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json; a config.json
-    there supplies the model's vocab_size)."""
+    """Hugging Face tokenizer or model directory, encoded as transformers' AutoTokenizer loads
+    it (tokenizer.json or tokenizer.model, tokenizer_config.json; a config.json there gives
+    the model type and the model's vocab_size)."""
     out: Path
     """Output prefix: writes {out}_text_document.bin/.idx and {out}.manifest.json."""
     text_key: str = "text"
@@ -63,6 +68,10 @@ class PretrainTokenizeConfig(BaseModel):
     several threads); N > 1 runs N single-threaded worker processes."""
     append_eod: bool = False
     """Append the tokenizer's end-of-document token (eos_token) to every document."""
+    add_special_tokens: bool = False
+    """Add the special tokens transformers' AutoTokenizer adds to a text (BOS for Llama- and
+    Mistral-style tokenizers). Off by default (Megatron's convention for pretraining data):
+    a document is its text's tokens, then the EOD with --append-eod."""
     vocab_size: int | None = Field(default=None, ge=1)
     """The model's vocabulary size (embedding rows); every id must be below it. Default:
     vocab_size from config.json in the tokenizer directory, else the tokenizer's length."""
@@ -76,22 +85,25 @@ class PretrainTokenizeConfig(BaseModel):
 
 _worker_tokenizer = None
 _worker_eod: int | None = None
+_worker_special = False
 _worker_vocab = 0
 _worker_dtype: Any = np.uint16
 
 
-def _init_worker(tokenizer_dir: str, eod: int | None, vocab_size: int, dtype: str, single_thread: bool) -> None:
-    global _worker_tokenizer, _worker_eod, _worker_vocab, _worker_dtype
+def _init_worker(
+    tokenizer: tuple[str, bool], special: bool, eod: int | None, vocab_size: int, dtype: str, single_thread: bool
+) -> None:
+    global _worker_tokenizer, _worker_special, _worker_eod, _worker_vocab, _worker_dtype
     if single_thread:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker_tokenizer = load_tokenizer(tokenizer_dir)
-    _worker_eod, _worker_vocab, _worker_dtype = eod, vocab_size, np.dtype(dtype)
+    _worker_tokenizer = tokenizer_from_state(tokenizer)
+    _worker_special, _worker_eod, _worker_vocab, _worker_dtype = special, eod, vocab_size, np.dtype(dtype)
 
 
 def _encode_batch(texts: list[str]) -> tuple[bytes, np.ndarray, int]:
     """Tokens of ``texts`` back to back (as the output dtype's bytes), their lengths, and
     the index in the batch of the first document holding an id outside [0, vocab), or -1."""
-    encodings = _worker_tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+    encodings = _worker_tokenizer.encode_batch_fast(texts, add_special_tokens=_worker_special)
     ids = [e.ids for e in encodings]
     if _worker_eod is not None:
         for x in ids:
@@ -164,7 +176,9 @@ def tokenize_pretrain(config: PretrainTokenizeConfig) -> Path:
     # A manifest from an earlier run must not vouch for the files this run replaces.
     outputs["manifest"].unlink(missing_ok=True)
     skipped = [0]
-    init_args = (str(config.tokenizer), eod, vocab_size, dtype.name, config.workers > 1)
+    # Workers rebuild the tokenizer transformers built here (they need not import transformers).
+    tokenizer = tokenizer_state(load_tokenizer(config.tokenizer))
+    init_args = (tokenizer, config.add_special_tokens, eod, vocab_size, dtype.name, config.workers > 1)
     writer = IndexedDatasetWriter(outputs["prefix"], dtype.type)
     documents = 0
     next_log = config.log_every
@@ -213,7 +227,7 @@ def tokenize_pretrain(config: PretrainTokenizeConfig) -> Path:
 
 def _raise_out_of_vocab(path, row, text, config, vocab_size, vocab_source, eod) -> None:
     tok = load_tokenizer(config.tokenizer)
-    ids = tok.encode(text, add_special_tokens=False).ids + ([eod] if eod is not None else [])
+    ids = tok.encode(text, add_special_tokens=config.add_special_tokens).ids + ([eod] if eod is not None else [])
     bad = next(i for i in ids if not 0 <= i < vocab_size)
     raise TokenizeError(out_of_vocab_message(f"{path}: {describe_row(path, row)}", bad, vocab_size, vocab_source, config.tokenizer))
 

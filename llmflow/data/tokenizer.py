@@ -1,14 +1,18 @@
 """The tokenizer directory a stage is given: its fast tokenizer, special tokens, and the
-model vocabulary every token id must fall in."""
+model vocabulary every token id must fall in.
+
+Text becomes ids exactly as ``transformers.AutoTokenizer.from_pretrained(directory)`` makes
+them, with the pinned transformers: the stages encode with the fast tokenizer transformers
+builds (``backend_tokenizer``), never with tokenizer.json read on its own."""
 
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from pathlib import Path
 
 from pydantic import BaseModel
-
-from llmflow.data.templates import tokenizer_config
+from tokenizers import Tokenizer
 
 
 class TokenizeError(ValueError):
@@ -16,32 +20,96 @@ class TokenizeError(ValueError):
     outside the model's vocabulary)."""
 
 
-def load_tokenizer(directory: str | Path):
-    """The fast tokenizer of a Hugging Face tokenizer directory (``tokenizers.Tokenizer``)."""
-    from tokenizers import Tokenizer
+# Files from which transformers can build a tokenizer (one of them must be in the directory).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tekken.json")
 
+
+def has_tokenizer(directory: str | Path) -> bool:
+    """Whether ``directory`` holds files transformers builds a tokenizer from."""
+    return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def _checkpoint_model_config(directory: Path) -> dict | None:
+    """The HF config of the checkpoint whose ``tokenizer/`` folder ``directory`` is, when it has
+    no config.json of its own: transformers picks some tokenizer classes by the model type."""
+    from llmflow.checkpoint import LATEST, TOKENIZER_DIR, read_meta, resolve_step_dir
+
+    if (directory / "config.json").is_file() or directory.name != TOKENIZER_DIR or not (directory.parent / LATEST).is_file():
+        return None
+    return read_meta(resolve_step_dir(directory.parent)).hf_config
+
+
+@lru_cache(maxsize=8)
+def _auto_tokenizer(directory: str, _files: tuple):
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        model_config = _checkpoint_model_config(Path(directory))
+        if model_config is not None:
+            return AutoTokenizer.from_pretrained(directory, config=AutoConfig.for_model(**model_config))
+        return AutoTokenizer.from_pretrained(directory)
+    except Exception as e:  # transformers raises anything from OSError to ValueError here
+        reason = " ".join(str(e).split())
+        raise TokenizeError(f"tokenizer {directory}: transformers' AutoTokenizer cannot load it: {reason}") from e
+
+
+def hf_tokenizer(directory: str | Path):
+    """``transformers.AutoTokenizer.from_pretrained(directory)``, loaded once per process: the
+    one source of truth for how text becomes ids (transformers builds some model types'
+    tokenizers in code, e.g. Qwen2's pre-tokenizer, whatever tokenizer.json says). Do not
+    change it: every caller in the process shares it."""
     directory = Path(directory)
     if not directory.is_dir():
         raise TokenizeError(f"tokenizer {directory}: no such directory")
-    path = directory / "tokenizer.json"
-    if not path.is_file():
+    if not has_tokenizer(directory):
         present = sorted(p.name for p in directory.iterdir())
         raise TokenizeError(
-            f"tokenizer {directory}: missing tokenizer.json (a fast tokenizer is required; "
-            f"save one with transformers' save_pretrained); found {present}"
+            f"tokenizer {directory}: no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)}; "
+            f"save them with transformers' save_pretrained); found {present}"
         )
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises a bare Exception
-        raise TokenizeError(f"tokenizer {path}: cannot be loaded: {e}") from e
+    # Keyed by the files' stamps too: a directory written again is loaded again.
+    files = tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(directory.iterdir()) if p.is_file())
+    return _auto_tokenizer(str(directory.resolve()), files)
+
+
+def load_tokenizer(directory: str | Path) -> Tokenizer:
+    """The fast tokenizer (``tokenizers.Tokenizer``) that ``AutoTokenizer.from_pretrained(directory)``
+    encodes with, as a copy of its own: ``encode``/``encode_batch`` give exactly the ids
+    ``AutoTokenizer(text, add_special_tokens=...)`` gives (no truncation, no padding, special
+    tokens split as the tokenizer's ``split_special_tokens`` says)."""
+    hf = hf_tokenizer(directory)
+    backend = getattr(hf, "backend_tokenizer", None)
+    if not isinstance(backend, Tokenizer):
+        raise TokenizeError(
+            f"tokenizer {directory}: transformers loads it as {type(hf).__name__}, which has no fast "
+            "(tokenizers) backend; llmflow needs a fast tokenizer"
+        )
+    return tokenizer_from_state((backend.to_str(), bool(hf.split_special_tokens)))
+
+
+def tokenizer_state(tokenizer: Tokenizer) -> tuple[str, bool]:
+    """What rebuilds ``tokenizer`` in another process (its JSON does not keep whether special
+    tokens are split)."""
+    return tokenizer.to_str(), tokenizer.encode_special_tokens
+
+
+def tokenizer_from_state(state: tuple[str, bool]) -> Tokenizer:
+    """The tokenizer ``tokenizer_state`` describes, without truncation or padding."""
+    tokenizer = Tokenizer.from_str(state[0])
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    tokenizer.encode_special_tokens = state[1]
+    return tokenizer
 
 
 class TokenizerInfo(BaseModel):
-    """What the stages need to know about a tokenizer directory."""
+    """What the stages need to know about a tokenizer directory (as transformers loads it)."""
 
     path: str
     length: int
     """len(tokenizer): ids in the vocabulary, added tokens included."""
+    bos_token_id: int | None
+    """Id of bos_token (None when the tokenizer has none)."""
     eos_token: str | None
     eos_token_id: int | None
     pad_token_id: int | None
@@ -50,30 +118,20 @@ class TokenizerInfo(BaseModel):
     """vocab_size of config.json beside the tokenizer, when there is one."""
 
 
-def _token_text(value) -> str | None:
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
 def tokenizer_info(directory: str | Path) -> TokenizerInfo:
     directory = Path(directory)
-    tok = load_tokenizer(directory)
-    config = tokenizer_config(directory)
-    if not config and (directory / "special_tokens_map.json").is_file():
-        config = json.loads((directory / "special_tokens_map.json").read_text())
-    eos, pad = _token_text(config.get("eos_token")), _token_text(config.get("pad_token"))
-    eos_id = tok.token_to_id(eos) if eos is not None else None
-    pad_id = tok.token_to_id(pad) if pad is not None else None
+    hf = hf_tokenizer(directory)
     config_vocab = None
     if (directory / "config.json").is_file():
         config_vocab = json.loads((directory / "config.json").read_text()).get("vocab_size")
+    eos_id = hf.eos_token_id
     return TokenizerInfo(
         path=str(directory),
-        length=tok.get_vocab_size(with_added_tokens=True),
-        eos_token=eos,
+        length=len(hf),
+        bos_token_id=hf.bos_token_id,
+        eos_token=hf.eos_token,
         eos_token_id=eos_id,
-        pad_token_id=pad_id if pad_id is not None else eos_id,
+        pad_token_id=hf.pad_token_id if hf.pad_token_id is not None else eos_id,
         config_vocab_size=config_vocab,
     )
 

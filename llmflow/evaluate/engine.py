@@ -25,12 +25,11 @@ from llmflow.artifacts import (
     write_json_atomic,
 )
 from llmflow.data.templates import load_template
-from llmflow.data.tokenizer import load_tokenizer
 from llmflow.evaluate.benchmarks import Benchmark
 from llmflow.evaluate.hub_data import local_data
 from llmflow.evaluate.prompts import CONTINUATIONS, chat_prompt
 from llmflow.evaluate.questions import LETTERS, BenchmarkData, Question
-from llmflow.evaluate.scoring import encode_requests, score_requests
+from llmflow.evaluate.scoring import model_requests, score_requests
 from llmflow.model_loading import load_model, tokenizer_dir
 from llmflow.runtime import available_device, detect_device_type, resolve_dtype
 
@@ -149,7 +148,7 @@ def evaluate(benchmark: Benchmark, config: EvalConfig) -> Path:
         template = load_template(tok_dir, config.template)
         prompts = [chat_prompt(p, template) for p in prompts]
     start = time.monotonic()
-    requests = encode_requests(load_tokenizer(tok_dir), prompts, CONTINUATIONS)
+    requests = model_requests(tok_dir, prompts, CONTINUATIONS)
     scores, fast = score_requests(model, requests, config.batch_size, max_length, config.padding_side)
     seconds = time.monotonic() - start
     results = {"benchmark": benchmark.name, **summarize(benchmark, questions, scores.argmax(dim=1).tolist())}

@@ -1,9 +1,11 @@
 """Log-likelihood scoring of multiple-choice continuations, as lm-evaluation-harness does it.
 
-Each question is a context and four continuations. They are tokenized as lm-evaluation-harness
-tokenizes them: trailing whitespace of the context moves to the continuation, and the
-continuation's tokens are those of context + continuation past the context's own tokens. A
-choice's score is the summed log-probability of its continuation tokens.
+Each question is a context and four continuations. They are tokenized as lm-evaluation-harness's
+``hf`` backend tokenizes them: trailing whitespace of the context moves to the continuation,
+texts are encoded with the tokenizer's default special tokens (so a context starts with BOS
+for Llama 2/3, Mistral and every tokenizer that adds one), and the continuation's tokens are
+those of context + continuation past the context's own tokens. A choice's score is the summed
+log-probability of its continuation tokens.
 
 When every continuation of a question is one token, all four scores come from one forward
 pass over the context (the next-token distribution at its last position); otherwise each
@@ -13,9 +15,11 @@ continuation is run in full. Both give the same numbers; the first is four times
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from llmflow.data.tokenizer import load_tokenizer, tokenizer_info
 from llmflow.models import CausalLM
 
 
@@ -38,12 +42,32 @@ def split_whitespace(context: str, continuation: str) -> tuple[str, str]:
     return stripped, context[len(stripped) :] + continuation
 
 
-def encode_requests(tokenizer, contexts: list[str], continuations: tuple[str, ...]) -> list[Request]:
-    """The requests of ``contexts`` x ``continuations``, tokenized without special tokens
-    (``tokenizer`` is a ``tokenizers.Tokenizer``)."""
+def prefix_text(tokenizer, bos_token_id: int | None, eos_token_id: int | None) -> str | None:
+    """The text of lm-evaluation-harness's prefix token (BOS, else EOS): a string that starts
+    with it is encoded without the tokenizer's special tokens."""
+    token = bos_token_id if bos_token_id is not None else eos_token_id
+    return tokenizer.decode([token], skip_special_tokens=False) if token is not None else None
+
+
+def encode_texts(tokenizer, texts: list[str], prefix: str | None) -> list[list[int]]:
+    """Ids of each text as lm-evaluation-harness's hf backend encodes it (``tok_encode``): with
+    the tokenizer's default special tokens (its BOS for Llama- and Mistral-style tokenizers),
+    except for a text that already starts with ``prefix``."""
+    adds = [not (prefix and text.startswith(prefix)) for text in texts]
+    ids: list[list[int]] = [[] for _ in texts]
+    for add in (True, False):
+        rows = [i for i, a in enumerate(adds) if a is add]
+        for i, encoding in zip(rows, tokenizer.encode_batch([texts[i] for i in rows], add_special_tokens=add)):
+            ids[i] = encoding.ids
+    return ids
+
+
+def encode_requests(tokenizer, contexts: list[str], continuations: tuple[str, ...], prefix: str | None) -> list[Request]:
+    """The requests of ``contexts`` x ``continuations`` (``tokenizer`` is a ``tokenizers.Tokenizer``),
+    each context and context + continuation encoded as ``encode_texts`` does."""
     pairs = [split_whitespace(ctx, cont) for ctx in contexts for cont in continuations]
-    context_ids = [e.ids for e in tokenizer.encode_batch([ctx for ctx, _ in pairs], add_special_tokens=False)]
-    whole_ids = [e.ids for e in tokenizer.encode_batch([ctx + cont for ctx, cont in pairs], add_special_tokens=False)]
+    context_ids = encode_texts(tokenizer, [ctx for ctx, _ in pairs], prefix)
+    whole_ids = encode_texts(tokenizer, [ctx + cont for ctx, cont in pairs], prefix)
     n = len(continuations)
     requests = []
     for i in range(len(contexts)):
@@ -51,6 +75,12 @@ def encode_requests(tokenizer, contexts: list[str], continuations: tuple[str, ..
         conts = [whole_ids[r][len(context_ids[r]) :] for r in rows]
         requests.append(Request(context_ids[i * n], conts))
     return requests
+
+
+def model_requests(tokenizer_dir: str | Path, contexts: list[str], continuations: tuple[str, ...]) -> list[Request]:
+    """``encode_requests`` with the tokenizer of ``tokenizer_dir`` as transformers loads it."""
+    tokenizer, info = load_tokenizer(tokenizer_dir), tokenizer_info(tokenizer_dir)
+    return encode_requests(tokenizer, contexts, continuations, prefix_text(tokenizer, info.bos_token_id, info.eos_token_id))
 
 
 def _batches(lengths: list[int], batch_size: int) -> list[list[int]]:
