@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from test_train_tasks import HF_CONFIG as TASK_MODEL
+from test_train_tasks import VOCAB, run_train_flow, step_losses
 
 from llmflow.artifacts import write_json_atomic
 from llmflow.checkpoint import LATEST, META, CheckpointMeta, NonFiniteError, dcp_save, save_checkpoint, step_name
@@ -36,21 +38,8 @@ from llmflow.train.config import TrainConfig
 from llmflow.train.data import PretrainSamples
 from llmflow.train.loop import train
 
-VOCAB = 96
-POISON = 95
-HF_CONFIG = {
-    "model_type": "qwen2",
-    "vocab_size": VOCAB,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 128,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-}
+HF_CONFIG = {**TASK_MODEL, "tie_word_embeddings": False}
+POISON = VOCAB - 1
 SEED = 4  # the data order that first feeds the poisoned document at step 4
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "LLMFLOW_DEVICE": "cpu"}
 
@@ -240,8 +229,6 @@ def test_tensor_parallel_ranks_agree_on_the_first_non_finite_gradient(poisoned_m
 @pytest.mark.slow
 def test_train_stage_fails_with_the_message_and_the_retry_after_the_fix_resumes(prefect_env, poisoned_model, tmp_path, monkeypatch):
     from prefect_helpers import mlflow_runs
-    from test_train_tasks import run_train_flow, step_losses
-
     for key, value in WORKER_ENV.items():
         monkeypatch.setenv(key, value)
     corpus = write_corpus(tmp_path / "corpus", poisoned=True)
