@@ -14,7 +14,7 @@ import torch
 from llmflow.cli import main
 from llmflow.infer import GenerateConfig
 
-PROMPTS = ["The capital of", "a", "Once upon a time in a land far away there lived"]
+PROMPTS = ["The capital of", "The river", "Once upon a time in a land far away there lived"]
 
 
 @pytest.fixture(scope="module")

@@ -206,11 +206,11 @@ def chat_loop(gen: Generator, template: ChatTemplate, config: GenerateConfig, in
         prompt = encode_prompts(gen.tokenizer, [template.render(history, add_generation_prompt=True)], False)
         try:
             reply = gen.run(prompt, config, on_text=lambda _, text: _write(out, text))[0]
+            _write(out, "\n")
         except KeyboardInterrupt:
             history.pop()
             _write(out, "\n")
             continue
-        _write(out, "\n")
         history.append({"role": "assistant", "content": reply.text})
 
 
