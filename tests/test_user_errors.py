@@ -193,6 +193,9 @@ def _chat(model: Path, finish) -> tuple[int, str]:
     then return its exit status and everything it printed."""
     pid, fd = pty.fork()
     if pid == 0:  # the child: the CLI, with the terminal as stdin, stdout and stderr
+        # As started from a shell on a terminal: a runner that started the tests in the
+        # background may have left SIGINT ignored, and exec keeps that.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.environ["OMP_NUM_THREADS"] = "1"
         os.environ.pop("LLMFLOW_DEBUG", None)
         os.execv(sys.executable, [sys.executable, "-m", "llmflow.cli", "chat", "--model", str(model)])
@@ -215,6 +218,8 @@ def _chat(model: Path, finish) -> tuple[int, str]:
     assert b"> " in output, output.decode(errors="replace")
     finish(pid, fd)
     read_until(lambda: False, 120)
+    if os.waitpid(pid, os.WNOHANG) == (0, 0):  # still running: it ignored what it was sent
+        os.kill(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
     os.close(fd)
     return os.waitstatus_to_exitcode(status), output.decode(errors="replace")
@@ -251,10 +256,15 @@ def test_chat_ctrl_c_during_a_reply_returns_to_the_prompt(sample):
             return written
 
     out = Terminal()
+    # Ctrl-C raises KeyboardInterrupt, as in any Python started from a terminal (a runner that
+    # started the tests in the background may have left SIGINT ignored).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         history = chat_loop(gen, template, config, io.StringIO("first question\nsecond question\n/exit\n"), out)
     except KeyboardInterrupt:
         pytest.fail("Ctrl-C during a reply ended the chat loop")
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert out.interrupted
     # The interrupted turn is forgotten: the next one is answered as if it were the first.
     expected = chat_loop(gen, template, config, io.StringIO("second question\n"), io.StringIO())
