@@ -339,9 +339,12 @@ def small_run(version: str, **evaluation) -> list[tuple[list[str], object, str |
 
 
 def registered(run_id: str) -> bool:
-    """Whether the flow run's last registry gate passed (the flow logs its verdict)."""
-    verdicts = [line for line in flow_run_logs(run_id) if line.startswith("registry gate: ")]
-    assert verdicts, f"flow run {run_id} logged no registry gate"
+    """Whether the flow run's last registry gate passed (the flow logs its verdict; the run's
+    last log lines can reach the API shortly after its state does)."""
+    deadline = time.monotonic() + 60
+    while not (verdicts := [line for line in flow_run_logs(run_id) if line.startswith("registry gate: ")]):
+        assert time.monotonic() < deadline, f"flow run {run_id} logged no registry gate"
+        time.sleep(1)
     return not verdicts[-1].endswith("not registered")
 
 
