@@ -320,8 +320,12 @@ def tp_worker() -> None:
     init_lora_weights(reference, gen(9))
     for name, param in lora_params:
         assert torch.equal(param.full_tensor(), reference.get_parameter(name)), name
-    print(f"rank {rank}: tensor-parallel LoRA matches one process ({len(lora_params)} adapter tensors)")
+    print(f"rank {rank}: tensor-parallel LoRA matches one process ({len(lora_params)} adapter tensors)", flush=True)
     dist.destroy_process_group()
+    # Every check has passed. This script's interpreter teardown once aborted in a gloo thread
+    # ("terminate called without an active exception", SIGABRT) after this point, which is not
+    # what the test checks: leave without running it.
+    os._exit(0)
 
 
 if __name__ == "__main__":
