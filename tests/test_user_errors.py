@@ -218,9 +218,10 @@ def _chat(model: Path, finish) -> tuple[int, str]:
     assert b"> " in output, output.decode(errors="replace")
     finish(pid, fd)
     read_until(lambda: False, 120)
-    if os.waitpid(pid, os.WNOHANG) == (0, 0):  # still running: it ignored what it was sent
+    reaped, status = os.waitpid(pid, os.WNOHANG)
+    if reaped == 0:  # still running: it ignored what it was sent
         os.kill(pid, signal.SIGKILL)
-    _, status = os.waitpid(pid, 0)
+        _, status = os.waitpid(pid, 0)
     os.close(fd)
     return os.waitstatus_to_exitcode(status), output.decode(errors="replace")
 
