@@ -360,3 +360,13 @@ def hub(monkeypatch, tmp_path):
     yield server
     server.shutdown()
     server.server_close()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A run that selects no test is a failure (exit status 1), never a quiet success: a marker
+    expression or path that matches nothing (``-m "not slow"`` after a rename) must show."""
+    if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line("error: no test was selected (pytest exit status 5)", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
