@@ -84,6 +84,25 @@ def make_hf_model(tmp_path_factory):
     return factory
 
 
+@pytest.fixture(scope="session")
+def sample_assets(tmp_path_factory):
+    """Factory: ``sample_assets(**fields)`` -> the directory ``write_sample`` wrote for
+    ``SampleConfig(**fields)`` (data, tokenizer, model), built once per session for each
+    distinct set of fields and shared by every test that asks for it: a test that changes
+    the files copies them first."""
+    from llmflow.sample import SampleConfig, write_sample
+
+    built: dict[tuple, object] = {}
+
+    def factory(**fields):
+        key = tuple(sorted(fields.items()))
+        if key not in built:
+            built[key] = write_sample(SampleConfig(out=tmp_path_factory.mktemp("sample") / "assets", **fields))
+        return built[key]
+
+    return factory
+
+
 @pytest.fixture
 def tokens():
     """Factory: ``tokens(batch, seq, vocab, seed=0)`` -> random int64 ids."""

@@ -22,7 +22,7 @@ from llmflow.flows.finetune_eval import FinetuneEvalParams, finetune_eval
 from llmflow.tasks.register import GATE_TAG, REASON_TAG
 from llmflow.tracking import FLOW_RUN_TAG
 
-pytestmark = pytest.mark.usefixtures("prefect_env")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_env")]  # every flow run launches torchrun
 
 # A flow run in its own process, as a worker or serve() runs it: cancelling it sends SIGTERM.
 FLOW_SCRIPT = """
@@ -133,13 +133,11 @@ def test_finetune_eval_runs_every_stage_tracks_it_and_reruns_from_cache(prefect_
     }
 
 
-def test_a_run_failing_in_its_last_evaluation_reruns_only_that_stage(prefect_env, tmp_path):
+def test_a_run_failing_in_its_last_evaluation_reruns_only_that_stage(prefect_env, sample_assets, tmp_path):
     """The evaluation data goes bad while the model trains (after the base model's score);
     once it is back as it was, a rerun executes only the final evaluation and what follows."""
-    from llmflow.sample import SampleConfig, write_sample
-
     data = tmp_path / "mmlu"
-    shutil.copytree(write_sample(SampleConfig(out=tmp_path / "sample")) / "mmlu" / "hf", data)
+    shutil.copytree(sample_assets() / "mmlu" / "hf", data)
     victim = next(data.rglob("test-*.parquet"))
     backup = tmp_path / "backup.parquet"
     shutil.copy2(victim, backup)

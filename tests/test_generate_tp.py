@@ -18,11 +18,8 @@ PROMPTS = ["The capital of", "The river", "Once upon a time in a land far away t
 
 
 @pytest.fixture(scope="module")
-def sample_model(tmp_path_factory) -> Path:
-    from llmflow.sample import SampleConfig, write_sample
-
-    root = tmp_path_factory.mktemp("generate_tp")
-    return write_sample(SampleConfig(out=root / "sample", instruct_rows=10, documents=5)) / "model"
+def sample_model(sample_assets) -> Path:
+    return sample_assets(instruct_rows=10, documents=20) / "model"
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +34,7 @@ def generate_cli(model: Path, prompts: Path, capsys, *options: str) -> list[dict
     return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
 
 
+@pytest.mark.slow
 def test_two_ranks_generate_what_one_process_generates(sample_model, prompts_file, capsys, monkeypatch):
     from llmflow.data.tokenizer import load_tokenizer
 

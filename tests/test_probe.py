@@ -310,13 +310,12 @@ def test_advisor_names_the_perturbed_mlp(clean_runs, mode, tmp_path, determinist
 
 
 @pytest.fixture(scope="module")
-def pretraining_data(tmp_path_factory) -> tuple[Path, Path]:
+def pretraining_data(sample_assets, tmp_path_factory) -> tuple[Path, Path]:
     """The sample model and its tokenized pretraining text."""
     from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig, tokenize_pretrain
-    from llmflow.sample import SampleConfig, write_sample
 
     root = tmp_path_factory.mktemp("worker")
-    sample = write_sample(SampleConfig(out=root / "sample", documents=40, instruct_rows=20))
+    sample = sample_assets(documents=40, instruct_rows=20)
     tokenize_pretrain(PretrainTokenizeConfig(input=[sample / "pretrain" / "corpus.parquet"], tokenizer=sample / "model",
                                              out=root / "wiki", append_eod=True))
     return sample / "model", root / "wiki"
@@ -337,6 +336,7 @@ def probed_config(tmp_path: Path, name: str, model: Path, data: Path, step: list
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "LLMFLOW_DEVICE": "cpu"}
 
 
+@pytest.mark.slow
 def test_training_worker_dumps_the_listed_steps(pretraining_data, tmp_path, deterministic):
     from llmflow.train.command import launch_training
     from llmflow.train.loop import train
@@ -361,6 +361,7 @@ def test_training_worker_dumps_the_listed_steps(pretraining_data, tmp_path, dete
     assert all(row.result == "pass" for row in report.ranks[0].rows)
 
 
+@pytest.mark.slow
 def test_tp2_against_tp1_compares_the_merged_shards_and_fsdp2_records_parameter_gradients(
         pretraining_data, tmp_path, deterministic):
     from llmflow.convert import ConvertConfig, convert

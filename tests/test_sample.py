@@ -26,8 +26,8 @@ MMLU_SCHEMA = pa.schema(
 
 
 @pytest.fixture(scope="module")
-def sample(tmp_path_factory) -> Path:
-    return write_sample(SampleConfig(out=tmp_path_factory.mktemp("s") / "sample"))
+def sample(sample_assets) -> Path:
+    return sample_assets()
 
 
 def manifest(root: Path) -> dict:

@@ -36,12 +36,10 @@ TOLERANCE = 1e-5  # fp32 losses of different layouts
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> dict[str, Path]:
+def assets(sample_assets, tmp_path_factory) -> dict[str, Path]:
     """Sample model and data, tokenized for pretraining and (packed) finetuning."""
-    from llmflow.sample import SampleConfig, write_sample
-
     root = tmp_path_factory.mktemp("train")
-    sample = write_sample(SampleConfig(out=root / "sample", instruct_rows=300, documents=60))
+    sample = sample_assets(instruct_rows=300, documents=60)
     model = sample / "model"
     tokenize_pretrain(PretrainTokenizeConfig(input=[sample / "pretrain" / "corpus.parquet"], tokenizer=model, out=root / "wiki", append_eod=True))
     tokenize_instruction(
@@ -173,6 +171,7 @@ def train_in_subprocess(cfg: TrainConfig) -> dict[int, float]:
     return losses(lines)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["pretrain", "sft"])
 @pytest.mark.parametrize("layout", [{"dp": 2}, {"tp": 2}], ids=["dp2", "tp2"])
 def test_loss_matches_one_process(assets, reference, tmp_path, kind, layout):
@@ -182,6 +181,7 @@ def test_loss_matches_one_process(assets, reference, tmp_path, kind, layout):
     assert_close(got, reference[kind])
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_is_exact_and_resumes_onto_another_layout(assets, reference, tmp_path):
     cfg = config(assets, tmp_path / "run", save_interval=3)
     path = tmp_path / "run.json"
