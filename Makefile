@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION := $(shell sed -n 's/^torch==//p' constraints.txt)
 WORK ?= workspace
 
-.PHONY: venv test demo bench clean
+.PHONY: venv browser test demo bench clean
 
 venv: $(STAMP)
 
@@ -20,7 +20,18 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $@
 
-test: $(STAMP)
+# The browser test drives Debian's Chromium through its chromedriver (never a downloaded one).
+browser:
+	@if ! command -v chromium >/dev/null || [ ! -x /usr/bin/chromedriver ]; then \
+		if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
+			echo "make browser: the tests need Debian's chromium and chromium-driver packages; install them as root" >&2; \
+			exit 1; \
+		fi; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			chromium chromium-driver >/dev/null; \
+	fi
+
+test: $(STAMP) browser
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
 
