@@ -2,8 +2,10 @@
 
 The output root holds one step directory, ``step_00000000``, with the model's weights under
 the DCP key "model", the vocabulary rows of the embedding (and untied output) matrix padded
-with zeros to a multiple of ``pad_vocab_to_multiple * tp``, the tokenizer files, ``latest``
-and a ``manifest.json`` written last.
+with zeros to a multiple of ``pad_vocab_to_multiple``, the tokenizer files, ``latest`` and a
+``manifest.json`` written last. The padding is the model's, recorded in the checkpoint: the
+embedding and output projection stay whole on every tensor-parallel rank, so one checkpoint
+trains, generates and evaluates at any tensor-parallel degree.
 
 Conversion streams: the safetensors files are read with plain file reads, one tensor at a
 time, straight into the DCP writer, one DCP file per tensor. Peak memory is about the
@@ -87,12 +89,9 @@ class ConvertConfig(BaseModel):
     with model.safetensors.index.json) and tokenizer files."""
     out: Path
     """Checkpoint root to write (latest, step_00000000/, tokenizer/, manifest.json)."""
-    tp: int = Field(default=1, ge=1)
-    """Tensor-parallel size the checkpoint will be trained with; only sets the vocabulary
-    padding (any layout loads the checkpoint)."""
     pad_vocab_to_multiple: int = Field(default=DEFAULT_VOCAB_MULTIPLE, ge=1)
-    """Pad the vocabulary rows to a multiple of this times tp (Megatron's
-    make-vocab-size-divisible-by); 1 turns padding off."""
+    """Pad the vocabulary rows to a multiple of this (Megatron's make-vocab-size-divisible-by);
+    1 turns padding off. The checkpoint then trains at any tensor-parallel degree."""
     init: Literal["weights", "random"] = "weights"
     """weights: the directory's weights; random: only its config.json and tokenizer, with
     freshly initialised weights (pretraining from scratch; no safetensors needed)."""
@@ -101,7 +100,7 @@ class ConvertConfig(BaseModel):
 
     def params(self) -> dict[str, Any]:
         """The parameters recorded in the manifest."""
-        params = {"hf": str(self.hf), "tp": self.tp, "pad_vocab_to_multiple": self.pad_vocab_to_multiple}
+        params = {"hf": str(self.hf), "pad_vocab_to_multiple": self.pad_vocab_to_multiple}
         return params | ({"init": self.init, "seed": self.seed} if self.init == "random" else {})
 
 
@@ -279,7 +278,7 @@ def convert(config: ConvertConfig) -> Path:
     if not hf_dir.is_dir():
         raise CheckpointError(f"--hf {hf_dir}: not a directory")
     model_config = ModelConfig.from_file(hf_dir)
-    padded = padded_vocab_size(model_config.vocab_size, config.pad_vocab_to_multiple, config.tp)
+    padded = padded_vocab_size(model_config.vocab_size, config.pad_vocab_to_multiple)
     if config.init == "weights":
         hf_tensors = index_hf_tensors(hf_dir)
         sources = plan_sources(hf_dir, model_config, hf_tensors, padded)

@@ -67,7 +67,7 @@ def test_sharded_loaders_build_the_model_of_one_process(sample_model, tmp_path, 
     from llmflow.infer.command import load_generator, make_generator
     from llmflow.mesh import ParallelLayout, build_mesh
 
-    ckpt = convert(ConvertConfig(hf=sample_model, out=tmp_path / "ckpt", tp=2))
+    ckpt = convert(ConvertConfig(hf=sample_model, out=tmp_path / "ckpt", pad_vocab_to_multiple=256))
     config = GenerateConfig(max_new_tokens=12)
     expected = [r.tokens for r in load_generator(sample_model).run(PROMPTS, config)]
     _one_rank_group(monkeypatch)

@@ -368,7 +368,7 @@ def test_tp2_against_tp1_compares_the_merged_shards_and_fsdp2_records_parameter_
 
     model, data = pretraining_data
     checkpoint = tmp_path / "ckpt"
-    convert(ConvertConfig(hf=model, out=checkpoint, tp=2))  # one vocabulary padding for both layouts
+    convert(ConvertConfig(hf=model, out=checkpoint))  # one checkpoint for every layout
     config = functools.partial(probed_config, tmp_path, model=checkpoint, data=data, step=[0], steps=1)
     for name, nproc, train in (("tp2", 2, {"tp": 2}), ("tp1", 1, {}), ("dp2", 2, {})):
         batch = 4 if name == "dp2" else 2  # one micro-batch per rank in every run

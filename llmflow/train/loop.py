@@ -110,7 +110,7 @@ class Topology:
 
 def topology(config: TrainConfig, env: runtime.DistEnv, model_config: ModelConfig) -> Topology:
     dp = config.dp or max(env.world_size // config.tp, 1)
-    layout = ParallelLayout(pp=1, dp=dp, tp=config.tp)
+    layout = ParallelLayout(dp=dp, tp=config.tp)
     validate_layout(layout, env.world_size, model_config)
     if not dist.is_initialized():
         return Topology(layout, 0, None, None)
