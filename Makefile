@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION := $(shell sed -n 's/^torch==//p' constraints.txt)
 WORK ?= workspace
 
-.PHONY: venv browser test demo bench clean
+.PHONY: venv browser test test-fast demo bench clean
 
 venv: $(STAMP)
 
@@ -31,9 +31,16 @@ browser:
 			chromium chromium-driver >/dev/null; \
 	fi
 
+# Everything, as CI runs it; the 25 slowest tests are listed at the end.
 test: $(STAMP) browser
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=25
+
+# The edit-test loop: every test not marked slow (no flows end to end, multi-rank runs,
+# browser or finetune). pytest exits non-zero (5) when nothing is collected.
+test-fast: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -m "not slow"
 
 demo: $(STAMP)
 	$(VENV)/bin/llmflow demo --workspace $(WORK)

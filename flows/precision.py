@@ -14,8 +14,8 @@ from prefect import flow
 from llmflow.artifacts import write_json_atomic
 from llmflow.flows import stages
 from llmflow.flows.params import PrecisionParams, RunSide, flow_parameters
-from llmflow.probe.compare import CROSS_LAYOUT_NOISE_FLOOR, CompareConfig
-from llmflow.probe.config import ProbeConfig
+from llmflow.probe.compare.tables import CROSS_LAYOUT_NOISE_FLOOR, CompareConfig
+from llmflow.probe.dump.config import ProbeConfig
 from llmflow.tasks.probe import compare_task
 from llmflow.tasks.train import train_task
 from llmflow.train.config import DataConfig, OptimConfig, TrainConfig

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import json
-import math
 import shutil
 import struct
 import time
@@ -46,7 +45,7 @@ from llmflow.checkpoint import (
 )
 from llmflow.models.config import ConfigError, ModelConfig
 from llmflow.models.decoder import CausalLM
-from llmflow.models.hf_checkpoint import CheckpointError, check_finite, safetensors_files
+from llmflow.models.hf_checkpoint import SAFETENSORS_DTYPES, CheckpointError, check_finite, safetensors_files
 from llmflow.models.hf_names import TIED_INPUT, TIED_OUTPUT, hf_to_ours
 
 STAGE = "convert"
@@ -63,20 +62,6 @@ TOKENIZER_PATTERNS = (
     "chat_template*",
     "generation_config.json",
 )
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
 
 
 class ConvertConfig(BaseModel):
@@ -114,21 +99,6 @@ class StoredTensor:
     offset: int
     """Byte offset of the data from the start of the file."""
     nbytes: int
-
-
-def safetensors_header(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> bytes:
-    """The header of a safetensors file whose tensors (name -> dtype, shape) follow it
-    back to back in this order, so the data can be written one tensor at a time after it."""
-    names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, (dtype, shape) in specs.items():
-        nbytes = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
 
 
 def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:

@@ -83,6 +83,7 @@ def test_a_deployment_run_with_one_nested_override_keeps_every_other_deployment_
         assert evaluated.parameters == {"workspace": str(workspace), "evaluation": {"limit": 2}}
 
 
+@pytest.mark.slow
 def test_a_flow_run_given_no_workspace_takes_the_environments_and_never_defaults(prefect_env, tmp_path,
                                                                                  monkeypatch):
     from llmflow.flows import stages

@@ -37,6 +37,7 @@ def generate_cli(model: Path, prompts: Path, capsys, *options: str) -> list[dict
     return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
 
 
+@pytest.mark.slow
 def test_two_ranks_generate_what_one_process_generates(sample_model, prompts_file, capsys, monkeypatch):
     from llmflow.data.tokenizer import load_tokenizer
 
@@ -64,7 +65,7 @@ def test_sharded_loaders_build_the_model_of_one_process(sample_model, tmp_path, 
     from llmflow import runtime
     from llmflow.convert import ConvertConfig, convert
     from llmflow.infer.__main__ import load_sharded_model
-    from llmflow.infer.command import load_generator, make_generator
+    from llmflow.infer.generator import load_generator, make_generator
     from llmflow.mesh import ParallelLayout, build_mesh
 
     ckpt = convert(ConvertConfig(hf=sample_model, out=tmp_path / "ckpt", pad_vocab_to_multiple=256))

@@ -18,11 +18,11 @@ import torch
 from llmflow.cli import main as cli_main
 from llmflow.models import CausalLM, ModelConfig
 from llmflow.probe import Dumper, ProbeConfig, load_probe_config, seed_all
-from llmflow.probe.advisor import first_divergence
-from llmflow.probe.compare import CROSS_LAYOUT_NOISE_FLOOR, CompareConfig, compare_dumps
-from llmflow.probe.config import expand_ranges
-from llmflow.probe.merge import merge_ranks
-from llmflow.probe.reading import Leaf, RankDump
+from llmflow.probe.compare.advisor import first_divergence
+from llmflow.probe.compare.merge import merge_ranks
+from llmflow.probe.compare.reading import Leaf, RankDump
+from llmflow.probe.compare.tables import CROSS_LAYOUT_NOISE_FLOOR, CompareConfig, compare_dumps
+from llmflow.probe.dump.config import expand_ranges
 
 # --- msprobe's dump schema ------------------------------------------------------------------------------
 # Written from msprobe's documentation (Ascend/mstt): the dump.json examples and field list of
@@ -337,6 +337,7 @@ def probed_config(tmp_path: Path, name: str, model: Path, data: Path, step: list
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "LLMFLOW_DEVICE": "cpu"}
 
 
+@pytest.mark.slow
 def test_training_worker_dumps_the_listed_steps(pretraining_data, tmp_path, deterministic):
     from llmflow.train.command import launch_training
     from llmflow.train.loop import train
@@ -361,6 +362,7 @@ def test_training_worker_dumps_the_listed_steps(pretraining_data, tmp_path, dete
     assert all(row.result == "pass" for row in report.ranks[0].rows)
 
 
+@pytest.mark.slow
 def test_tp2_against_tp1_compares_the_merged_shards_and_fsdp2_records_parameter_gradients(
         pretraining_data, tmp_path, deterministic):
     from llmflow.convert import ConvertConfig, convert

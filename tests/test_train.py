@@ -182,6 +182,7 @@ def odd_checkpoint(assets) -> Path:
     return convert(ConvertConfig(hf=assets["model"], out=assets["root"] / "ckpt-897", pad_vocab_to_multiple=897))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["pretrain", "sft"])
 @pytest.mark.parametrize("layout", [{"dp": 2}, {"tp": 2}], ids=["dp2", "tp2"])
 def test_loss_matches_one_process(assets, reference, odd_checkpoint, tmp_path, kind, layout):
@@ -194,6 +195,7 @@ def test_loss_matches_one_process(assets, reference, odd_checkpoint, tmp_path, k
     assert_close(got, reference[kind])
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_is_exact_and_resumes_onto_another_layout(assets, reference, tmp_path):
     cfg = config(assets, tmp_path / "run", save_interval=3)
     path = tmp_path / "run.json"

@@ -207,6 +207,7 @@ def test_train_cache_key_covers_model_and_data_files_not_the_checkpoints(assets,
     assert key() != first
 
 
+@pytest.mark.slow
 def test_train_task_streams_worker_lines_and_tracks_rank0_metrics(prefect_env, assets, tmp_path):
     config = train_config(assets, tmp_path / "run", steps=3)
     result, logs = run_train_flow(config, nproc=2)
@@ -241,6 +242,7 @@ def test_train_task_streams_worker_lines_and_tracks_rank0_metrics(prefect_env, a
     assert len(mlflow_runs(prefect_env, "train")) == 1
 
 
+@pytest.mark.slow
 def test_failing_worker_fails_the_task_with_its_error(prefect_env, assets, tmp_path):
     bad = write_corpus(tmp_path / "bad", [np.arange(VOCAB, VOCAB + 40) % 2**16 for _ in range(20)])
     config = train_config(assets, tmp_path / "run", data={"paths": [str(bad)]})
@@ -256,6 +258,7 @@ def test_failing_worker_fails_the_task_with_its_error(prefect_env, assets, tmp_p
     assert run.info.status == "FAILED"
 
 
+@pytest.mark.slow
 def test_cancelled_flow_kills_every_worker_and_the_rerun_resumes(prefect_env, prefect_server, assets, tmp_path):
     out = tmp_path / "run"
     # Enough steps after the first checkpoint that workers left running would still be training.
