@@ -43,7 +43,7 @@ from llmflow.checkpoint import (
     padded_vocab_size,
     step_name,
 )
-from llmflow.models.config import ConfigError, ModelConfig
+from llmflow.models.config import ModelConfig
 from llmflow.models.decoder import CausalLM
 from llmflow.models.hf_checkpoint import SAFETENSORS_DTYPES, CheckpointError, check_finite, safetensors_files
 from llmflow.models.hf_names import TIED_INPUT, TIED_OUTPUT, hf_to_ours
@@ -278,10 +278,7 @@ class ConvertCommand(ConvertConfig):
 
     def cli_cmd(self) -> None:
         start = time.monotonic()
-        try:
-            out = convert(ConvertConfig(**self.model_dump()))
-        except (ConfigError, CheckpointError, ValueError) as error:
-            raise SystemExit(f"llmflow convert: {error}") from None
+        out = convert(ConvertConfig(**self.model_dump()))
         size = sum(p.stat().st_size for p in (out / step_name(0)).iterdir())
         elapsed = time.monotonic() - start
         print(f"{out}: {size / 1e9:.3f} GB of weights in {elapsed:.1f} s ({size / 1e9 / elapsed:.2f} GB/s)")

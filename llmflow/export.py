@@ -41,7 +41,7 @@ from llmflow.checkpoint import (
     stored_tensors,
 )
 from llmflow.convert import StoredTensor, copy_tokenizer_files, index_hf_tensors, read_tensor
-from llmflow.models.config import ConfigError, ModelConfig
+from llmflow.models.config import ModelConfig
 from llmflow.models.decoder import CausalLM
 from llmflow.models.hf_checkpoint import CheckpointError, plan_shards, write_hf_weights, write_safetensors
 from llmflow.models.hf_names import TIED_INPUT, TIED_OUTPUT, expected_names, ours_to_hf
@@ -338,9 +338,6 @@ class ExportCommand(ExportConfig):
 
     def cli_cmd(self) -> None:
         start = time.monotonic()
-        try:
-            out = export(ExportConfig(**self.model_dump()))
-        except (ConfigError, CheckpointError, ValueError) as error:
-            raise SystemExit(f"llmflow export: {error}") from None
+        out = export(ExportConfig(**self.model_dump()))
         size = sum(p.stat().st_size for p in out.iterdir() if p.suffix == ".safetensors")
         print(f"{out}: {size / 1e9:.3f} GB of weights in {time.monotonic() - start:.1f} s")

@@ -221,11 +221,11 @@ def test_evaluate_task_logs_accuracy_and_table(prefect_env, sample, tmp_path):
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
     from prefect.client.schemas.sorting import ArtifactSort
 
-    from llmflow.tasks.evaluate import evaluate_mmlu_task
+    from llmflow.tasks.evaluate import EVAL_TASKS
 
     @flow
     def eval_flow(config: EvalConfig):
-        return evaluate_mmlu_task(config)
+        return EVAL_TASKS["mmlu"](config)
 
     config = EvalConfig(model=sample / "model", data=sample / "mmlu" / "hf", out=tmp_path / "eval", shots=0, limit=2)
     artifact = eval_flow(config)

@@ -87,10 +87,6 @@ NAMED_TEMPLATES: dict[str, str] = {
 }
 TEMPLATE_CHOICES = ("tokenizer", *NAMED_TEMPLATES)
 
-# Role names every template understands.
-ROLES = ("system", "user", "assistant")
-
-
 class TemplateError(ValueError):
     """A template that is missing, fails to render, or cannot split prompt from response."""
 

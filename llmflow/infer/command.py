@@ -171,7 +171,4 @@ class ChatCommand(GenerateConfig):
     def cli_cmd(self) -> None:
         gen = load_generator(self.model, self.device)
         config = GenerateConfig(**self.model_dump(include=set(GenerateConfig.model_fields)))
-        try:
-            chat_loop(gen, load_template(gen.tokenizer_dir, self.template), config, sys.stdin, sys.stdout)
-        except KeyboardInterrupt:  # Ctrl-C at the prompt ends the chat quietly
-            raise SystemExit(130) from None
+        chat_loop(gen, load_template(gen.tokenizer_dir, self.template), config, sys.stdin, sys.stdout)
