@@ -339,7 +339,8 @@ def registered(run_id: str) -> bool:
 
 
 @pytest.mark.timeout(900)  # includes starting the servers
-def test_ui_runs_finetune_eval_and_its_retry_skips_finished_stages(llmflow_server, prefect_api, browser, tmp_path):
+def test_ui_runs_finetune_eval_and_its_retry_skips_finished_stages(llmflow_server, prefect_api, browser, sample_assets,
+                                                                  tmp_path):
     server = llmflow_server
     with screenshots_on_failure(browser, tmp_path):
         # 1. The on-demand finetune-and-eval, run from its parameter form, completes.
@@ -359,10 +360,8 @@ def test_ui_runs_finetune_eval_and_its_retry_skips_finished_stages(llmflow_serve
 
         # 2. A run whose MMLU data goes bad once training has saved a checkpoint (the base model
         # was scored before training): its final evaluation fails.
-        from llmflow.sample import SampleConfig, write_sample
-
         data = tmp_path / "mmlu"
-        shutil.copytree(write_sample(SampleConfig(out=tmp_path / "sample")) / "mmlu" / "hf", data)
+        shutil.copytree(sample_assets() / "mmlu" / "hf", data)
         victim = next(data.rglob("test-*.parquet"))
         backup = tmp_path / "backup.parquet"
         shutil.copy2(victim, backup)

@@ -26,7 +26,6 @@ from llmflow.evaluate.prompts import CONTINUATIONS
 from llmflow.evaluate.questions import BenchmarkDataError
 from llmflow.evaluate.scoring import model_requests, score_loglikelihood
 from llmflow.model_loading import load_model
-from llmflow.sample import SampleConfig, write_sample
 
 # Subjects and their Chinese names as lm-evaluation-harness's _generate_configs.py lists them.
 CEVAL_NAMES = {"computer_network": "计算机网络", "logic": "逻辑学"}
@@ -114,9 +113,8 @@ def cmmlu(tmp_path_factory) -> tuple[dict, Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def sample(tmp_path_factory) -> Path:
-    return write_sample(SampleConfig(out=tmp_path_factory.mktemp("sample") / "assets", test_questions=2,
-                                     instruct_rows=20, documents=10))
+def sample(sample_assets) -> Path:
+    return sample_assets(test_questions=2, instruct_rows=20, documents=10)
 
 
 @pytest.mark.parametrize("shots", [0, 2])

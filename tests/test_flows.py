@@ -135,13 +135,11 @@ def test_finetune_eval_runs_every_stage_tracks_it_and_reruns_from_cache(prefect_
 
 
 @pytest.mark.slow
-def test_a_run_failing_in_its_last_evaluation_reruns_only_that_stage(prefect_env, tmp_path):
+def test_a_run_failing_in_its_last_evaluation_reruns_only_that_stage(prefect_env, sample_assets, tmp_path):
     """The evaluation data goes bad while the model trains (after the base model's score);
     once it is back as it was, a rerun executes only the final evaluation and what follows."""
-    from llmflow.sample import SampleConfig, write_sample
-
     data = tmp_path / "mmlu"
-    shutil.copytree(write_sample(SampleConfig(out=tmp_path / "sample")) / "mmlu" / "hf", data)
+    shutil.copytree(sample_assets() / "mmlu" / "hf", data)
     victim = next(data.rglob("test-*.parquet"))
     backup = tmp_path / "backup.parquet"
     shutil.copy2(victim, backup)

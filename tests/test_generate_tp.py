@@ -18,11 +18,8 @@ PROMPTS = ["The capital of", "The river", "Once upon a time in a land far away t
 
 
 @pytest.fixture(scope="module")
-def sample_model(tmp_path_factory) -> Path:
-    from llmflow.sample import SampleConfig, write_sample
-
-    root = tmp_path_factory.mktemp("generate_tp")
-    return write_sample(SampleConfig(out=root / "sample", instruct_rows=10, documents=5)) / "model"
+def sample_model(sample_assets) -> Path:
+    return sample_assets(instruct_rows=10, documents=5) / "model"
 
 
 @pytest.fixture(scope="module")

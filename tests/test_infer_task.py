@@ -20,7 +20,6 @@ from llmflow.infer.batch import (
 )
 from llmflow.infer.generate import GenerateConfig
 from llmflow.infer.generator import load_generator
-from llmflow.sample import SampleConfig, write_sample
 
 RECORDS = [
     {"prompt": "The capital of"},
@@ -33,9 +32,8 @@ MAX_NEW_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def sample(tmp_path_factory) -> Path:
-    return write_sample(SampleConfig(out=tmp_path_factory.mktemp("sample") / "assets", test_questions=2,
-                                     instruct_rows=20, documents=10))
+def sample(sample_assets) -> Path:
+    return sample_assets(test_questions=2, instruct_rows=20, documents=10)
 
 
 def write_jsonl(path: Path, records: list[dict]) -> Path:

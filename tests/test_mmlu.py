@@ -24,14 +24,12 @@ from llmflow.evaluate.scoring import (
     score_single_token,
 )
 from llmflow.model_loading import load_model
-from llmflow.sample import SampleConfig, write_sample
 
 
 @pytest.fixture(scope="module")
-def sample(tmp_path_factory):
+def sample(sample_assets):
     """The built-in sample assets, small: 3 subjects x (5 dev + 6 test) questions."""
-    out = tmp_path_factory.mktemp("sample") / "assets"
-    return write_sample(SampleConfig(out=out, test_questions=6, instruct_rows=40, documents=20))
+    return sample_assets(test_questions=6, instruct_rows=40, documents=20)
 
 
 @pytest.fixture(scope="module")

@@ -25,13 +25,11 @@ WORKER_ENV = {"OMP_NUM_THREADS": "1", "LLMFLOW_DEVICE": "cpu"}
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> dict[str, Path]:
+def assets(sample_assets, tmp_path_factory) -> dict[str, Path]:
     """The sample model (4 heads, 2 KV heads, FFN 352, vocab 832) and pretraining data
     tokenized with its tokenizer."""
-    from llmflow.sample import SampleConfig, write_sample
-
     root = tmp_path_factory.mktemp("preflight")
-    sample = write_sample(SampleConfig(out=root / "sample", instruct_rows=10, documents=20))
+    sample = sample_assets(instruct_rows=10, documents=20)
     model = sample / "model"
     tokenize_pretrain(PretrainTokenizeConfig(input=[sample / "pretrain" / "corpus.parquet"], tokenizer=model, out=root / "wiki", append_eod=True))
     return {"root": root, "model": model, "wiki": root / "wiki", "corpus": sample / "pretrain" / "corpus.parquet"}

@@ -310,13 +310,12 @@ def test_advisor_names_the_perturbed_mlp(clean_runs, mode, tmp_path, determinist
 
 
 @pytest.fixture(scope="module")
-def pretraining_data(tmp_path_factory) -> tuple[Path, Path]:
+def pretraining_data(sample_assets, tmp_path_factory) -> tuple[Path, Path]:
     """The sample model and its tokenized pretraining text."""
     from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig, tokenize_pretrain
-    from llmflow.sample import SampleConfig, write_sample
 
     root = tmp_path_factory.mktemp("worker")
-    sample = write_sample(SampleConfig(out=root / "sample", documents=40, instruct_rows=20))
+    sample = sample_assets(documents=40, instruct_rows=20)
     tokenize_pretrain(PretrainTokenizeConfig(input=[sample / "pretrain" / "corpus.parquet"], tokenizer=sample / "model",
                                              out=root / "wiki", append_eod=True))
     return sample / "model", root / "wiki"

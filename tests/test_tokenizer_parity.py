@@ -31,7 +31,6 @@ from llmflow.evaluate.prompts import CONTINUATIONS
 from llmflow.evaluate.scoring import model_requests
 from llmflow.infer.batch import encode
 from llmflow.infer.generate import encode_prompts
-from llmflow.sample import SampleConfig, write_sample
 
 TEXTS = [
     "The answer is (B) 1999.",
@@ -86,9 +85,8 @@ def _mistral_dir(directory: Path, package_file: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def sample(tmp_path_factory) -> Path:
-    return write_sample(SampleConfig(out=tmp_path_factory.mktemp("sample") / "assets", test_questions=2,
-                                     instruct_rows=20, documents=10))
+def sample(sample_assets) -> Path:
+    return sample_assets(test_questions=2, instruct_rows=20, documents=10)
 
 
 KINDS = ["sample-model", "sample-tokenizer", "bpe", "bpe-qwen2", *MISTRAL_FILES]

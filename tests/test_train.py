@@ -36,12 +36,10 @@ TOLERANCE = 1e-5  # fp32 losses of different layouts
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> dict[str, Path]:
+def assets(sample_assets, tmp_path_factory) -> dict[str, Path]:
     """Sample model and data, tokenized for pretraining and (packed) finetuning."""
-    from llmflow.sample import SampleConfig, write_sample
-
     root = tmp_path_factory.mktemp("train")
-    sample = write_sample(SampleConfig(out=root / "sample", instruct_rows=300, documents=60))
+    sample = sample_assets(instruct_rows=300, documents=60)
     model = sample / "model"
     tokenize_pretrain(PretrainTokenizeConfig(input=[sample / "pretrain" / "corpus.parquet"], tokenizer=model, out=root / "wiki", append_eod=True))
     tokenize_instruction(

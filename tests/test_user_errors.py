@@ -19,14 +19,13 @@ import pytest
 import torch
 
 from llmflow.convert import ConvertConfig, convert
-from llmflow.sample import SampleConfig, write_sample
 
 pytestmark = pytest.mark.slow  # every test starts the CLI (torch, transformers) at least once
 
 
 @pytest.fixture(scope="module")
-def sample(tmp_path_factory) -> Path:
-    return write_sample(SampleConfig(out=tmp_path_factory.mktemp("user_errors") / "sample"))
+def sample(sample_assets) -> Path:
+    return sample_assets()
 
 
 @pytest.fixture(scope="module")
