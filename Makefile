@@ -1,5 +1,4 @@
-# Two entry points for a fresh machine: `make demo` and `make test` (`make test-fast`
-# runs the tests not marked slow, in under 3 minutes on 2 cores).
+# Two entry points for a fresh machine: `make demo` and `make test`.
 # Both create the virtual environment when it is missing.
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION := $(shell sed -n 's/^torch==//p' constraints.txt)
 WORK ?= workspace
 
-.PHONY: venv test test-fast demo bench clean
+.PHONY: venv browser test test-fast demo bench clean
 
 venv: $(STAMP)
 
@@ -21,10 +20,24 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $@
 
-test: $(STAMP)
-	$(VENV)/bin/ruff check .
-	$(PY) -m pytest
+# The browser test drives Debian's Chromium through its chromedriver (never a downloaded one).
+browser:
+	@if ! command -v chromium >/dev/null || [ ! -x /usr/bin/chromedriver ]; then \
+		if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
+			echo "make browser: the tests need Debian's chromium and chromium-driver packages; install them as root" >&2; \
+			exit 1; \
+		fi; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			chromium chromium-driver >/dev/null; \
+	fi
 
+# Everything, as CI runs it; the 25 slowest tests are listed at the end.
+test: $(STAMP) browser
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest --durations=25
+
+# The edit-test loop: every test not marked slow (no flows end to end, multi-rank runs,
+# browser or finetune). A run that selects no test fails (tests/conftest.py).
 test-fast: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -m "not slow"

@@ -32,7 +32,8 @@ def run_direct(workspace: Path, params) -> float:
     """The flow's stages as plain function calls; seconds."""
     from llmflow.convert import ConvertConfig, convert
     from llmflow.data.tokenize_instruction import InstructionTokenizeConfig, tokenize_instruction
-    from llmflow.evaluate.mmlu import MMLUConfig, evaluate_mmlu
+    from llmflow.evaluate.benchmarks import MMLU
+    from llmflow.evaluate.engine import EvalConfig, evaluate
     from llmflow.export import ExportConfig, export
     from llmflow.flows.stages import write_prompts
     from llmflow.infer.batch import InferConfig, run_inference
@@ -48,14 +49,14 @@ def run_direct(workspace: Path, params) -> float:
         input=[sample / "instruct" / "alpaca.parquet"], tokenizer=model, out=workspace / "data" / "sft",
         format="alpaca", seq_length=params.seq_length))
     evaluation = params.evaluation.model_dump(exclude={"data"})
-    evaluate_mmlu(MMLUConfig(model=model, data=mmlu, out=workspace / "eval-base", **evaluation))
+    evaluate(MMLU, EvalConfig(model=model, data=mmlu, out=workspace / "eval-base", **evaluation))
     run = launch_training(params.train.train_config(Path(checkpoint), workspace / "run",
                                                    DataConfig(kind="sft", paths=[str(data)])),
                           params.train.nproc, on_line=lambda line: None)
     exported = export(ExportConfig(ckpt=run, out=workspace / "model"))
     run_inference(InferConfig(model=exported, prompts=write_prompts(workspace, params.prompts), out=workspace / "answers",
                               template="tokenizer", max_new_tokens=params.max_new_tokens))
-    evaluate_mmlu(MMLUConfig(model=exported, data=mmlu, out=workspace / "eval", **evaluation))
+    evaluate(MMLU, EvalConfig(model=exported, data=mmlu, out=workspace / "eval", **evaluation))
     return time.perf_counter() - start
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from llmflow.evaluate.mmlu import prompts_for, select_questions
+from llmflow.evaluate.benchmarks import MMLU
+from llmflow.evaluate.engine import prompts_for, select_questions
 from llmflow.evaluate.mmlu_data import load_mmlu
 from llmflow.evaluate.prompts import CONTINUATIONS
 from llmflow.evaluate.scoring import (
@@ -50,7 +51,7 @@ def run(model_path: Path, data_path: Path, shots: int, limit: int, batch_size: i
     model.eval()
     max_length = int(hf_config.get("max_position_embeddings") or 2048)
     data = load_mmlu(data_path)
-    prompts = prompts_for(select_questions(data, limit), data, shots)
+    prompts = prompts_for(MMLU, select_questions(MMLU, data, limit), data, shots)
     requests: list[Request] = model_requests(tokenizer_dir(model_path), prompts, CONTINUATIONS)
     (ours, _), ours_s = timed(lambda: score_requests(model, requests, batch_size, max_length))
     theirs, theirs_s = timed(lambda: score_loglikelihood(model, requests, batch_size, max_length))

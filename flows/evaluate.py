@@ -24,7 +24,7 @@ def evaluate(params: EvaluateParams) -> dict[str, Any]:
         data = {"mmlu": sources.mmlu(params.evaluation.data), "ceval": params.ceval_data, "cmmlu": params.cmmlu_data}
         name = stages.slug(params.model)
         scored = {benchmark: stages.run_eval(workspace, params.evaluation, model, data[benchmark], name,
-                                             "evaluate" in refresh, benchmark)
+                                             refresh, benchmark)
                   for benchmark in params.benchmarks}
         result = {**{b: s.manifest["accuracy"] for b, s in scored.items()},
                   "evaluation": ", ".join(s.path for s in scored.values()), "mlflow_run": run.mlflow_run}

@@ -46,36 +46,36 @@ def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
         mmlu_data = sources.mmlu(params.evaluation.data)
         name = stages.slug(params.model)
 
-        checkpoint = stages.run_convert(run, model_dir, name, params.train.tp)
+        checkpoint = stages.run_convert(run, model_dir, name)
         data_tag = stages.settings_tag(params.data_files, params.data_format, params.map_keys, params.template,
                                        params.seq_length, params.pack)
         tokenized = stages.run(tokenize_instruction_task, InstructionTokenizeConfig(
             input=data, tokenizer=model_dir, format=params.data_format, map_keys=params.map_keys,
             template=params.template, seq_length=params.seq_length, pack=params.pack,
             out=workspace / "data" / name / f"{stages.slug(params.data)}-{data_tag}",
-        ), refresh="tokenize" in refresh)
+        ), refresh=refresh)
         # Scored before training: an unchanged base model's score comes from cache.
         before = stages.run_eval(workspace, params.evaluation, model_dir, mmlu_data, f"base-{name}",
-                                 "evaluate-base" in refresh).manifest["accuracy"]
+                                 refresh).manifest["accuracy"]
         # The run directory is named by everything the weights depend on: a changed input gets
         # a fresh run instead of "resuming" a finished one.
         inputs_tag = stages.settings_tag(params.train, checkpoint.manifest.get("files"), tokenized.manifest.get("files"))
         run_name = f"{name}-{run.version}-{inputs_tag}"
         trained = stages.run(train_task, params.train.train_config(
             Path(checkpoint.path), workspace / "runs" / run_name, DataConfig(kind="sft", paths=[tokenized.path]),
-        ), nproc=params.train.nproc, refresh="train" in refresh)
+        ), nproc=params.train.nproc, refresh=refresh)
         exported = stages.run(export_task, ExportConfig(
             ckpt=Path(trained.path), out=workspace / "models" / run_name, merge_lora=params.train.lora is not None,
-        ), refresh="export" in refresh)
+        ), refresh=refresh)
         answers = None
         if params.prompts:
             answers = stages.run(infer_task, InferConfig(
                 model=Path(exported.path), prompts=stages.write_prompts(workspace, params.prompts),
                 out=workspace / "generations" / run_name, template=params.template or "tokenizer",
                 max_new_tokens=params.max_new_tokens,
-            ), refresh="infer" in refresh).path
+            ), refresh=refresh).path
         after = stages.run_eval(workspace, params.evaluation, exported.path, mmlu_data, run_name,
-                                "evaluate" in refresh).manifest["accuracy"]
+                                refresh).manifest["accuracy"]
         scores = {"mmlu_before": before, "mmlu_after": after}
         tracking.log_metrics(run.mlflow_run, scores)
         registered = gate = None
@@ -85,7 +85,7 @@ def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
             print(f"registry gate: {gate.reason}")
             if gate.passed:
                 registered = stages.run(register_model_task, params.registered_model, exported, scores,
-                                        refresh="register" in refresh)
+                                        refresh=refresh)
         result = {
             **scores,
             "version": run.version,

@@ -21,11 +21,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic.fields import FieldInfo
 
 from llmflow.data.conversations import Format
 from llmflow.data.tokenize_instruction import TemplateName
-from llmflow.models.lora import LoraConfig
 from llmflow.train.config import DataConfig, OptimConfig, TrainConfig
 from llmflow.train.preflight import batch_problems, device_problems, parallel_problems
 
@@ -33,9 +33,10 @@ SAMPLE = "sample"
 """Source value that means "the built-in sample assets" (written by the sample stage)."""
 
 Stage = Literal[
-    "sample", "download", "convert", "tokenize", "evaluate-base", "train", "export", "infer", "evaluate", "register",
-    "compare",
+    "sample", "download", "convert", "tokenize-instruction", "tokenize-pretrain", "eval-mmlu", "eval-ceval",
+    "eval-cmmlu", "train", "export", "infer", "register", "probe-compare",
 ]
+"""A stage's name as the Prefect UI shows it (its task's name)."""
 
 
 class Params(BaseModel):
@@ -71,30 +72,9 @@ def flow_parameters(model: type[P]) -> Callable[[Callable[[P], R]], Callable[...
     return decorate
 
 
-class TrainParams(Params):
-    """How the model is trained. The defaults are the recipe that teaches the sample model
-    its facts in about two minutes on two CPU cores; real models want a far lower lr."""
-
-    steps: int = Field(default=500, ge=1)
-    """Optimizer steps."""
-    micro_batch_size: int = Field(default=16, ge=1)
-    """Samples per rank per forward/backward."""
-    global_batch_size: int = Field(default=16, ge=1)
-    """Samples per optimizer step over all data-parallel ranks."""
-    optim: OptimConfig = OptimConfig(lr=5e-3, min_lr=5e-4, warmup_steps=20, decay="linear")
-    """AdamW and its learning-rate schedule."""
-    lora: LoraConfig | None = None
-    """Train LoRA adapters (merged into the exported model) instead of every weight."""
+class _TrainSettings(Params):
     nproc: int = Field(default=1, ge=1)
     """Worker processes (one per accelerator; CPU runs use gloo)."""
-    tp: int = Field(default=1, ge=1)
-    """Tensor-parallel degree; nproc / tp ranks are data parallel."""
-    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
-    """Compute dtype: auto = bf16 on accelerators, fp32 on CPU."""
-    save_interval: int | None = Field(default=100, ge=1)
-    """Checkpoint every this many steps: a retried run resumes from the last one."""
-    seed: int = 1234
-    """Seed of the data order and of LoRA's initialisation."""
 
     def train_config(self, model: Path, out: Path, data: DataConfig, seq_length: int | None = None) -> TrainConfig:
         """The training stage's config for these settings."""
@@ -103,12 +83,35 @@ class TrainParams(Params):
                                            "seq_length": seq_length, "log_interval": 10})
 
     @model_validator(mode="after")
-    def _layout_fits(self) -> TrainParams:
-        problems = parallel_problems(self.nproc, self.tp) + device_problems(self.nproc)
-        problems += batch_problems(self.global_batch_size, self.micro_batch_size, max(self.nproc // self.tp, 1))
+    def _layout_fits(self) -> _TrainSettings:
+        tp, micro, batch = self.tp, self.micro_batch_size, self.global_batch_size  # type: ignore[attr-defined]
+        problems = parallel_problems(self.nproc, tp) + device_problems(self.nproc)
+        problems += batch_problems(batch, micro, max(self.nproc // tp, 1))
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+
+def _train_config_fields(defaults: dict[str, Any]) -> dict[str, Any]:
+    """``TrainConfig``'s fields named in ``defaults`` (type, constraints, docstring), each with
+    the flows' own default."""
+    fields = TrainConfig.model_fields
+    return {name: (fields[name].annotation, FieldInfo.merge_field_infos(fields[name], default=default))
+            for name, default in defaults.items()}
+
+
+TrainParams = create_model(
+    "TrainParams",
+    __base__=_TrainSettings,
+    __module__=__name__,
+    __doc__="""How the model is trained: ``TrainConfig``'s settings, with defaults that teach the
+    sample model its facts in about two minutes on two CPU cores (real models want a far lower lr).""",
+    **_train_config_fields({
+        "steps": 500, "micro_batch_size": 16, "global_batch_size": 16,
+        "optim": OptimConfig(lr=5e-3, min_lr=5e-4, warmup_steps=20, decay="linear"),
+        "lora": None, "tp": 1, "dtype": "auto", "save_interval": 100, "seed": 1234,
+    }),
+)
 
 
 class EvalParams(Params):

@@ -6,7 +6,6 @@ worst rows go to MLflow and to Prefect artifacts."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +14,8 @@ from prefect import flow
 from llmflow.artifacts import write_json_atomic
 from llmflow.flows import stages
 from llmflow.flows.params import PrecisionParams, RunSide, flow_parameters
-from llmflow.probe.compare import CROSS_LAYOUT_NOISE_FLOOR, CompareConfig
-from llmflow.probe.config import ProbeConfig
+from llmflow.probe.compare.tables import CROSS_LAYOUT_NOISE_FLOOR, CompareConfig
+from llmflow.probe.dump.config import ProbeConfig
 from llmflow.tasks.probe import compare_task
 from llmflow.tasks.train import train_task
 from llmflow.train.config import DataConfig, OptimConfig, TrainConfig
@@ -28,10 +27,7 @@ def dump_run(run: stages.FlowRun, params: PrecisionParams, side: RunSide, label:
     """Convert ``side``'s model, train ``params.steps`` deterministic steps with the probe on;
     returns the dump's step folder of the first dumped step."""
     model_dir = run.sources.model(side.model)
-    # Both runs pad the vocabulary alike (for the larger tensor-parallel degree), so the same
-    # model gives both the same weights, of the same shapes.
-    padding_tp = math.lcm(params.target.tp, params.bench.tp)
-    checkpoint = stages.run_convert(run, model_dir, stages.slug(side.model), padding_tp)
+    checkpoint = stages.run_convert(run, model_dir, stages.slug(side.model))
     folder = run.workspace / "precision" / f"{label}-{stages.settings_tag(side, params, checkpoint.manifest.get('files'))}"
     probe = ProbeConfig(task=params.task, dump_path=folder / "dump", step=params.dump_steps, level=params.level)
     probe_file = write_json_atomic(folder / "probe.json", probe.model_dump(mode="json", by_alias=True, exclude_none=True))
@@ -42,7 +38,7 @@ def dump_run(run: stages.FlowRun, params: PrecisionParams, side: RunSide, label:
         dtype=side.dtype, deterministic=True, probe=str(probe_file), save_interval=None,
     )
     device = None if side.device == "auto" else side.device
-    stages.run(train_task, config, nproc=side.tp, device=device, refresh="train" in run.refresh)
+    stages.run(train_task, config, nproc=side.tp, device=device, refresh=run.refresh)
     return folder / "dump" / f"step{min(params.dump_steps)}"
 
 
@@ -60,7 +56,7 @@ def precision(params: PrecisionParams) -> dict[str, Any]:
         out = run.workspace / "precision" / f"compare-{stages.settings_tag(str(target), str(bench))}"
         noise_floor = CROSS_LAYOUT_NOISE_FLOOR if params.target.tp != params.bench.tp else 0.0  # float32 rounding
         compared = stages.run(compare_task, CompareConfig(target=target, bench=bench, out=out, norm_noise_floor=noise_floor),
-                              refresh="compare" in run.refresh)
+                              refresh=run.refresh)
         advice = (Path(compared.path) / "advisor.txt").read_text(encoding="utf-8")
         result = {"advice": advice, "comparison": compared.path, "mlflow_run": run.mlflow_run}
     return result

@@ -36,7 +36,7 @@ def pretrain(params: PretrainParams) -> dict[str, Any]:
         texts = sources.pretraining_text(params.data, params.data_files)
         name = stages.slug(params.model)
 
-        checkpoint = stages.run_convert(run, model_dir, name, params.train.tp, params.init, params.train.seed)
+        checkpoint = stages.run_convert(run, model_dir, name, params.init, params.train.seed)
         tokenized = stages.run_tokenize_pretrain(run, texts, model_dir, params.model, params.data, params.data_files,
                                                  params.text_key)
         inputs_tag = stages.settings_tag(params.train, params.seq_length, checkpoint.manifest.get("files"),
@@ -45,11 +45,11 @@ def pretrain(params: PretrainParams) -> dict[str, Any]:
         trained = stages.run(train_task, params.train.train_config(
             Path(checkpoint.path), workspace / "runs" / run_name, DataConfig(kind="pretrain", paths=[tokenized.path]),
             seq_length=params.seq_length,
-        ), nproc=params.train.nproc, refresh="train" in refresh)
+        ), nproc=params.train.nproc, refresh=refresh)
         exported = stages.run(export_task, ExportConfig(ckpt=Path(trained.path), out=workspace / "models" / run_name),
-                              refresh="export" in refresh)
+                              refresh=refresh)
         scored = stages.run_eval(workspace, params.evaluation, exported.path, sources.mmlu(params.evaluation.data),
-                                 run_name, "evaluate" in refresh)
+                                 run_name, refresh)
         result = {"mmlu": scored.manifest["accuracy"], "version": run.version, "checkpoint": trained.path,
                   "model": exported.path, "evaluation": scored.path, "mlflow_run": run.mlflow_run}
         publish_summary(FLOW, result, run.mlflow_run)

@@ -7,7 +7,7 @@ import contextlib
 import hashlib
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -87,18 +87,20 @@ def intact(artifact: StageArtifact) -> bool:
     return read_manifest(path) is not None
 
 
-def run(task: Task, *args: Any, refresh: bool = False, **kwargs: Any) -> Any:
+def run(task: Task, *args: Any, refresh: Collection[str] = (), **kwargs: Any) -> Any:
     """Call a stage task in the flow (never ``submit``: a cancelled run must unwind through
     the task so its workers are killed). A cached result whose output has since been
-    deleted runs the stage again; ``refresh`` forces it."""
-    result = task.with_options(refresh_cache=True if refresh else None)(*args, **kwargs)
-    if isinstance(result, StageArtifact) and not refresh and not intact(result):
+    deleted runs the stage again; naming the task in ``refresh`` (the stage names the UI
+    shows) forces it."""
+    forced = task.name in refresh
+    result = task.with_options(refresh_cache=True if forced else None)(*args, **kwargs)
+    if isinstance(result, StageArtifact) and not forced and not intact(result):
         result = task.with_options(refresh_cache=True)(*args, **kwargs)
     return result
 
 
 def run_eval(workspace: Path, evaluation: EvalParams, model: str | Path, data: str, name: str,
-             refresh: bool = False, benchmark: str = "mmlu") -> StageArtifact:
+             refresh: Collection[str] = (), benchmark: str = "mmlu") -> StageArtifact:
     """The ``benchmark`` evaluation stage on ``model`` into ``eval/{name}-{settings}``; hub data
     is cached under the workspace's ``downloads/``."""
     settings = evaluation.model_dump(exclude={"data"})
@@ -107,14 +109,13 @@ def run_eval(workspace: Path, evaluation: EvalParams, model: str | Path, data: s
     return run(EVAL_TASKS[benchmark], config, refresh=refresh)
 
 
-def run_convert(context: FlowRun, model_dir: Path, name: str, tp: int, init: str = "weights",
-                seed: int = 0) -> StageArtifact:
-    """The convert stage of ``model_dir`` into ``checkpoints/{name}-tp{tp}`` (``-random{seed}``
-    when initialised from the config): every flow names a model's checkpoint alike, so they share it."""
+def run_convert(context: FlowRun, model_dir: Path, name: str, init: str = "weights", seed: int = 0) -> StageArtifact:
+    """The convert stage of ``model_dir`` into ``checkpoints/{name}`` (``-random{seed}`` when
+    initialised from the config): every flow, at every tensor-parallel degree, names a model's
+    checkpoint alike, so they share it."""
     suffix = "" if init == "weights" else f"-random{seed}"
-    config = ConvertConfig(hf=model_dir, out=context.workspace / "checkpoints" / f"{name}-tp{tp}{suffix}", tp=tp,
-                           init=init, seed=seed)
-    return run(convert_task, config, refresh="convert" in context.refresh)
+    config = ConvertConfig(hf=model_dir, out=context.workspace / "checkpoints" / f"{name}{suffix}", init=init, seed=seed)
+    return run(convert_task, config, refresh=context.refresh)
 
 
 def run_tokenize_pretrain(context: FlowRun, texts: list[Path], tokenizer: Path, model: str, data: str,
@@ -123,7 +124,7 @@ def run_tokenize_pretrain(context: FlowRun, texts: list[Path], tokenizer: Path, 
     names a tokenization alike, so they share it."""
     out = context.workspace / "data" / slug(model) / f"{slug(data)}-{settings_tag(data_files, text_key)}"
     config = PretrainTokenizeConfig(input=texts, tokenizer=tokenizer, text_key=text_key, append_eod=True, out=out)
-    return run(tokenize_pretrain_task, config, refresh="tokenize" in context.refresh)
+    return run(tokenize_pretrain_task, config, refresh=context.refresh)
 
 
 @dataclass
@@ -165,7 +166,7 @@ class Sources:
         """The sample assets' directory."""
         if self._sample is None:
             config = SampleConfig(out=self.workspace / "sample")
-            self._sample = Path(run(sample_task, config, refresh="sample" in self.refresh).path)
+            self._sample = Path(run(sample_task, config, refresh=self.refresh).path)
         return self._sample
 
     def fetch(self, source: str, repo_type: str = "model", revision: str | None = None,
@@ -179,7 +180,7 @@ class Sources:
         parse_source(source)
         config = DownloadConfig(source=source, out=self.workspace / "downloads" / slug(source), revision=revision,
                                 include=include or [], repo_type=repo_type)
-        return Path(run(download_task, config, refresh="download" in self.refresh).path)
+        return Path(run(download_task, config, refresh=self.refresh).path)
 
     def model(self, source: str, revision: str | None = None) -> Path:
         """A Hugging Face model directory."""

@@ -13,7 +13,7 @@ The DCP state holds the model's parameters under the top-level key ``"model"`` (
 ``CausalLM.state_dict()`` gives them, so DCP names look like
 ``model.model.layers.0.self_attn.q_proj.weight``), and optionally ``"optimizer"``,
 ``"scheduler"`` and ``"train"``. DCP reshards on load: a checkpoint saved under any
-data/tensor/pipeline layout loads into any other, or into one process.
+data/tensor layout loads into any other, or into one process.
 
 A step directory is written beside its final name, renamed into place once every rank has
 finished, and only then named by ``latest`` (itself replaced by rename): a process killed
@@ -68,8 +68,8 @@ class CheckpointMeta(BaseModel):
     """Optimizer steps taken when the checkpoint was saved."""
     consumed_samples: int = 0
     """Training samples consumed when the checkpoint was saved."""
-    layout: dict[str, int] = Field(default_factory=lambda: {"dp": 1, "tp": 1, "pp": 1})
-    """Parallel layout the checkpoint was saved under (data, tensor, pipeline parallel sizes)."""
+    layout: dict[str, int] = Field(default_factory=lambda: {"dp": 1, "tp": 1})
+    """Parallel layout the checkpoint was saved under (data- and tensor-parallel sizes)."""
     lora: dict[str, Any] | None = None
     """The LoRA config (with at least ``rank`` and ``alpha``) when the checkpoint holds only
     adapter weights (``...q_proj.lora_A.weight``, ``...q_proj.lora_B.weight``); None for full weights."""
@@ -86,13 +86,11 @@ def step_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def padded_vocab_size(vocab_size: int, multiple: int, tp: int) -> int:
-    """``vocab_size`` rounded up to a multiple of ``multiple * tp`` (Megatron's rule), so
-    that every tensor-parallel rank holds an equal slice of a multiple-of-``multiple`` rows."""
-    if vocab_size < 1 or multiple < 1 or tp < 1:
-        raise ValueError(f"padded_vocab_size: vocab_size={vocab_size}, multiple={multiple}, tp={tp} must be >= 1")
-    step = multiple * tp
-    return -(-vocab_size // step) * step
+def padded_vocab_size(vocab_size: int, multiple: int) -> int:
+    """``vocab_size`` rounded up to a multiple of ``multiple``."""
+    if vocab_size < 1 or multiple < 1:
+        raise ValueError(f"padded_vocab_size: vocab_size={vocab_size}, multiple={multiple} must be >= 1")
+    return -(-vocab_size // multiple) * multiple
 
 
 def latest_step_dir(root: str | Path) -> Path | None:

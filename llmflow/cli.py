@@ -31,7 +31,7 @@ from llmflow.evaluate.commands import CEvalCommand, CMMLUCommand, MMLUCommand
 from llmflow.export import ExportCommand
 from llmflow.infer.command import ChatCommand, GenerateCommand
 from llmflow.launch import WorkerError
-from llmflow.probe.command import CompareCommand
+from llmflow.probe.compare.command import CompareCommand
 from llmflow.sample import SampleCommand
 from llmflow.server import ServerCommand
 from llmflow.train.command import TrainCommand

@@ -2,8 +2,10 @@
 
 The output root holds one step directory, ``step_00000000``, with the model's weights under
 the DCP key "model", the vocabulary rows of the embedding (and untied output) matrix padded
-with zeros to a multiple of ``pad_vocab_to_multiple * tp``, the tokenizer files, ``latest``
-and a ``manifest.json`` written last.
+with zeros to a multiple of ``pad_vocab_to_multiple``, the tokenizer files, ``latest`` and a
+``manifest.json`` written last. The padding is the model's, recorded in the checkpoint: the
+embedding and output projection stay whole on every tensor-parallel rank, so one checkpoint
+trains, generates and evaluates at any tensor-parallel degree.
 
 Conversion streams: the safetensors files are read with plain file reads, one tensor at a
 time, straight into the DCP writer, one DCP file per tensor. Peak memory is about the
@@ -15,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import json
-import math
 import shutil
 import struct
 import time
@@ -42,9 +43,9 @@ from llmflow.checkpoint import (
     padded_vocab_size,
     step_name,
 )
-from llmflow.models.config import ConfigError, ModelConfig
+from llmflow.models.config import ModelConfig
 from llmflow.models.decoder import CausalLM
-from llmflow.models.hf_checkpoint import CheckpointError, check_finite, safetensors_files
+from llmflow.models.hf_checkpoint import SAFETENSORS_DTYPES, CheckpointError, check_finite, safetensors_files
 from llmflow.models.hf_names import TIED_INPUT, TIED_OUTPUT, hf_to_ours
 
 STAGE = "convert"
@@ -61,20 +62,6 @@ TOKENIZER_PATTERNS = (
     "chat_template*",
     "generation_config.json",
 )
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
 
 
 class ConvertConfig(BaseModel):
@@ -87,12 +74,9 @@ class ConvertConfig(BaseModel):
     with model.safetensors.index.json) and tokenizer files."""
     out: Path
     """Checkpoint root to write (latest, step_00000000/, tokenizer/, manifest.json)."""
-    tp: int = Field(default=1, ge=1)
-    """Tensor-parallel size the checkpoint will be trained with; only sets the vocabulary
-    padding (any layout loads the checkpoint)."""
     pad_vocab_to_multiple: int = Field(default=DEFAULT_VOCAB_MULTIPLE, ge=1)
-    """Pad the vocabulary rows to a multiple of this times tp (Megatron's
-    make-vocab-size-divisible-by); 1 turns padding off."""
+    """Pad the vocabulary rows to a multiple of this (Megatron's make-vocab-size-divisible-by);
+    1 turns padding off. The checkpoint then trains at any tensor-parallel degree."""
     init: Literal["weights", "random"] = "weights"
     """weights: the directory's weights; random: only its config.json and tokenizer, with
     freshly initialised weights (pretraining from scratch; no safetensors needed)."""
@@ -101,7 +85,7 @@ class ConvertConfig(BaseModel):
 
     def params(self) -> dict[str, Any]:
         """The parameters recorded in the manifest."""
-        params = {"hf": str(self.hf), "tp": self.tp, "pad_vocab_to_multiple": self.pad_vocab_to_multiple}
+        params = {"hf": str(self.hf), "pad_vocab_to_multiple": self.pad_vocab_to_multiple}
         return params | ({"init": self.init, "seed": self.seed} if self.init == "random" else {})
 
 
@@ -115,21 +99,6 @@ class StoredTensor:
     offset: int
     """Byte offset of the data from the start of the file."""
     nbytes: int
-
-
-def safetensors_header(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> bytes:
-    """The header of a safetensors file whose tensors (name -> dtype, shape) follow it
-    back to back in this order, so the data can be written one tensor at a time after it."""
-    names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, (dtype, shape) in specs.items():
-        nbytes = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
 
 
 def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
@@ -279,7 +248,7 @@ def convert(config: ConvertConfig) -> Path:
     if not hf_dir.is_dir():
         raise CheckpointError(f"--hf {hf_dir}: not a directory")
     model_config = ModelConfig.from_file(hf_dir)
-    padded = padded_vocab_size(model_config.vocab_size, config.pad_vocab_to_multiple, config.tp)
+    padded = padded_vocab_size(model_config.vocab_size, config.pad_vocab_to_multiple)
     if config.init == "weights":
         hf_tensors = index_hf_tensors(hf_dir)
         sources = plan_sources(hf_dir, model_config, hf_tensors, padded)
@@ -309,10 +278,7 @@ class ConvertCommand(ConvertConfig):
 
     def cli_cmd(self) -> None:
         start = time.monotonic()
-        try:
-            out = convert(ConvertConfig(**self.model_dump()))
-        except (ConfigError, CheckpointError, ValueError) as error:
-            raise SystemExit(f"llmflow convert: {error}") from None
+        out = convert(ConvertConfig(**self.model_dump()))
         size = sum(p.stat().st_size for p in (out / step_name(0)).iterdir())
         elapsed = time.monotonic() - start
         print(f"{out}: {size / 1e9:.3f} GB of weights in {elapsed:.1f} s ({size / 1e9 / elapsed:.2f} GB/s)")

@@ -320,9 +320,6 @@ class DownloadCommand(DownloadConfig):
     def cli_cmd(self) -> None:
         start = time.monotonic()
         config = DownloadConfig(**self.model_dump())
-        try:
-            out = download(config)
-        except (DownloadError, ValueError) as error:
-            raise SystemExit(f"llmflow download: {error}") from None
+        out = download(config)
         stats = summary(out)
         print(f"{out}: {stats['files']} files, {stats['bytes']} bytes, {time.monotonic() - start:.1f} s")

@@ -20,8 +20,8 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -40,10 +40,10 @@ from llmflow.checkpoint import (
     resolve_step_dir,
     stored_tensors,
 )
-from llmflow.convert import StoredTensor, copy_tokenizer_files, index_hf_tensors, read_tensor, safetensors_header
-from llmflow.models.config import ConfigError, ModelConfig
+from llmflow.convert import StoredTensor, copy_tokenizer_files, index_hf_tensors, read_tensor
+from llmflow.models.config import ModelConfig
 from llmflow.models.decoder import CausalLM
-from llmflow.models.hf_checkpoint import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, CheckpointError, save_safetensors
+from llmflow.models.hf_checkpoint import CheckpointError, plan_shards, write_hf_weights, write_safetensors
 from llmflow.models.hf_names import TIED_INPUT, TIED_OUTPUT, expected_names, ours_to_hf
 
 STAGE = "export"
@@ -230,19 +230,6 @@ def _finish(name: str, tensor: torch.Tensor, vocab_size: int, dtype: torch.dtype
     return tensor.contiguous()
 
 
-def plan_shards(names: list[str], sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
-    """Consecutive groups of ``names`` of at most ``max_bytes`` each (a bigger tensor alone)."""
-    shards: list[list[str]] = [[]]
-    total = 0
-    for name in names:
-        if shards[-1] and total + sizes[name] > max_bytes:
-            shards.append([])
-            total = 0
-        shards[-1].append(name)
-        total += sizes[name]
-    return shards
-
-
 def write_weights(
     work: Path, weights: Source, vocab_size: int, config: ExportConfig, lora: Source | None = None
 ) -> torch.dtype:
@@ -256,25 +243,19 @@ def write_weights(
     if lora is not None:
         check_adapter_shapes(lora, weights, names, modules)
     scale = lora_scale(lora) if lora is not None else 0.0
-    shards = plan_shards(names, {n: out_info[n].nbytes for n in names}, int(config.max_shard_mb * 2**20))
     read_bytes = {n: weights.tensors[n].nbytes for n in names}
-    weight_map: dict[str, str] = {}
-    for i, shard in enumerate(shards, 1):
-        fname = SAFETENSORS_SINGLE if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        with open(work / fname, "wb") as f:
-            f.write(safetensors_header({ours_to_hf(n): (out_info[n].dtype, out_info[n].shape) for n in shard}))
-            for batch in plan_shards(shard, read_bytes, READ_BATCH_BYTES):
-                tensors = weights.load(batch)
-                adapted = [m for m in modules if m + ".weight" in tensors]
-                if adapted:
-                    merge_adapters(tensors, lora.load([m + s for m in adapted for s in (LORA_A, LORA_B)]), scale)
-                f.writelines(_finish(name, tensors.pop(name), vocab_size, dtype).view(-1).view(torch.uint8).numpy() for name in batch)
-            f.flush()
-            os.fsync(f.fileno())
-        weight_map.update(dict.fromkeys(map(ours_to_hf, shard), fname))
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(i.nbytes for i in out_info.values())}, "weight_map": weight_map}
-        (work / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2))
+    ours = {ours_to_hf(n): n for n in names}
+
+    def read(shard: list[str]) -> Iterator[torch.Tensor]:
+        for batch in plan_shards([ours[name] for name in shard], read_bytes, READ_BATCH_BYTES):
+            tensors = weights.load(batch)
+            adapted = [m for m in modules if m + ".weight" in tensors]
+            if adapted:
+                merge_adapters(tensors, lora.load([m + s for m in adapted for s in (LORA_A, LORA_B)]), scale)
+            yield from (_finish(name, tensors.pop(name), vocab_size, dtype) for name in batch)
+
+    specs = {ours_to_hf(n): (out_info[n].dtype, out_info[n].shape) for n in names}
+    write_hf_weights(work, specs, int(config.max_shard_mb * 2**20), read)
     return out_info[TIED_INPUT].dtype
 
 
@@ -293,7 +274,7 @@ def write_peft_adapter(work: Path, lora: Source, vocab_size: int, config: Export
     dtype = _DTYPES[config.dtype] if config.dtype else None
     tensors = lora.load([m + s for m in modules for s in (LORA_A, LORA_B)])
     out = {PEFT_PREFIX + ours_to_hf(n): _finish(n, t, vocab_size, dtype) for n, t in tensors.items()}
-    save_safetensors(out, work / ADAPTER_WEIGHTS)
+    write_safetensors(work / ADAPTER_WEIGHTS, {n: (t.dtype, tuple(t.shape)) for n, t in out.items()}, out.values())
     lora_config = lora.meta.lora or {}
     adapter_config = {
         "peft_type": "LORA",
@@ -357,9 +338,6 @@ class ExportCommand(ExportConfig):
 
     def cli_cmd(self) -> None:
         start = time.monotonic()
-        try:
-            out = export(ExportConfig(**self.model_dump()))
-        except (ConfigError, CheckpointError, ValueError) as error:
-            raise SystemExit(f"llmflow export: {error}") from None
+        out = export(ExportConfig(**self.model_dump()))
         size = sum(p.stat().st_size for p in out.iterdir() if p.suffix == ".safetensors")
         print(f"{out}: {size / 1e9:.3f} GB of weights in {time.monotonic() - start:.1f} s")

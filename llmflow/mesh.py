@@ -1,4 +1,4 @@
-"""Parallel layouts: checking a (pp, dp, tp) split against the world and the model, and
+"""Parallel layouts: checking a (dp, tp) split against the world and the model, and
 building the device mesh for it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 if TYPE_CHECKING:
     from llmflow.models.config import ModelConfig
 
-MESH_DIMS = ("pp", "dp", "tp")
+MESH_DIMS = ("dp", "tp")
 
 
 class LayoutError(ValueError):
@@ -20,10 +20,8 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """How the ranks of a job are split. pp * dp * tp must equal the number of ranks."""
+    """How the ranks of a job are split. dp * tp must equal the number of ranks."""
 
-    pp: int = 1
-    """Pipeline-parallel stages: the layers are cut into this many consecutive groups."""
     dp: int = 1
     """Data-parallel replicas (parameters sharded with FSDP2 across them)."""
     tp: int = 1
@@ -31,7 +29,7 @@ class ParallelLayout:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.dp * self.tp
 
 
 def layout_problems(layout: ParallelLayout, world_size: int, config: ModelConfig | None = None) -> list[str]:
@@ -45,7 +43,7 @@ def layout_problems(layout: ParallelLayout, world_size: int, config: ModelConfig
         return problems
     if layout.world_size != world_size:
         problems.append(
-            f"pp*dp*tp = {layout.pp}*{layout.dp}*{layout.tp} = {layout.world_size} "
+            f"dp*tp = {layout.dp}*{layout.tp} = {layout.world_size} "
             f"but the job has {world_size} ranks; they must be equal"
         )
     if config is not None:
@@ -57,10 +55,6 @@ def layout_problems(layout: ParallelLayout, world_size: int, config: ModelConfig
         ):
             if value % tp:
                 problems.append(f"model {field}={value} is not divisible by tp={tp}")
-        if config.num_hidden_layers < layout.pp:
-            problems.append(
-                f"model has num_hidden_layers={config.num_hidden_layers}, fewer than pp={layout.pp} pipeline stages"
-            )
     return problems
 
 
@@ -72,9 +66,9 @@ def validate_layout(layout: ParallelLayout, world_size: int, config: ModelConfig
 
 
 def build_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
-    """A 3-D DeviceMesh with dims ("pp", "dp", "tp"); tp innermost so tensor-parallel
-    ranks are neighbours (same node, fastest links)."""
+    """A 2-D DeviceMesh with dims ("dp", "tp"); tp innermost so tensor-parallel ranks are
+    neighbours (same node, fastest links)."""
     import torch.distributed as dist
 
     validate_layout(layout, dist.get_world_size())
-    return init_device_mesh(device_type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=MESH_DIMS)
+    return init_device_mesh(device_type, (layout.dp, layout.tp), mesh_dim_names=MESH_DIMS)

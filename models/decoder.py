@@ -2,10 +2,10 @@
 
 Module and parameter names are Hugging Face's (``model.layers.0.self_attn.q_proj.weight``),
 so weights, LoRA target names and precision dumps line up with the HF ecosystem. Layers
-live in a ModuleDict keyed "0", "1", ...: a pipeline stage deletes the layers it does not
-own and the rest keep their names. Stages may also drop ``embed_tokens``, ``norm`` or
-``lm_head``; forward then passes hidden states through. Parallelism is applied from outside
-(llmflow's parallel plans), never here.
+live in a ModuleDict keyed "0", "1", ...: a model holding only some of the layers keeps their
+names. ``embed_tokens``, ``norm`` and ``lm_head`` may be None; forward then takes or returns
+hidden states instead of token ids or logits. Parallelism is applied from outside
+(``models/parallelize.py``), never here.
 
 Shapes are read from the weights at run time (``view(B, S, -1, head_dim)``), so a
 tensor-parallel plan that shards heads needs no change to this file.

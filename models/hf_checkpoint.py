@@ -8,17 +8,17 @@ flight), never as a random-initialised model and a state dict side by side.
 from __future__ import annotations
 
 import json
+import math
 import os
-import re
 import secrets
 import shutil
-import stat
-from collections.abc import Iterator
+import struct
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from llmflow.models.config import ModelConfig
@@ -27,6 +27,20 @@ from llmflow.models.hf_names import TIED_OUTPUT, expected_names, hf_to_ours, our
 
 SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
@@ -192,18 +206,8 @@ def save_hf_model(
             if model.config.tie_word_embeddings and name == TIED_OUTPUT:
                 continue
             tensors[ours_to_hf(name)] = param.detach().to(dtype or param.dtype).contiguous().cpu()
-        shards = _shard(tensors, max_shard_bytes)
-        if len(shards) == 1:
-            save_safetensors(shards[0], tmp / SAFETENSORS_SINGLE)
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards, 1):
-                fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                save_safetensors(shard, tmp / fname)
-                weight_map.update(dict.fromkeys(shard, fname))
-            total = sum(t.numel() * t.element_size() for t in tensors.values())
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2))
+        specs = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+        write_hf_weights(tmp, specs, max_shard_bytes, lambda names: (tensors[n] for n in names))
         config = hf_config_dict(model.config)
         if dtype is not None:
             config["dtype" if "dtype" in config else "torch_dtype"] = str(dtype).removeprefix("torch.")
@@ -217,31 +221,71 @@ def save_hf_model(
     return directory
 
 
-def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """safetensors' ``save_file`` into a directory this process made; a failed write (a full
-    disk) is an OSError naming ``path`` (safetensors reports it as a SafetensorError quoting
-    the OS error number)."""
-    try:
-        save_file(tensors, str(path), metadata={"format": "pt"})
-    except SafetensorError as error:
-        found = re.search(r"\(os error (\d+)\)", str(error))
-        if found is None:
-            raise
-        code = int(found.group(1))
-        raise OSError(code, os.strerror(code), str(path)) from error
-    # safetensors writes through a private (0600) temporary file: give it the mode open() would,
-    # 0o666 less the umask, which is the new directory's mode (0o777 less the umask) without x bits.
-    os.chmod(path, stat.S_IMODE(path.parent.stat().st_mode) & 0o666)
+TensorSpecs = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+"""Tensor name -> (dtype, shape), in the order the tensors are written."""
 
 
-def _shard(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
+def safetensors_header(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> bytes:
+    """The header of a safetensors file whose tensors (name -> dtype, shape) follow it
+    back to back in this order, so the data can be written one tensor at a time after it."""
+    names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, (dtype, shape) in specs.items():
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def plan_shards(names: list[str], sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    """Consecutive groups of ``names`` of at most ``max_bytes`` each (a bigger tensor alone)."""
+    shards: list[list[str]] = [[]]
+    total = 0
+    for name in names:
+        if shards[-1] and total + sizes[name] > max_bytes:
+            shards.append([])
+            total = 0
+        shards[-1].append(name)
+        total += sizes[name]
     return shards
+
+
+def write_safetensors(path: Path, specs: TensorSpecs, tensors: Iterable[torch.Tensor]) -> None:
+    """A safetensors file of the tensors ``specs`` describes, ``tensors`` yielding them in
+    that order: the header first, then one tensor at a time, so only the tensor being
+    written needs to be in memory. A failed write (a full disk) is an OSError naming ``path``."""
+    try:
+        with open(path, "wb") as f:
+            f.write(safetensors_header(specs))
+            for (name, (dtype, shape)), tensor in zip(specs.items(), tensors, strict=True):
+                if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+                    raise ValueError(f"{path}: tensor {name} is {tensor.dtype} {tuple(tensor.shape)}, "
+                                     f"its header says {dtype} {shape}")
+                f.write(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as error:
+        if error.filename is not None or error.errno is None:
+            raise
+        raise OSError(error.errno, error.strerror, str(path)) from error
+
+
+def write_hf_weights(directory: Path, specs: TensorSpecs, max_shard_bytes: int,
+                     read: Callable[[list[str]], Iterable[torch.Tensor]]) -> None:
+    """A model's weights in ``directory`` as transformers lays them out: model.safetensors, or
+    ``model-0000i-of-0000n.safetensors`` shards of at most ``max_shard_bytes`` (a bigger tensor
+    alone) and model.safetensors.index.json. ``read(names)`` yields the tensors of one shard,
+    in order."""
+    sizes = {name: math.prod(shape) * dtype.itemsize for name, (dtype, shape) in specs.items()}
+    shards = plan_shards(list(specs), sizes, max_shard_bytes)
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards, 1):
+        fname = SAFETENSORS_SINGLE if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(directory / fname, {name: specs[name] for name in shard}, read(shard))
+        weight_map.update(dict.fromkeys(shard, fname))
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        (directory / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2))

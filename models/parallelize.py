@@ -9,11 +9,13 @@
   attention and MLP, with replicated activations between the layers (no sequence sharding),
   so the KV cache holds each rank's own heads.
 - ``apply_ac``: activation checkpointing of every decoder layer.
+- ``apply_compile``: ``torch.compile`` of every decoder layer.
 - ``apply_fsdp``: FSDP2 ``fully_shard`` of every layer and of the root over the
   data-parallel mesh, with a mixed-precision policy (bf16 compute, fp32 master weights
   and gradient reduction) on accelerators.
 
-Order: LoRA (if any), then ``apply_tp``, ``apply_ac``, ``apply_fsdp``.
+Training calls one entry point, ``parallelize_decoder``, which applies them in that order
+(LoRA adapters, if any, are added before it). Generation calls ``apply_tp_inference``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from llmflow.models.decoder import CausalLM
+from llmflow.models.lora import is_lora_param, lora_tp_plan
 
 
 def layer_tp_plan() -> dict[str, ParallelStyle]:
@@ -149,3 +152,37 @@ def apply_fsdp(model: CausalLM, mesh: DeviceMesh, param_dtype: torch.dtype, redu
         # The last layer's parameters are needed again at once by backward: keep them.
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(layers) - 1)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def apply_compile(model: CausalLM) -> None:
+    """Compile each decoder layer (one graph per layer, reused by all of them)."""
+    for layer in model.model.layers.values():
+        layer.compile()
+
+
+def parallelize_decoder(
+    model: CausalLM,
+    mesh: DeviceMesh | None,
+    *,
+    lora: bool = False,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
+    fsdp_dtype: torch.dtype | None = None,
+) -> None:
+    """Shard ``model`` for training over ``mesh`` (dims "dp" and "tp"; None in a single
+    process), in place: tensor parallel when the "tp" dimension is larger than 1 (LoRA's
+    adapters split with the weights they adapt), activation checkpointing, compilation, then
+    FSDP2 over "dp" computing in ``fsdp_dtype`` (None: no FSDP)."""
+    if mesh is not None and mesh["tp"].size() > 1:
+        apply_tp(model, mesh["tp"], lora_tp_plan(layer_tp_plan()) if lora else None)
+        if lora:  # SequenceParallel makes fresh, trainable norm weights
+            for name, param in model.named_parameters():
+                param.requires_grad_(is_lora_param(name))
+    if activation_checkpointing:
+        apply_ac(model)
+    if compile:
+        apply_compile(model)
+    if fsdp_dtype is not None:
+        if mesh is None:
+            raise ValueError("FSDP needs a device mesh (a torchrun launch)")
+        apply_fsdp(model, mesh["dp"], param_dtype=fsdp_dtype)

@@ -65,4 +65,3 @@ def _stage_task(benchmark: Benchmark) -> Task:
 
 EVAL_TASKS: dict[str, Task] = {b.name: _stage_task(b) for b in (MMLU, CEVAL, CMMLU)}
 """Benchmark name -> its Prefect task (stage ``eval-{name}``)."""
-evaluate_mmlu_task = EVAL_TASKS[MMLU.name]

@@ -10,7 +10,9 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from llmflow import tracking
-from llmflow.probe.compare import PASS, STAGE, CompareConfig, Row, compare_dumps
+from llmflow.probe.compare.reading import PASS
+from llmflow.probe.compare.rows import Row
+from llmflow.probe.compare.tables import STAGE, CompareConfig, compare_dumps
 from llmflow.tasks.common import STAGE_CACHE_POLICY, InputFiles, StageArtifact, artifact_for
 
 WORST_ROWS = 20

@@ -13,7 +13,10 @@ import json
 import os
 import random
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -84,25 +87,6 @@ def make_hf_model(tmp_path_factory):
     return factory
 
 
-@pytest.fixture(scope="session")
-def sample_assets(tmp_path_factory):
-    """Factory: ``sample_assets(**fields)`` -> the directory ``write_sample`` wrote for
-    ``SampleConfig(**fields)`` (data, tokenizer, model), built once per session for each
-    distinct set of fields and shared by every test that asks for it: a test that changes
-    the files copies them first."""
-    from llmflow.sample import SampleConfig, write_sample
-
-    built: dict[tuple, object] = {}
-
-    def factory(**fields):
-        key = tuple(sorted(fields.items()))
-        if key not in built:
-            built[key] = write_sample(SampleConfig(out=tmp_path_factory.mktemp("sample") / "assets", **fields))
-        return built[key]
-
-    return factory
-
-
 @pytest.fixture
 def tokens():
     """Factory: ``tokens(batch, seq, vocab, seed=0)`` -> random int64 ids."""
@@ -126,6 +110,24 @@ class PrefectBackend:
         """Prefect settings (home, result storage, API URL of the harness server)."""
         self.mlflow_uri = mlflow_uri
         """sqlite:/// URI of the session's MLflow store."""
+
+
+@pytest.fixture(scope="session")
+def sample_assets(tmp_path_factory) -> Callable[..., Path]:
+    """``sample_assets(**settings)``: the built-in sample assets for these ``SampleConfig``
+    settings (all but ``out``), written once per session for each distinct setting. They are
+    shared: a test that changes them works on a copy."""
+    from llmflow.sample import SampleConfig, write_sample
+
+    built: dict[tuple, Path] = {}
+
+    def assets(**settings: Any) -> Path:
+        key = tuple(sorted(settings.items()))
+        if key not in built:
+            built[key] = write_sample(SampleConfig(out=tmp_path_factory.mktemp("sample") / "assets", **settings))
+        return built[key]
+
+    return assets
 
 
 @pytest.fixture(scope="session")

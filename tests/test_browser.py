@@ -3,9 +3,9 @@ pool, deployments, process worker, MLflow) on loopback; the finetune-eval/on-dem
 run from its parameter form until it completes; then a run whose last evaluation fails, retried
 with the flow run page's Retry button, finishing with every earlier stage Cached.
 
-Chromium and its driver come from Debian (``chromium``, ``chromium-driver``), installed here
-when missing; Selenium drives the system chromedriver and never downloads anything. Without a
-browser the test fails: it is never skipped.
+Chromium and its driver come from Debian (``chromium``, ``chromium-driver``), installed by
+``make browser`` (a step of ``make test``); Selenium drives the system chromedriver and never
+downloads anything. Without a browser the test fails: it is never skipped.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from prefect_helpers import attempt_task_states, flow_run_logs, output_lines, ta
 from selenium import webdriver
 from selenium.common.exceptions import (
     ElementClickInterceptedException,
+    ElementNotInteractableException,
     NoSuchElementException,
     StaleElementReferenceException,
-    TimeoutException,
 )
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
@@ -53,34 +53,16 @@ TRAIN = {"Steps": 8, "Save Interval": 4, "Micro Batch Size": 8, "Global Batch Si
 # --- the browser -----------------------------------------------------------------------------
 
 
-def _install_chromium() -> None:
-    apt = shutil.which("apt-get")
-    if apt is None or os.geteuid() != 0:
-        pytest.fail(
-            "the browser test needs Chromium and chromedriver: install Debian's `chromium` and "
-            "`chromium-driver` packages (apt-get install chromium chromium-driver) or run the tests "
-            f"as root with apt-get available (found apt-get={apt}, uid={os.geteuid()})",
-            pytrace=False,
-        )
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = [apt, "install", "-y", "--no-install-recommends", CHROMIUM, "chromium-driver"]
-    done = subprocess.run(install, env=env, capture_output=True, text=True, check=False)
-    if done.returncode:  # stale package lists: refresh them once
-        subprocess.run([apt, "update"], env=env, capture_output=True, text=True, check=False)
-        done = subprocess.run(install, env=env, capture_output=True, text=True, check=False)
-    if done.returncode:
-        pytest.fail(f"could not install chromium and chromium-driver:\n{(done.stdout + done.stderr)[-3000:]}",
-                    pytrace=False)
-
-
 @pytest.fixture(scope="module")
 def chromium() -> tuple[str, str]:
-    """Paths of Chromium and its chromedriver, installed from Debian's packages when missing."""
-    if not (shutil.which(CHROMIUM) and Path(CHROMEDRIVER).is_file()):
-        _install_chromium()
+    """Paths of Chromium and its chromedriver (``make test`` installs them from Debian)."""
     browser = shutil.which(CHROMIUM)
     if not (browser and Path(CHROMEDRIVER).is_file()):
-        pytest.fail(f"{CHROMIUM} or {CHROMEDRIVER} still missing after installing them", pytrace=False)
+        pytest.fail(
+            f"the browser test needs Chromium and {CHROMEDRIVER}: `make browser` installs Debian's "
+            "`chromium` and `chromium-driver` packages (`make test` runs it first)",
+            pytrace=False,
+        )
     return browser, CHROMEDRIVER
 
 
@@ -270,7 +252,8 @@ def click(driver, text: str, timeout_s: float = 30, within: str = "") -> None:
         return True
 
     WebDriverWait(driver, timeout_s, poll_frequency=0.25, ignored_exceptions=(
-        AttributeError, ElementClickInterceptedException, NoSuchElementException, StaleElementReferenceException,
+        AttributeError, ElementClickInterceptedException, ElementNotInteractableException, NoSuchElementException,
+        StaleElementReferenceException,
     )).until(clicked, f"no clickable button {text!r}")
 
 
@@ -289,8 +272,8 @@ def open_deployment(driver, url: str, flow: str, deployment: str) -> None:
 
 
 def custom_run(driver, server: Server, run_name: str, fields: list[tuple[list[str], object, str | None]]) -> str:
-    """Run -> Custom run on the deployment page, fill ``fields``, submit; follow the toast's
-    "View run" to the new flow run's page and return its id."""
+    """Run -> Custom run on the deployment page, fill ``fields``, submit; once the API has the
+    new flow run, open its page and return its id."""
     click(driver, "Run")
     click(driver, "Custom run", 10)
     WebDriverWait(driver, 60, ignored_exceptions=(NoSuchElementException,)).until(
@@ -309,18 +292,22 @@ def custom_run(driver, server: Server, run_name: str, fields: list[tuple[list[st
     submit = driver.find_element(By.XPATH, "//form//button[@type='submit'][normalize-space()='Submit']")
     driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", submit)
     submit.click()
-    try:
-        click(driver, "View run", 15, within="//div[contains(@class, 'p-toast-container')]")
-        WebDriverWait(driver, 30).until(EC.url_matches(r"/runs/flow-run/[0-9a-f-]{36}"))
-        return re.search(r"/runs/flow-run/([0-9a-f-]{36})", driver.current_url).group(1)
-    except TimeoutException:  # the toast is gone (it stays 5 s): find the run by its name
-        from prefect.client.orchestration import get_client
-        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    run_id = WebDriverWait(driver, 120, poll_frequency=1).until(
+        lambda d: _flow_run_id(run_name), f"no flow run named {run_name!r} in the API after Submit"
+    )
+    driver.get(f"{server.url}/runs/flow-run/{run_id}")
+    return run_id
 
-        with get_client(sync_client=True) as client:
-            (run,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_name])))
-        driver.get(f"{server.url}/runs/flow-run/{run.id}")
-        return str(run.id)
+
+def _flow_run_id(name: str) -> str | None:
+    """The id of the flow run named ``name``, once the API has it."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])))
+    assert len(runs) <= 1, f"{len(runs)} flow runs named {name!r}"
+    return str(runs[0].id) if runs else None
 
 
 def shown_state(driver, name: str, timeout_s: float = 60) -> None:
@@ -351,8 +338,9 @@ def registered(run_id: str) -> bool:
 # --- the test ----------------------------------------------------------------------------------
 
 
-@pytest.mark.timeout(900)  # includes installing Chromium and starting the servers
-def test_ui_runs_finetune_eval_and_its_retry_skips_finished_stages(llmflow_server, prefect_api, browser, tmp_path):
+@pytest.mark.timeout(900)  # includes starting the servers
+def test_ui_runs_finetune_eval_and_its_retry_skips_finished_stages(llmflow_server, prefect_api, browser, sample_assets,
+                                                                  tmp_path):
     server = llmflow_server
     with screenshots_on_failure(browser, tmp_path):
         # 1. The on-demand finetune-and-eval, run from its parameter form, completes.
@@ -372,10 +360,8 @@ def test_ui_runs_finetune_eval_and_its_retry_skips_finished_stages(llmflow_serve
 
         # 2. A run whose MMLU data goes bad once training has saved a checkpoint (the base model
         # was scored before training): its final evaluation fails.
-        from llmflow.sample import SampleConfig, write_sample
-
         data = tmp_path / "mmlu"
-        shutil.copytree(write_sample(SampleConfig(out=tmp_path / "sample")) / "mmlu" / "hf", data)
+        shutil.copytree(sample_assets() / "mmlu" / "hf", data)
         victim = next(data.rglob("test-*.parquet"))
         backup = tmp_path / "backup.parquet"
         shutil.copy2(victim, backup)

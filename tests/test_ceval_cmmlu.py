@@ -22,7 +22,7 @@ from llmflow.data.templates import load_template
 from llmflow.data.tokenizer import load_tokenizer
 from llmflow.evaluate.benchmarks import CEVAL, CMMLU, Benchmark
 from llmflow.evaluate.engine import EvalConfig, evaluate, prompts_for, select_questions
-from llmflow.evaluate.prompts import CONTINUATIONS, chat_prompt
+from llmflow.evaluate.prompts import CONTINUATIONS
 from llmflow.evaluate.questions import BenchmarkDataError
 from llmflow.evaluate.scoring import model_requests, score_loglikelihood
 from llmflow.model_loading import load_model
@@ -177,7 +177,7 @@ def reference_scores(benchmark: Benchmark, sample: Path, data_path: Path, shots:
     data = benchmark.load(data_path)
     prompts = prompts_for(benchmark, select_questions(benchmark, data, 2), data, shots)
     if template != "none":
-        prompts = [chat_prompt(p, load_template(sample / "model", template)) for p in prompts]
+        prompts = [load_template(sample / "model", template).prompt(p) for p in prompts]
     requests = model_requests(sample / "model", prompts, CONTINUATIONS)
     model = load_model(sample / "model")[0].eval()
     return score_loglikelihood(model, requests, batch_size=1, max_length=1024)

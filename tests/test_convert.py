@@ -100,10 +100,10 @@ def test_hf_to_checkpoint_to_hf_is_bit_exact(
     add_tokenizer(hf_dir)
     ckpt, out = tmp_path / "ckpt", tmp_path / "export"
     if via_cli:
-        main(["convert", "--hf", str(hf_dir), "--out", str(ckpt), "--tp", "2"])
+        main(["convert", "--hf", str(hf_dir), "--out", str(ckpt), "--pad-vocab-to-multiple", "256"])
         main(["export", "--ckpt", str(ckpt), "--out", str(out)])
     else:
-        convert(ConvertConfig(hf=hf_dir, out=ckpt, tp=2))
+        convert(ConvertConfig(hf=hf_dir, out=ckpt, pad_vocab_to_multiple=256))
         export(ExportConfig(ckpt=ckpt, out=out, max_shard_mb=shard_mb))
 
     assert read_meta(latest_step_dir(ckpt)).padded_vocab_size == 256
@@ -127,11 +127,11 @@ def test_hf_to_checkpoint_to_hf_is_bit_exact(
 @pytest.mark.parametrize("tied", [False, True])
 def test_vocab_rows_are_zero_padded_in_the_checkpoint(make_hf_model, tmp_path, tied):
     hf_model, hf_dir = make_hf_model("qwen2", tie_word_embeddings=tied)
-    convert(ConvertConfig(hf=hf_dir, out=tmp_path / "ckpt", tp=3, pad_vocab_to_multiple=8))
+    convert(ConvertConfig(hf=hf_dir, out=tmp_path / "ckpt", pad_vocab_to_multiple=24))
     step_dir = latest_step_dir(tmp_path / "ckpt")
     meta = read_meta(step_dir)
     assert step_dir.name == step_name(0) and meta.padded_vocab_size == 168 and meta.hf_config["vocab_size"] == VOCAB
-    assert meta.contents == ["model"] and meta.layout == {"dp": 1, "tp": 1, "pp": 1}
+    assert meta.contents == ["model"] and meta.layout == {"dp": 1, "tp": 1}
     assert read_manifest(tmp_path / "ckpt")["padded_vocab_size"] == 168
 
     model = padded_model(step_dir)
@@ -146,15 +146,14 @@ def test_vocab_rows_are_zero_padded_in_the_checkpoint(make_hf_model, tmp_path, t
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_padded_checkpoint_computes_the_unpadded_models_logits_and_loss(make_hf_model, tokens, tmp_path, tied):
-    """Padding for tp=3 must not change what the model computes: the padded rows stay out of
-    the logits and the loss (and get no gradient), so conversions for different tensor-parallel
-    degrees train alike."""
+    """Padding must not change what the model computes: the padded rows stay out of the logits
+    and the loss (and get no gradient)."""
     import torch.nn.functional as F
 
     from llmflow.model_loading import load_model
 
     hf_model, hf_dir = make_hf_model("qwen2", tie_word_embeddings=tied)
-    convert(ConvertConfig(hf=hf_dir, out=tmp_path / "ckpt", tp=3, pad_vocab_to_multiple=8))
+    convert(ConvertConfig(hf=hf_dir, out=tmp_path / "ckpt", pad_vocab_to_multiple=24))
     model, _ = load_model(tmp_path / "ckpt")
     assert model.lm_head.weight.shape[0] == 168 and model.config.unpadded_vocab_size == VOCAB
     ids = tokens(2, 12, VOCAB)
@@ -175,7 +174,7 @@ def test_random_init_needs_only_the_config_and_is_seeded(make_hf_model, tmp_path
     for weights in safetensors_files(hf_dir):
         weights.unlink()  # from scratch: config.json and the tokenizer are all it reads
     for out, seed in (("a", 0), ("b", 0), ("c", 1)):
-        convert(ConvertConfig(hf=hf_dir, out=tmp_path / out, init="random", seed=seed, tp=3, pad_vocab_to_multiple=8))
+        convert(ConvertConfig(hf=hf_dir, out=tmp_path / out, init="random", seed=seed, pad_vocab_to_multiple=24))
     a, b, c = (padded_model(latest_step_dir(tmp_path / name)) for name in "abc")
     assert read_manifest(tmp_path / "a")["params"]["init"] == "random"
     for (name, pa), (_, pb), (_, pc) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters()):
@@ -187,12 +186,17 @@ def test_random_init_needs_only_the_config_and_is_seeded(make_hf_model, tmp_path
 
 
 def test_padded_vocab_size_rule():
-    assert padded_vocab_size(32000, 128, 1) == 32000
-    assert padded_vocab_size(50257, 128, 1) == 50304
-    assert padded_vocab_size(50257, 128, 8) == 51200
-    assert padded_vocab_size(151665, 1, 1) == 151665
-    with pytest.raises(ValueError, match="tp=0"):
-        padded_vocab_size(100, 128, 0)
+    assert padded_vocab_size(32000, 128) == 32000
+    assert padded_vocab_size(50257, 128) == 50304
+    assert padded_vocab_size(151665, 1) == 151665
+    with pytest.raises(ValueError, match="multiple=0"):
+        padded_vocab_size(100, 0)
+
+
+def test_convert_has_no_tensor_parallel_setting():
+    """A checkpoint does not depend on the tensor-parallel degree it will train with."""
+    with pytest.raises(ValueError, match="tp"):
+        ConvertConfig(hf="model", out="ckpt", tp=2)
 
 
 def tiny_state(seed: int) -> tuple[CausalLM, CheckpointMeta]:
@@ -266,7 +270,7 @@ def test_export_of_training_checkpoint_reads_model_keys_only(llama, tmp_path):
     root = tmp_path / "run"
     state = {"model": model.state_dict(), "optimizer": {"exp_avg": torch.randn(7)}, "train": {"step": 7}}
     meta = read_meta(latest_step_dir(ckpt))
-    save_checkpoint(root, 7, state, meta.model_copy(update={"layout": {"dp": 2, "tp": 1, "pp": 1}}))
+    save_checkpoint(root, 7, state, meta.model_copy(update={"layout": {"dp": 2, "tp": 1}}))
     save_checkpoint(root, 9, {"model": CausalLM(model.config).state_dict()}, meta)
 
     out = export(ExportConfig(ckpt=root, step=7, out=tmp_path / "hf", dtype="bfloat16"))

@@ -83,6 +83,7 @@ def test_a_deployment_run_with_one_nested_override_keeps_every_other_deployment_
         assert evaluated.parameters == {"workspace": str(workspace), "evaluation": {"limit": 2}}
 
 
+@pytest.mark.slow
 def test_a_flow_run_given_no_workspace_takes_the_environments_and_never_defaults(prefect_env, tmp_path,
                                                                                  monkeypatch):
     from llmflow.flows import stages
@@ -105,3 +106,33 @@ def test_a_flow_run_given_no_workspace_takes_the_environments_and_never_defaults
         experiment = client.get_experiment(client.get_run(run.mlflow_run).info.experiment_id)
         assert experiment.name == f"llmflow-{flow}"
         assert client.get_run(run.mlflow_run).data.params["workspace"] == str(tmp_path / "ws")
+
+
+def test_training_settings_are_train_configs_own():
+    """The flows' training settings are TrainConfig's fields: the same types, constraints and
+    help text, only the defaults are the flows' own."""
+    from llmflow.train.config import TrainConfig
+
+    for name, field in TrainParams.model_fields.items():
+        if name == "nproc":  # how many workers to launch: not a setting of the training itself
+            continue
+        theirs = TrainConfig.model_fields[name]
+        assert (field.description, field.annotation, field.metadata) == (theirs.description, theirs.annotation,
+                                                                         theirs.metadata), name
+
+
+def test_refresh_names_the_stages_the_ui_shows():
+    """Every name ``refresh`` accepts is a stage task's name, and every stage can be named."""
+    import typing
+
+    from prefect import Task
+
+    from llmflow.flows.params import Stage
+    from llmflow.tasks import convert, download, evaluate, export, infer, probe, register, sample, tokenize, train
+
+    modules = (convert, download, evaluate, export, infer, probe, register, sample, tokenize, train)
+    tasks = {t.name for m in modules for t in vars(m).values() if isinstance(t, Task)}
+    tasks |= {t.name for t in evaluate.EVAL_TASKS.values()}
+    assert set(typing.get_args(Stage)) == tasks
+    with pytest.raises(ValueError, match="'tokenize-instruction'"):
+        FinetuneEvalParams(refresh=["tokenize"])

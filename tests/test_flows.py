@@ -22,7 +22,7 @@ from llmflow.flows.finetune_eval import FinetuneEvalParams, finetune_eval
 from llmflow.tasks.register import GATE_TAG, REASON_TAG
 from llmflow.tracking import FLOW_RUN_TAG
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_env")]  # every flow run launches torchrun
+pytestmark = pytest.mark.usefixtures("prefect_env")
 
 # A flow run in its own process, as a worker or serve() runs it: cancelling it sends SIGTERM.
 FLOW_SCRIPT = """
@@ -67,6 +67,7 @@ def stage_states(states: dict[str, list[str]]) -> list[tuple[str, str]]:
     return sorted(pairs, key=lambda p: order.get(p[0], 9))
 
 
+@pytest.mark.slow
 def test_finetune_eval_runs_every_stage_tracks_it_and_reruns_from_cache(prefect_env, tmp_path):
     # A gain no finetune can make: the registry gate fails whatever the scores.
     params = flow_params(tmp_path / "ws", register_min_gain=2.0)
@@ -133,6 +134,7 @@ def test_finetune_eval_runs_every_stage_tracks_it_and_reruns_from_cache(prefect_
     }
 
 
+@pytest.mark.slow
 def test_a_run_failing_in_its_last_evaluation_reruns_only_that_stage(prefect_env, sample_assets, tmp_path):
     """The evaluation data goes bad while the model trains (after the base model's score);
     once it is back as it was, a rerun executes only the final evaluation and what follows."""
@@ -180,6 +182,7 @@ def test_a_run_failing_in_its_last_evaluation_reruns_only_that_stage(prefect_env
     assert float(version.tags["mmlu_after"]) == pytest.approx(result["mmlu_after"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_killed_run_leaves_no_worker_and_its_rerun_resumes_training(prefect_env, prefect_server, tmp_path):
     workspace = tmp_path / "ws"
     params = flow_params(workspace, train={"steps": 16, "save_interval": 4, "micro_batch_size": 8, "global_batch_size": 8})
@@ -205,6 +208,7 @@ def test_a_killed_run_leaves_no_worker_and_its_rerun_resumes_training(prefect_en
     assert any(line.startswith(f"resumed from {run_dir / f'step_{saved:08d}'} at step {saved}") for line in logs)
 
 
+@pytest.mark.slow
 def test_pretrain_then_evaluate_its_checkpoint(prefect_env, tmp_path):
     from llmflow.flows.evaluate import EvaluateParams, evaluate
     from llmflow.flows.pretrain import PretrainParams, pretrain
@@ -257,6 +261,7 @@ def test_an_impossible_layout_stops_the_flow_before_any_heavy_stage(prefect_env,
      ({"dtype": "bf16"}, {"dtype": "fp32"}, "Suspect Nodes:")],
     ids=["tp2-vs-tp1", "bf16-vs-fp32"],
 )
+@pytest.mark.slow
 def test_precision_flow_dumps_both_runs_and_compares_them(prefect_env, tmp_path, target, bench, finding):
     from llmflow.flows.precision import PrecisionParams, precision
 

@@ -81,7 +81,7 @@ def llama(make_hf_model) -> Path:
 def test_checkpoint_generates_like_its_hf_model(llama, tmp_path, capsys):
     from llmflow.cli import main
     from llmflow.convert import ConvertConfig, convert
-    from llmflow.infer.command import load_generator
+    from llmflow.infer.generator import load_generator
 
     ckpt = convert(ConvertConfig(hf=llama, out=tmp_path / "ckpt", pad_vocab_to_multiple=256))
     hf, converted = load_generator(llama), load_generator(ckpt)
@@ -98,7 +98,7 @@ def test_checkpoint_generates_like_its_hf_model(llama, tmp_path, capsys):
 
 
 def test_sampling_is_seeded(llama):
-    from llmflow.infer.command import load_generator
+    from llmflow.infer.generator import load_generator
 
     gen = load_generator(llama)
     sample = GenerateConfig(max_new_tokens=16, temperature=1.3, top_k=50, top_p=0.9, repetition_penalty=1.2, seed=3)
@@ -127,8 +127,8 @@ def test_repetition_penalty_and_top_k_top_p_follow_transformers():
 
 
 def test_stop_strings_and_streamed_text(llama):
-    from llmflow.infer.command import load_generator
     from llmflow.infer.generate import safe_text
+    from llmflow.infer.generator import load_generator
 
     gen = load_generator(llama)
     config = GenerateConfig(max_new_tokens=24, eos_token_ids=[])
@@ -153,7 +153,7 @@ def test_stop_strings_and_streamed_text(llama):
 def test_cli_streams_a_templated_prompt(llama, capsys):
     from llmflow.cli import main
     from llmflow.data.templates import load_template
-    from llmflow.infer.command import load_generator
+    from llmflow.infer.generator import load_generator
 
     main(["generate", "--model", str(llama), "--prompt", "hello", "--template", "chatml", "--stream", "--max-new-tokens", "8"])
     gen = load_generator(llama)
@@ -164,7 +164,8 @@ def test_cli_streams_a_templated_prompt(llama, capsys):
 
 def test_chat_loop_keeps_history_and_resets(llama):
     from llmflow.data.templates import load_template
-    from llmflow.infer.command import chat_loop, load_generator
+    from llmflow.infer.command import chat_loop
+    from llmflow.infer.generator import load_generator
 
     gen, template = load_generator(llama), load_template(llama, "chatml")
     config = GenerateConfig(max_new_tokens=6)

@@ -19,7 +19,7 @@ PROMPTS = ["The capital of", "The river", "Once upon a time in a land far away t
 
 @pytest.fixture(scope="module")
 def sample_model(sample_assets) -> Path:
-    return sample_assets(instruct_rows=10, documents=20) / "model"
+    return sample_assets(instruct_rows=10, documents=5) / "model"
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +62,10 @@ def test_sharded_loaders_build_the_model_of_one_process(sample_model, tmp_path, 
     from llmflow import runtime
     from llmflow.convert import ConvertConfig, convert
     from llmflow.infer.__main__ import load_sharded_model
-    from llmflow.infer.command import load_generator, make_generator
+    from llmflow.infer.generator import load_generator, make_generator
     from llmflow.mesh import ParallelLayout, build_mesh
 
-    ckpt = convert(ConvertConfig(hf=sample_model, out=tmp_path / "ckpt", tp=2))
+    ckpt = convert(ConvertConfig(hf=sample_model, out=tmp_path / "ckpt", pad_vocab_to_multiple=256))
     config = GenerateConfig(max_new_tokens=12)
     expected = [r.tokens for r in load_generator(sample_model).run(PROMPTS, config)]
     _one_rank_group(monkeypatch)

@@ -18,8 +18,8 @@ from llmflow.infer.batch import (
     read_prompts,
     run_inference,
 )
-from llmflow.infer.command import load_generator
 from llmflow.infer.generate import GenerateConfig
+from llmflow.infer.generator import load_generator
 
 RECORDS = [
     {"prompt": "The capital of"},

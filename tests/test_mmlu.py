@@ -13,13 +13,7 @@ import torch
 
 from llmflow.cli import main
 from llmflow.evaluate.benchmarks import MMLU
-from llmflow.evaluate.engine import summarize
-from llmflow.evaluate.mmlu import (
-    MMLUConfig,
-    evaluate_mmlu,
-    prompts_for,
-    select_questions,
-)
+from llmflow.evaluate.engine import EvalConfig, evaluate, prompts_for, select_questions, summarize
 from llmflow.evaluate.mmlu_data import load_mmlu
 from llmflow.evaluate.prompts import CONTINUATIONS
 from llmflow.evaluate.questions import BenchmarkDataError, Question
@@ -64,8 +58,8 @@ def as_doc(q: Question) -> dict:
 @pytest.mark.parametrize("shots", [0, 5])
 def test_prompts_equal_lm_eval_template(sample, shots):
     data = load_mmlu(sample / "mmlu" / "hf")
-    questions = select_questions(data, None)
-    prompts = prompts_for(questions, data, shots)
+    questions = select_questions(MMLU, data, None)
+    prompts = prompts_for(MMLU, questions, data, shots)
     for q, prompt in zip(questions, prompts):
         dev = [as_doc(d) for d in data.splits["dev"][q.subject]]
         assert prompt == lm_eval_prompt(as_doc(q), dev, shots)
@@ -136,11 +130,10 @@ def reference_scores(model, requests) -> torch.Tensor:
 
 def sample_requests(sample, shots: int, limit: int = 2, template=None):
     data = load_mmlu(sample / "mmlu" / "hf")
-    prompts = prompts_for(select_questions(data, limit), data, shots)
+    prompts = prompts_for(MMLU, select_questions(MMLU, data, limit), data, shots)
     if template is not None:
-        from llmflow.evaluate.prompts import chat_prompt
 
-        prompts = [chat_prompt(p, template) for p in prompts]
+        prompts = [template.prompt(p) for p in prompts]
     return model_requests(sample / "model", prompts, CONTINUATIONS)
 
 
@@ -186,7 +179,7 @@ def test_truncation_keeps_the_end_of_the_context(sample, model):
 
 def test_layouts_give_identical_results_and_cli(sample, tmp_path, capsys):
     common = {"model": sample / "model", "shots": 1, "limit": 2, "batch_size": 4}
-    hf = evaluate_mmlu(MMLUConfig(data=sample / "mmlu" / "hf", out=tmp_path / "hf", **common))
+    hf = evaluate(MMLU, EvalConfig(data=sample / "mmlu" / "hf", out=tmp_path / "hf", **common))
     main(["eval", "mmlu", "--model", str(sample / "model"), "--data", str(sample / "mmlu" / "csv"), "--shots", "1",
           "--limit", "2", "--batch-size", "2", "--padding-side", "left", "--out", str(tmp_path / "csv")])
     printed = capsys.readouterr().out
@@ -226,13 +219,13 @@ def test_evaluate_task_logs_accuracy_and_table(prefect_env, sample, tmp_path):
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
     from prefect.client.schemas.sorting import ArtifactSort
 
-    from llmflow.tasks.evaluate import evaluate_mmlu_task
+    from llmflow.tasks.evaluate import EVAL_TASKS
 
     @flow
-    def eval_flow(config: MMLUConfig):
-        return evaluate_mmlu_task(config)
+    def eval_flow(config: EvalConfig):
+        return EVAL_TASKS["mmlu"](config)
 
-    config = MMLUConfig(model=sample / "model", data=sample / "mmlu" / "hf", out=tmp_path / "eval", shots=0, limit=2)
+    config = EvalConfig(model=sample / "model", data=sample / "mmlu" / "hf", out=tmp_path / "eval", shots=0, limit=2)
     artifact = eval_flow(config)
     results = json.loads((tmp_path / "eval" / "results.json").read_text())
     assert artifact.stage == "eval-mmlu" and artifact.manifest["accuracy"] == results["accuracy"]
@@ -278,26 +271,26 @@ def test_hub_data_is_downloaded_once_with_only_the_files_needed(hub, sample, tmp
     hub.repos[("dataset", "cais/mmlu")] = files
     common = {"model": sample / "model", "shots": 1, "limit": 2, "cache_dir": tmp_path / "cache"}
 
-    out = evaluate_mmlu(MMLUConfig(data="hf://cais/mmlu", subjects=["geography"], out=tmp_path / "hub", **common))
+    out = evaluate(MMLU, EvalConfig(data="hf://cais/mmlu", subjects=["geography"], out=tmp_path / "hub", **common))
     assert hub_files(hub, "cais/mmlu") == {"geography/dev-00000-of-00001.parquet", "geography/test-00000-of-00001.parquet"}
     cached = tmp_path / "cache" / "hf" / "cais" / "mmlu"
     assert {f["path"] for f in json.loads((cached / "manifest.json").read_text())["files"]} == hub_files(hub, "cais/mmlu")
     results = json.loads((out / "results.json").read_text())
     assert results["settings"]["data_dir"] == str(cached) and results["questions"] == 2
-    same = evaluate_mmlu(MMLUConfig(data=local, subjects=["geography"], out=tmp_path / "local", **common))
+    same = evaluate(MMLU, EvalConfig(data=local, subjects=["geography"], out=tmp_path / "local", **common))
     assert (out / "predictions.jsonl").read_text() == (same / "predictions.jsonl").read_text()
 
     hub.requests.clear()  # a rerun checks the cached files against the manifest and fetches nothing
-    evaluate_mmlu(MMLUConfig(data="hf://cais/mmlu", subjects=["geography"], out=tmp_path / "again", **common))
+    evaluate(MMLU, EvalConfig(data="hf://cais/mmlu", subjects=["geography"], out=tmp_path / "again", **common))
     assert hub.requests == []
 
-    out = evaluate_mmlu(MMLUConfig(data="hf://cais/mmlu", out=tmp_path / "all", **common))
+    out = evaluate(MMLU, EvalConfig(data="hf://cais/mmlu", out=tmp_path / "all", **common))
     assert hub_files(hub, "cais/mmlu") == {"all/dev-00000-of-00001.parquet", "all/test-00000-of-00001.parquet"}
     assert json.loads((out / "results.json").read_text())["questions"] == 6
 
 
 def test_unknown_data_source_fails_before_the_model_loads(tmp_path):
-    config = MMLUConfig(model=tmp_path / "no-model", data="s3://bucket/mmlu", out=tmp_path / "out")
+    config = EvalConfig(model=tmp_path / "no-model", data="s3://bucket/mmlu", out=tmp_path / "out")
     with pytest.raises(ValueError, match=r"source 's3://bucket/mmlu': unknown scheme"):
-        evaluate_mmlu(config)
+        evaluate(MMLU, config)
     assert not (tmp_path / "out").exists()

@@ -18,11 +18,11 @@ import torch
 from llmflow.cli import main as cli_main
 from llmflow.models import CausalLM, ModelConfig
 from llmflow.probe import Dumper, ProbeConfig, load_probe_config, seed_all
-from llmflow.probe.advisor import first_divergence
-from llmflow.probe.compare import CROSS_LAYOUT_NOISE_FLOOR, CompareConfig, compare_dumps
-from llmflow.probe.config import expand_ranges
-from llmflow.probe.merge import merge_ranks
-from llmflow.probe.reading import Leaf, RankDump
+from llmflow.probe.compare.advisor import first_divergence
+from llmflow.probe.compare.merge import merge_ranks
+from llmflow.probe.compare.reading import Leaf, RankDump
+from llmflow.probe.compare.tables import CROSS_LAYOUT_NOISE_FLOOR, CompareConfig, compare_dumps
+from llmflow.probe.dump.config import expand_ranges
 
 # --- msprobe's dump schema ------------------------------------------------------------------------------
 # Written from msprobe's documentation (Ascend/mstt): the dump.json examples and field list of
@@ -369,7 +369,7 @@ def test_tp2_against_tp1_compares_the_merged_shards_and_fsdp2_records_parameter_
 
     model, data = pretraining_data
     checkpoint = tmp_path / "ckpt"
-    convert(ConvertConfig(hf=model, out=checkpoint, tp=2))  # one vocabulary padding for both layouts
+    convert(ConvertConfig(hf=model, out=checkpoint))  # one checkpoint for every layout
     config = functools.partial(probed_config, tmp_path, model=checkpoint, data=data, step=[0], steps=1)
     for name, nproc, train in (("tp2", 2, {"tp": 2}), ("tp1", 1, {}), ("dp2", 2, {})):
         batch = 4 if name == "dp2" else 2  # one micro-batch per rank in every run

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from test_probe import DOWN_PROJ, MLP, dumped_step, process_state_restored
 
-from llmflow.probe.compare import CROSS_LAYOUT_NOISE_FLOOR, CompareConfig, compare_dumps
+from llmflow.probe.compare.tables import CROSS_LAYOUT_NOISE_FLOOR, CompareConfig, compare_dumps
 
 pytestmark = pytest.mark.slow  # each msprobe run starts a process that imports torch (~8 s)
 

@@ -153,8 +153,8 @@ def test_one_process_gloo_group_and_mesh(clean_env):
         assert dist.get_backend() == "gloo"
         assert env.world_size == dist.get_world_size() == 1
         mesh = build_mesh(ParallelLayout(), "cpu")
-        assert mesh.mesh_dim_names == ("pp", "dp", "tp")
-        assert tuple(mesh.shape) == (1, 1, 1)
+        assert mesh.mesh_dim_names == ("dp", "tp")
+        assert tuple(mesh.shape) == (1, 1)
         assert mesh["tp"].size() == 1
         with pytest.raises(LayoutError, match="2 ranks|1 ranks"):
             build_mesh(ParallelLayout(tp=2), "cpu")
@@ -182,7 +182,7 @@ def model_config(**overrides) -> ModelConfig:
 
 @pytest.mark.parametrize(
     "layout,world",
-    [(ParallelLayout(), 1), (ParallelLayout(tp=4), 4), (ParallelLayout(pp=2, dp=2, tp=2), 8), (ParallelLayout(pp=4, dp=3), 12)],
+    [(ParallelLayout(), 1), (ParallelLayout(tp=4), 4), (ParallelLayout(dp=2, tp=4), 8), (ParallelLayout(dp=12), 12)],
 )
 def test_valid_layouts_pass(layout, world):
     assert layout.world_size == world
@@ -193,10 +193,10 @@ def test_valid_layouts_pass(layout, world):
 
 def test_world_size_mismatch():
     with pytest.raises(LayoutError) as err:
-        validate_layout(ParallelLayout(pp=1, dp=3, tp=2), 8)
+        validate_layout(ParallelLayout(dp=3, tp=2), 8)
     msg = str(err.value)
     assert "6" in msg and "8" in msg
-    assert "1*3*2" in msg
+    assert "3*2" in msg
 
 
 def test_heads_not_divisible_by_tp():
@@ -217,12 +217,7 @@ def test_intermediate_not_divisible_by_tp():
         validate_layout(ParallelLayout(tp=8), 8, model_config(intermediate_size=100, num_key_value_heads=8))
 
 
-def test_fewer_layers_than_pipeline_stages():
-    with pytest.raises(LayoutError, match=r"num_hidden_layers=4.*pp=8"):
-        validate_layout(ParallelLayout(pp=8), 8, model_config())
-
-
-@pytest.mark.parametrize("field,value", [("pp", 0), ("dp", -1), ("tp", 0), ("tp", 1.5)])
+@pytest.mark.parametrize("field,value", [("dp", 0), ("dp", -1), ("tp", 0), ("tp", 1.5)])
 def test_non_positive_degree(field, value):
     layout = ParallelLayout(**{field: value})
     with pytest.raises(LayoutError, match=f"{field}={value!r}"):
@@ -232,11 +227,11 @@ def test_non_positive_degree(field, value):
 def test_every_problem_is_reported():
     config = model_config(num_attention_heads=6, num_key_value_heads=3, intermediate_size=99, num_hidden_layers=1, hidden_size=48)
     with pytest.raises(LayoutError) as err:
-        validate_layout(ParallelLayout(pp=2, dp=1, tp=4), 6, config)
+        validate_layout(ParallelLayout(dp=2, tp=4), 6, config)
     msg = str(err.value)
-    for needle in ("8", "6 ranks", "num_attention_heads=6", "num_key_value_heads=3", "intermediate_size=99", "pp=2"):
+    for needle in ("8", "6 ranks", "num_attention_heads=6", "num_key_value_heads=3", "intermediate_size=99"):
         assert needle in msg, needle
-    assert len(layout_problems(ParallelLayout(pp=2, dp=1, tp=4), 6, config)) == 5
+    assert len(layout_problems(ParallelLayout(dp=2, tp=4), 6, config)) == 4
 
 
 def test_layout_error_is_a_value_error():

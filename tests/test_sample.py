@@ -165,7 +165,8 @@ def test_finetuning_on_the_instructions_lifts_mmlu_well_above_chance(sample, tmp
     of 150 questions (chance 25%, one standard deviation 3.5 points) before and after
     finetuning the tiny model on the instruction set."""
     from llmflow.data.tokenize_instruction import InstructionTokenizeConfig, tokenize_instruction
-    from llmflow.evaluate.mmlu import MMLUConfig, evaluate_mmlu
+    from llmflow.evaluate.benchmarks import MMLU
+    from llmflow.evaluate.engine import EvalConfig, evaluate
     from llmflow.train.command import launch_training
     from llmflow.train.config import TrainConfig
 
@@ -180,7 +181,7 @@ def test_finetuning_on_the_instructions_lifts_mmlu_well_above_chance(sample, tmp
     }), nproc=1, on_line=lambda line: None)
 
     def accuracy(model: Path, out: str) -> float:
-        evaluate_mmlu(MMLUConfig(model=model, data=sample / "mmlu" / "csv", out=tmp_path / out, shots=5))
+        evaluate(MMLU, EvalConfig(model=model, data=sample / "mmlu" / "csv", out=tmp_path / out, shots=5))
         return json.loads((tmp_path / out / "results.json").read_text())["accuracy"]
 
     before, after = accuracy(sample / "model", "before"), accuracy(run, "after")

@@ -174,6 +174,7 @@ def test_download_copies_a_local_source_changed_in_place(prefect_env, source_dir
 # --- tokenize ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_tokenize_task_logs_metrics_and_reruns_only_on_new_inputs(prefect_env, tiny_tokenizer, tmp_path):
     docs = make_docs(60, seed=2)
     corpus = write_parquet(tmp_path / "a.parquet", docs)

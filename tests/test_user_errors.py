@@ -237,7 +237,8 @@ def test_chat_ctrl_c_during_a_reply_returns_to_the_prompt(sample):
 
     from llmflow.data.templates import load_template
     from llmflow.infer import GenerateConfig
-    from llmflow.infer.command import chat_loop, load_generator
+    from llmflow.infer.command import chat_loop
+    from llmflow.infer.generator import load_generator
 
     gen = load_generator(sample / "model")
     template = load_template(sample / "model", None)

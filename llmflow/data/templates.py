@@ -87,10 +87,6 @@ NAMED_TEMPLATES: dict[str, str] = {
 }
 TEMPLATE_CHOICES = ("tokenizer", *NAMED_TEMPLATES)
 
-# Role names every template understands.
-ROLES = ("system", "user", "assistant")
-
-
 class TemplateError(ValueError):
     """A template that is missing, fails to render, or cannot split prompt from response."""
 
@@ -161,6 +157,12 @@ class ChatTemplate:
             )
         except jinja2.exceptions.TemplateError as e:
             raise TemplateError(f"chat template {self.name!r}: {e}") from e
+
+    def prompt(self, prompt: str | list[Message]) -> str:
+        """A prompt as the model is asked it: plain text as the user's message (or a whole
+        conversation), followed by the assistant's turn header."""
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        return self.render(messages, add_generation_prompt=True)
 
     def segments(self, messages: list[Message]) -> list[tuple[str, bool]]:
         """``(text, trained)`` pieces whose concatenation is the rendered conversation up to

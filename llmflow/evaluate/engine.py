@@ -27,7 +27,7 @@ from llmflow.artifacts import (
 from llmflow.data.templates import load_template
 from llmflow.evaluate.benchmarks import Benchmark
 from llmflow.evaluate.hub_data import local_data
-from llmflow.evaluate.prompts import CONTINUATIONS, chat_prompt
+from llmflow.evaluate.prompts import CONTINUATIONS
 from llmflow.evaluate.questions import LETTERS, BenchmarkData, Question
 from llmflow.evaluate.scoring import model_requests, score_requests
 from llmflow.model_loading import load_model, tokenizer_dir
@@ -146,7 +146,7 @@ def evaluate(benchmark: Benchmark, config: EvalConfig) -> Path:
     model, tok_dir, max_length = _load(config)
     if config.template != "none":
         template = load_template(tok_dir, config.template)
-        prompts = [chat_prompt(p, template) for p in prompts]
+        prompts = [template.prompt(p) for p in prompts]
     start = time.monotonic()
     requests = model_requests(tok_dir, prompts, CONTINUATIONS)
     scores, fast = score_requests(model, requests, config.batch_size, max_length, config.padding_side)

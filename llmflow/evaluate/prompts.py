@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from llmflow.data.templates import ChatTemplate
 from llmflow.evaluate.questions import LETTERS, Question
 from llmflow.evaluate.subjects_zh import CEVAL_SUBJECTS, CMMLU_SUBJECTS
 
@@ -65,8 +64,3 @@ CMMLU_PROMPT = PromptFormat(
     "以下是关于{subject}的单项选择题，请直接给出正确答案的选项。\n\n", "答案：",
     {subject: name for subject, (name, _) in CMMLU_SUBJECTS.items()},
 )
-
-
-def chat_prompt(prompt: str, template: ChatTemplate) -> str:
-    """``prompt`` as the user message of a conversation, followed by the assistant's turn header."""
-    return template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)

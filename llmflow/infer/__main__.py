@@ -19,7 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from llmflow import runtime
 from llmflow.checkpoint import load_checkpoint, read_meta, resolve_step_dir
-from llmflow.infer.command import GenerateCommand, make_generator, run_generate
+from llmflow.infer.command import GenerateCommand, run_generate
+from llmflow.infer.generator import make_generator
 from llmflow.mesh import ParallelLayout, build_mesh
 from llmflow.model_loading import is_checkpoint, load_model
 from llmflow.models import CausalLM, ModelConfig

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import ConfigDict, Field
 
@@ -27,11 +27,9 @@ from llmflow.artifacts import (
 )
 from llmflow.data.templates import ChatTemplate, Message, load_template
 from llmflow.infer.generate import GenerateConfig, GenerationResult, encode_prompts
+from llmflow.infer.generator import Generator, load_generator
 from llmflow.model_loading import tokenizer_dir
 from llmflow.runtime import detect_device_type, resolve_dtype
-
-if TYPE_CHECKING:
-    from llmflow.infer.command import Generator
 
 STAGE = "infer"
 GENERATIONS = "generations.jsonl"
@@ -127,8 +125,7 @@ def encode(tokenizer, prompts: list[Prompt], template: ChatTemplate | None, wrap
         if isinstance(p, str) and not wrap_text:
             ids += encode_prompts(tokenizer, [p])
         else:
-            conversation = [{"role": "user", "content": p}] if isinstance(p, str) else p
-            ids += encode_prompts(tokenizer, [template.render(conversation, add_generation_prompt=True)], False)
+            ids += encode_prompts(tokenizer, [template.prompt(p)], False)
     return ids
 
 
@@ -151,9 +148,6 @@ def _record(index: int, prompt: Prompt, result: GenerationResult) -> str:
 
 def run_inference(config: InferConfig) -> Path:
     """Generate for every prompt of ``config.prompts``; writes ``config.out`` and returns it."""
-    # command.py takes its reader from this module, so its loader is imported on use.
-    from llmflow.infer.command import load_generator
-
     prompts = read_prompts(config.prompts, messages=True)
     template = _chat_template(config, prompts)
     device_type = detect_device_type() if config.device == "auto" else config.device

@@ -9,85 +9,26 @@ import json
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
-import torch.distributed as dist
 from pydantic import ConfigDict, Field, model_validator
 
 from llmflow import runtime
 from llmflow.data.templates import ChatTemplate, Message, load_template
-from llmflow.data.tokenizer import load_tokenizer, tokenizer_info
 from llmflow.infer.batch import read_prompts
 from llmflow.infer.generate import (
     GenerateConfig,
     GenerationResult,
     encode_prompts,
-    generate,
 )
+from llmflow.infer.generator import Generator, load_generator
 from llmflow.launch import run_workers, torchrun_command
 from llmflow.mesh import ParallelLayout, layout_problems
-from llmflow.model_loading import hf_config_of, load_model, tokenizer_dir
-from llmflow.models import CausalLM, ModelConfig
+from llmflow.model_loading import hf_config_of
+from llmflow.models import ModelConfig
 
 RESET, EXIT = "/reset", "/exit"
-
-
-@dataclass
-class Generator:
-    """A model ready to generate: weights, tokenizer and the ids that end a reply."""
-
-    model: CausalLM
-    tokenizer: Any
-    tokenizer_dir: Path
-    vocab_size: int
-    """The model's real vocabulary (a checkpoint's padded rows are never sampled)."""
-    eos_token_ids: list[int]
-    group: dist.ProcessGroup | None = None
-    """The tensor-parallel group the model is sharded over; None for a whole model."""
-
-    def run(self, prompts: list[str] | list[list[int]], config: GenerateConfig, on_text=None) -> list[GenerationResult]:
-        """``generate`` with this model's eos ids (unless the config names its own)."""
-        config = config.model_copy(update={"eos_token_ids": config.eos_token_ids or self.eos_token_ids})
-        return generate(
-            self.model, self.tokenizer, prompts, config, on_text=on_text, vocab_size=self.vocab_size, group=self.group
-        )
-
-
-def eos_token_ids(tok_dir: Path, hf_config: dict[str, Any]) -> list[int]:
-    """The eos_token_id (one id or a list) of generation_config.json beside the tokenizer
-    (a checkpoint keeps it there), else of config.json, else the tokenizer's eos token."""
-    generation = tok_dir / "generation_config.json"
-    for source in (json.loads(generation.read_text()) if generation.is_file() else {}, hf_config):
-        eos = source.get("eos_token_id")
-        if eos is not None:
-            return eos if isinstance(eos, list) else [eos]
-    eos = tokenizer_info(tok_dir).eos_token_id
-    return [eos] if eos is not None else []
-
-
-def load_generator(path: str | Path, device: str = "cpu") -> Generator:
-    """The model in ``path`` with its tokenizer and eos ids, in eval mode."""
-    return make_generator(path, *load_model(path, device))
-
-
-def make_generator(
-    path: str | Path, model: CausalLM, hf_config: dict[str, Any], group: dist.ProcessGroup | None = None
-) -> Generator:
-    """``model``, loaded from ``path`` (and sharded over ``group`` when given), with the
-    tokenizer and eos ids that go with it, in eval mode."""
-    tok_dir = tokenizer_dir(path)
-    if tok_dir is None:
-        raise FileNotFoundError(f"model {path}: no tokenizer (tokenizer.json) beside it")
-    return Generator(
-        model=model.eval(),
-        tokenizer=load_tokenizer(tok_dir),
-        tokenizer_dir=tok_dir,
-        vocab_size=int(hf_config["vocab_size"]),
-        eos_token_ids=eos_token_ids(tok_dir, hf_config),
-        group=group,
-    )
 
 
 class GenerateCommand(GenerateConfig):
@@ -132,8 +73,7 @@ def _encoded(gen: Generator, texts: list[str], template: str | None) -> list[lis
     if template is None:
         return encode_prompts(gen.tokenizer, texts)
     chat = load_template(gen.tokenizer_dir, template)
-    rendered = [chat.render([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
-    return encode_prompts(gen.tokenizer, rendered, add_special_tokens=False)
+    return encode_prompts(gen.tokenizer, [chat.prompt(t) for t in texts], add_special_tokens=False)
 
 
 def run_generate(command: GenerateCommand, out: TextIO, gen: Generator | None = None) -> list[GenerationResult]:
@@ -231,7 +171,4 @@ class ChatCommand(GenerateConfig):
     def cli_cmd(self) -> None:
         gen = load_generator(self.model, self.device)
         config = GenerateConfig(**self.model_dump(include=set(GenerateConfig.model_fields)))
-        try:
-            chat_loop(gen, load_template(gen.tokenizer_dir, self.template), config, sys.stdin, sys.stdout)
-        except KeyboardInterrupt:  # Ctrl-C at the prompt ends the chat quietly
-            raise SystemExit(130) from None
+        chat_loop(gen, load_template(gen.tokenizer_dir, self.template), config, sys.stdin, sys.stdout)

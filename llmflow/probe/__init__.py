@@ -1,8 +1,8 @@
 """Precision debugging in msprobe's formats: deterministic mode, dumps of training steps,
 and the comparison of two dumps with an advisor that names the first divergence."""
 
-from llmflow.probe.config import ProbeConfig, load_probe_config
-from llmflow.probe.determinism import seed_all
-from llmflow.probe.dump import Dumper
+from llmflow.probe.dump.config import ProbeConfig, load_probe_config
+from llmflow.probe.dump.determinism import seed_all
+from llmflow.probe.dump.dumper import Dumper
 
 __all__ = ["Dumper", "ProbeConfig", "load_probe_config", "seed_all"]

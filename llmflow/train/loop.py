@@ -1,10 +1,12 @@
 """The training loop a torchrun worker runs.
 
-Start-up: every rank builds the whole model from ``config.model`` (a Hugging Face
+``setup``: every rank builds the whole model from ``config.model`` (a Hugging Face
 directory or a checkpoint), adds LoRA adapters (seeded, identical on every rank), then
-the parallel plan shards it (tensor parallel, activation checkpointing, FSDP2). When
-``config.out`` holds a checkpoint, the trained weights (or adapters), optimizer state and
-each rank's RNG state are loaded from it, resharded to this run's layout.
+``parallelize_decoder`` shards it (tensor parallel, activation checkpointing, FSDP2). When
+``config.out`` holds a checkpoint, ``resume`` loads the trained weights (or adapters),
+optimizer state and each rank's RNG state from it, resharded to this run's layout.
+``train_step`` is one optimizer step (``forward_backward`` over this rank's micro-batches);
+``train`` loops over the steps, logging and saving.
 
 A step takes the global batch of samples ``[step * global_batch, (step + 1) *
 global_batch)``; each data-parallel rank takes its slice of every micro-batch. The loss
@@ -47,8 +49,8 @@ from llmflow.checkpoint import (
 from llmflow.convert import copy_tokenizer_files
 from llmflow.mesh import ParallelLayout, build_mesh, validate_layout
 from llmflow.model_loading import load_model, tokenizer_dir
-from llmflow.models import ModelConfig, apply_lora, is_lora_param, lora_tp_plan
-from llmflow.models.parallelize import apply_ac, apply_fsdp, apply_tp, layer_tp_plan
+from llmflow.models import ModelConfig, apply_lora, is_lora_param
+from llmflow.models.parallelize import parallelize_decoder
 from llmflow.probe import Dumper, load_probe_config, seed_all
 from llmflow.train.config import TrainConfig
 from llmflow.train.data import BlendedSamples, PretrainSamples, SftSamples, check_token_ids, collate
@@ -110,7 +112,7 @@ class Topology:
 
 def topology(config: TrainConfig, env: runtime.DistEnv, model_config: ModelConfig) -> Topology:
     dp = config.dp or max(env.world_size // config.tp, 1)
-    layout = ParallelLayout(pp=1, dp=dp, tp=config.tp)
+    layout = ParallelLayout(dp=dp, tp=config.tp)
     validate_layout(layout, env.world_size, model_config)
     if not dist.is_initialized():
         return Topology(layout, 0, None, None)
@@ -143,121 +145,172 @@ def set_rng_state(state: dict[str, Any], device_type: str) -> None:
         torch.get_device_module(device_type).set_rng_state(state["device"])
 
 
-def train(config: TrainConfig) -> dict[str, float]:
-    """Run (or resume) the training ``config`` describes; returns the last step's metrics."""
+@dataclass
+class Run:
+    """One worker's training, set up once: the sharded model, its optimizer, the data and
+    where this rank sits."""
+
+    config: TrainConfig
+    env: runtime.DistEnv
+    topo: Topology
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    trainable: list[torch.nn.Parameter]
+    samples: Any
+    vocab_size: int
+    """The model's real vocabulary: data ids at or above it are refused."""
+    sharded: bool
+    """Whether FSDP2 shards the model (it then averages gradients over the dp ranks)."""
+    accumulation: int
+    meta: CheckpointMeta
+    """What every checkpoint of this run records (its step and samples added on save)."""
+    dumper: Dumper | None
+    start_step: int = 0
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint holds: the trainable weights and the optimizer state."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return {"model": trainable_state(self.model, self.config.lora is not None),
+                "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+
+
+def setup(config: TrainConfig) -> Run:
+    """Start this worker: process group, model (LoRA adapters added, then sharded), optimizer,
+    data and the probe; resumed from the run directory's latest checkpoint when there is one."""
     if config.deterministic:
         seed_all(config.seed)  # before the process group: HCCL reads its switch at start-up
     env = runtime.init_distributed()
-    device_type = env.device.type
-    dtype = runtime.resolve_dtype(config.dtype, device_type)
+    dtype = runtime.resolve_dtype(config.dtype, env.device.type)
     torch.manual_seed(config.seed)
 
     model, hf_config = load_model(config.model, env.device)
     if env.is_main:
         _copy_tokenizer(Path(config.model), Path(config.out))
     topo = topology(config, env, model.config)
-    dp = topo.layout.dp
-    per_step = config.micro_batch_size * dp
-    for problem in batch_problems(config.global_batch_size, config.micro_batch_size, dp):
+    for problem in batch_problems(config.global_batch_size, config.micro_batch_size, topo.layout.dp):
         raise ValueError(problem)
-    accumulation = config.global_batch_size // per_step
     samples = data_source(config)
-    vocab_size = int(hf_config["vocab_size"])
+    sharded = topo.mesh is not None and (topo.layout.dp > 1 or dtype != torch.float32)
+    if not sharded and dtype != torch.float32:
+        raise ValueError(f"dtype {dtype} needs a torchrun launch (mixed precision comes with FSDP2); use dtype=fp32")
 
     if config.lora is not None:
         apply_lora(model, config.lora, generator=torch.Generator(device=env.device).manual_seed(config.seed))
-    if config.tp > 1:
-        extra = lora_tp_plan(layer_tp_plan()) if config.lora is not None else None  # wraps every entry
-        apply_tp(model, topo.mesh["tp"], extra)
-        if config.lora is not None:  # SequenceParallel makes fresh, trainable norm weights
-            for name, p in model.named_parameters():
-                p.requires_grad_(is_lora_param(name))
-    if config.activation_checkpointing:
-        apply_ac(model)
-    if config.compile:
-        for layer in model.model.layers.values():
-            layer.compile()
-    sharded = topo.mesh is not None and (dp > 1 or dtype != torch.float32)
-    if sharded:
-        apply_fsdp(model, topo.mesh["dp"], param_dtype=dtype)
-    elif dtype != torch.float32:
-        raise ValueError(f"dtype {dtype} needs a torchrun launch (mixed precision comes with FSDP2); use dtype=fp32")
-    optimizer = build_optimizer(model, config, device_type)
-    dumper = Dumper(load_probe_config(config.probe), model) if config.probe else None
-
-    start_step = 0
-    out = Path(config.out)
-    resume_dir = latest_step_dir(out) if out.exists() else None
-    if resume_dir is not None:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-        state = {"model": trainable_state(model, config.lora is not None), "optimizer": get_optimizer_state_dict(model, optimizer)}
-        meta = load_checkpoint(resume_dir, state)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=config.lora is None))
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
-        start_step = meta.step
-        saved_rng = load_rng_state(resume_dir, env.rank)
-        if saved_rng is not None and meta.layout == topo.layout.__dict__:
-            set_rng_state(saved_rng, device_type)
-        if env.is_main:
-            print(f"resumed from {resume_dir} at step {start_step} ({meta.consumed_samples} samples consumed)", flush=True)
-
-    meta_template = CheckpointMeta(
-        hf_config=hf_config,
-        padded_vocab_size=model.config.vocab_size,
-        layout=dict(topo.layout.__dict__),
-        lora=config.lora.model_dump() if config.lora is not None else None,
-        base_checkpoint=str(Path(config.model).resolve()) if config.lora is not None else None,
+    parallelize_decoder(model, topo.mesh, lora=config.lora is not None,
+                        activation_checkpointing=config.activation_checkpointing, compile=config.compile,
+                        fsdp_dtype=dtype if sharded else None)
+    optimizer = build_optimizer(model, config, env.device.type)
+    run = Run(
+        config=config, env=env, topo=topo, model=model, optimizer=optimizer,
+        trainable=[p for p in model.parameters() if p.requires_grad], samples=samples,
+        vocab_size=int(hf_config["vocab_size"]), sharded=sharded,
+        accumulation=config.global_batch_size // (config.micro_batch_size * topo.layout.dp),
+        meta=CheckpointMeta(
+            hf_config=hf_config,
+            padded_vocab_size=model.config.vocab_size,
+            layout=dict(topo.layout.__dict__),
+            lora=config.lora.model_dump() if config.lora is not None else None,
+            base_checkpoint=str(Path(config.model).resolve()) if config.lora is not None else None,
+        ),
+        dumper=Dumper(load_probe_config(config.probe), model) if config.probe else None,
     )
+    resume(run)
+    return run
+
+
+def resume(run: Run) -> None:
+    """Load the run directory's latest checkpoint into ``run``, resharded to this layout
+    (and each rank's RNG state when the layout is the one it was saved under)."""
+    out = Path(run.config.out)
+    resume_dir = latest_step_dir(out) if out.exists() else None
+    if resume_dir is None:
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    state = run.state()
+    meta = load_checkpoint(resume_dir, state)
+    set_model_state_dict(run.model, state["model"], options=StateDictOptions(strict=run.config.lora is None))
+    set_optimizer_state_dict(run.model, run.optimizer, state["optimizer"])
+    run.start_step = meta.step
+    saved_rng = load_rng_state(resume_dir, run.env.rank)
+    if saved_rng is not None and meta.layout == run.meta.layout:
+        set_rng_state(saved_rng, run.env.device.type)
+    if run.env.is_main:
+        print(f"resumed from {resume_dir} at step {run.start_step} ({meta.consumed_samples} samples consumed)", flush=True)
+
+
+def micro_batches(run: Run, step: int) -> list[dict[str, torch.Tensor | None]]:
+    """This rank's micro-batches of ``step``: its slice of each of the global batch's."""
+    config = run.config
+    per_step = config.micro_batch_size * run.topo.layout.dp
+    first = (step - 1) * config.global_batch_size
+    batches = []
+    for m in range(run.accumulation):
+        base = first + m * per_step + run.topo.dp_rank * config.micro_batch_size
+        samples = [run.samples[base + j] for j in range(config.micro_batch_size)]
+        check_token_ids(samples, run.vocab_size)
+        batches.append(collate(samples))
+    return batches
+
+
+def forward_backward(run: Run, batches: list[dict[str, torch.Tensor | None]], total: float) -> torch.Tensor:
+    """Gradients of the mean loss over the global batch's ``total`` target tokens; returns
+    this rank's summed loss."""
+    device = run.env.device
+    loss_sum = torch.zeros((), device=device)
+    for m, batch in enumerate(batches):
+        if run.sharded:
+            run.model.set_requires_gradient_sync(m == len(batches) - 1)
+        tensors = {k: (v.to(device) if v is not None else None) for k, v in batch.items()}
+        loss = run.model(tensors["input_ids"], labels=tensors["targets"], document_ids=tensors["document_ids"],
+                         loss_reduction="sum")
+        # FSDP averages gradients over dp ranks; scaling by dp makes that a global-token mean.
+        (loss * ((run.topo.layout.dp if run.sharded else 1) / total)).backward()
+        loss_sum += loss.detach()
+    return loss_sum
+
+
+def train_step(run: Run, step: int) -> tuple[float, float, float]:
+    """One optimizer step; returns its loss, gradient norm (before clipping) and learning rate."""
+    config = run.config
+    lr = learning_rate(config, step)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    batches = micro_batches(run, step)
+    count = torch.tensor(float(sum(int((b["targets"] != -100).sum()) for b in batches)), device=run.env.device)
+    if run.topo.dp_group is not None:
+        dist.all_reduce(count, group=run.topo.dp_group)
+    total = max(count.item(), 1.0)
+    # msprobe counts steps from 0: probe step s is training step s + 1.
+    with run.dumper.step(step - 1) if run.dumper else nullcontext():
+        loss_sum = forward_backward(run, batches, total)
+    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in run.trainable if p.grad is not None])
+    if run.topo.dp_group is not None:
+        dist.all_reduce(loss_sum, group=run.topo.dp_group)
+    loss_value, norm_value = finite_step(step, loss_sum / total, grad_norm, run.model, Path(config.out))
+    if config.optim.clip_grad:
+        torch.nn.utils.clip_grads_with_norm_(run.trainable, config.optim.clip_grad, grad_norm)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return loss_value, norm_value, lr
+
+
+def train(config: TrainConfig) -> dict[str, float]:
+    """Run (or resume) the training ``config`` describes; returns the last step's metrics."""
+    run = setup(config)
+    env = run.env
     run_id = config.mlflow_run_id or os.environ.get("LLMFLOW_MLFLOW_RUN_ID")
-    seq_length = samples.seq_length
-    flops_token = flops_per_token(model.config, seq_length)
+    seq_length = run.samples.seq_length
+    flops_token = flops_per_token(run.model.config, seq_length)
     peak = peak_flops(env.device)
     timer = StepTimer()
     metrics: dict[str, float] = {}
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    model.train()
+    run.model.train()
 
-    for step in range(start_step + 1, config.steps + 1):
-        lr = learning_rate(config, step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        first = (step - 1) * config.global_batch_size
-        micro_batches = []
-        for m in range(accumulation):
-            base = first + m * per_step + topo.dp_rank * config.micro_batch_size
-            batch_samples = [samples[base + j] for j in range(config.micro_batch_size)]
-            check_token_ids(batch_samples, vocab_size)
-            micro_batches.append(collate(batch_samples))
-        local_count = sum(int((b["targets"] != -100).sum()) for b in micro_batches)
-        count = torch.tensor(float(local_count), device=env.device)
-        if topo.dp_group is not None:
-            dist.all_reduce(count, group=topo.dp_group)
-        total = max(count.item(), 1.0)
-
-        loss_sum = torch.zeros((), device=env.device)
-        # msprobe counts steps from 0: probe step s is training step s + 1.
-        with dumper.step(step - 1) if dumper else nullcontext():
-            for m, batch in enumerate(micro_batches):
-                if sharded:
-                    model.set_requires_gradient_sync(m == accumulation - 1)
-                tensors = {k: (v.to(env.device) if v is not None else None) for k, v in batch.items()}
-                loss = model(tensors["input_ids"], labels=tensors["targets"], document_ids=tensors["document_ids"], loss_reduction="sum")
-                # FSDP averages gradients over dp ranks; scaling by dp makes that a global-token mean.
-                (loss * ((dp if sharded else 1) / total)).backward()
-                loss_sum += loss.detach()
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in trainable if p.grad is not None])
-        if topo.dp_group is not None:
-            dist.all_reduce(loss_sum, group=topo.dp_group)
-        loss_value, norm_value = finite_step(step, loss_sum / total, grad_norm, model, out)
-        if config.optim.clip_grad:
-            torch.nn.utils.clip_grads_with_norm_(trainable, config.optim.clip_grad, grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    for step in range(run.start_step + 1, config.steps + 1):
+        loss_value, norm_value, lr = train_step(run, step)
         seconds = timer.lap()
-
         if step % config.log_interval == 0 or step == config.steps:
             tokens = config.global_batch_size * seq_length
             metrics = {
@@ -274,7 +327,7 @@ def train(config: TrainConfig) -> dict[str, float]:
                 _report(step, config.steps, metrics, run_id)
                 timer.lap()  # logging time is not step time (the first MLflow call imports mlflow)
         if step == config.steps or (config.save_interval and step % config.save_interval == 0):
-            _save(model, optimizer, config, step, meta_template, device_type)
+            _save(run, step)
             timer.lap()  # checkpoint time is not step time
 
     runtime.destroy_distributed()
@@ -311,13 +364,12 @@ def _copy_tokenizer(source: Path, out: Path) -> None:
         copy_tokenizer_files(found, out / TOKENIZER_DIR)
 
 
-def _save(model, optimizer, config: TrainConfig, step: int, meta: CheckpointMeta, device_type: str) -> None:
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    state = {"model": trainable_state(model, config.lora is not None), "optimizer": get_optimizer_state_dict(model, optimizer)}
-    meta = meta.model_copy(update={"consumed_samples": step * config.global_batch_size})
-    path = save_checkpoint(config.out, step, state, meta, keep=config.keep_last, rng_state=rng_state(device_type))
-    if not dist.is_initialized() or dist.get_rank() == 0:
+def _save(run: Run, step: int) -> None:
+    config = run.config
+    meta = run.meta.model_copy(update={"consumed_samples": step * config.global_batch_size})
+    path = save_checkpoint(config.out, step, run.state(), meta, keep=config.keep_last,
+                           rng_state=rng_state(run.env.device.type))
+    if run.env.is_main:
         print(f"saved checkpoint {path}", flush=True)
 
 

@@ -59,10 +59,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import BackwardHook
 
 from llmflow.artifacts import atomic_directory
-from llmflow.probe.apis import SKIPPED, api_name, is_inplace
-from llmflow.probe.config import ProbeConfig
-from llmflow.probe.records import RecordBuilder, cpu_threads
-from llmflow.probe.scope import CallFilter, backward_name
+from llmflow.probe.dump.apis import SKIPPED, api_name, is_inplace
+from llmflow.probe.dump.config import ProbeConfig
+from llmflow.probe.dump.records import RecordBuilder, cpu_threads
+from llmflow.probe.dump.scope import CallFilter, backward_name
 
 TENSOR_DIR = "dump_tensor_data"
 _TORCH = str(Path(torch.__file__).resolve().parent) + "/"

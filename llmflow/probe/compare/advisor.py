@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from typing import TYPE_CHECKING
 
-from llmflow.probe.apis import is_inplace
-
-if TYPE_CHECKING:
-    from llmflow.probe.compare import RankComparison, Row
+from llmflow.probe.compare.rows import RankComparison, Row
+from llmflow.probe.dump.apis import is_inplace
 
 ALL_PASS = "Every compared value meets the accuracy rules."
 FLAGGED = ("warning", "error")

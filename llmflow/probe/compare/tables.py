@@ -30,7 +30,7 @@ import csv
 import itertools
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +39,19 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import CliPositionalArg
 
 from llmflow.artifacts import MANIFEST, atomic_directory, file_record, manifest_payload, write_json_atomic
-from llmflow.probe.advisor import advise
-from llmflow.probe.merge import merge_ranks
-from llmflow.probe.reading import ERROR, PASS, UNMATCHED, WARNING, Leaf, RankDump, load_array, rank_dirs, read_rank
+from llmflow.probe.compare.advisor import advise
+from llmflow.probe.compare.merge import merge_ranks
+from llmflow.probe.compare.reading import (
+    ERROR,
+    UNMATCHED,
+    WARNING,
+    Leaf,
+    RankDump,
+    load_array,
+    rank_dirs,
+    read_rank,
+)
+from llmflow.probe.compare.rows import RankComparison, Row
 
 STAGE = "probe-compare"
 
@@ -116,38 +126,6 @@ class CompareConfig(BaseModel):
     (0, the default: off, msprobe's own verdicts). For runs of different tensor-parallel
     layouts, whose float32 reductions differ by rounding, 1e-5 (CROSS_LAYOUT_NOISE_FLOOR);
     advisor.txt says when it is on."""
-
-
-@dataclass
-class Row:
-    """One line of the comparison."""
-
-    leaf: Leaf
-    cells: dict[str, Any]
-    result: str = PASS
-    messages: list[str] = field(default_factory=list)
-    metrics: dict[str, float] = field(default_factory=dict)
-    """Metric values used by the result rules."""
-    stack: list[str] = field(default_factory=list)
-    """The call stack of the row's call."""
-    stat_errors: dict[str, float] = field(default_factory=dict)
-    """Relative errors of the Max, Min, Mean and Norm statistics (any mode but md5), where
-    msprobe gives one in percent."""
-
-    def flag(self, result: str, message: str) -> None:
-        if result == ERROR or self.result == PASS:
-            self.result = result
-        self.messages.append(message)
-
-
-@dataclass
-class RankComparison:
-    rank: str
-    mode: str
-    """tensor, statistics or md5."""
-    rows: list[Row]
-    csv: str
-    """File name of this rank's table in the output folder."""
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmflow.probe.compare import CompareConfig, compare_dumps
+from llmflow.probe.compare.tables import CompareConfig, compare_dumps
 
 
 class CompareCommand(CompareConfig):

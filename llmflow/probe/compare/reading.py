@@ -11,8 +11,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from llmflow.probe.dump import TENSOR_DIR
-from llmflow.probe.records import DTENSOR_TYPE, TENSOR_TYPE
+from llmflow.probe.dump.dumper import TENSOR_DIR
+from llmflow.probe.dump.records import DTENSOR_TYPE, TENSOR_TYPE
 
 Join = tuple[Literal["cat"], int] | tuple[Literal["sum", "avg"], None]
 

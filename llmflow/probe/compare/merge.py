@@ -25,7 +25,7 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from llmflow.probe.reading import UNMATCHED, WARNING, Join, Leaf, RankDump, load_tensor
+from llmflow.probe.compare.reading import UNMATCHED, WARNING, Join, Leaf, RankDump, load_tensor
 
 _STATS = ("Max", "Min", "Mean", "Norm")
 
