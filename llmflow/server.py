@@ -100,11 +100,6 @@ def serve(command: ServerCommand) -> None:
         "PREFECT_API_URL": prefect_api,
         "PREFECT_SERVER_API_HOST": command.host,
         "PREFECT_SERVER_API_PORT": str(command.prefect_port),
-        # Prefect's defaults (a statement waits 10 s, a connection 5 s) are short for a loaded
-        # machine where the UI, the worker, the flow runs and the server's own services all
-        # write through the API to one SQLite file: a request that times out fails in the UI.
-        "PREFECT_SERVER_DATABASE_TIMEOUT": "60",
-        "PREFECT_SERVER_DATABASE_CONNECTION_TIMEOUT": "60",
         "MLFLOW_TRACKING_URI": mlflow_url,
         # The MLflow server's background job runner alone costs ~2 GB.
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",

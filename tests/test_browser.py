@@ -74,6 +74,7 @@ def browser(chromium, monkeypatch):
     monkeypatch.setenv("SE_OFFLINE", "true")
     options = webdriver.ChromeOptions()
     options.binary_location = binary
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
         options.add_argument(arg)
     driver = webdriver.Chrome(options=options, service=Service(executable_path=driver_path))
@@ -93,6 +94,8 @@ def screenshots_on_failure(driver, out: Path):
             driver.save_screenshot(str(out / "failure.png"))
             (out / "failure.html").write_text(driver.page_source)
             print(f"browser at {driver.current_url}; screenshot and HTML in {out}")
+            # The console names the UI's failed API requests (its "Oops. Something went wrong." toast).
+            print("browser console:", *(str(entry) for entry in driver.get_log("browser")[-30:]), sep="\n")
         raise
 
 
