@@ -213,22 +213,29 @@ def named_tensors(state: Any, prefix: str = "") -> Iterator[tuple[str, torch.Ten
             yield from named_tensors(value, f"{prefix}.{i}" if prefix else str(i))
 
 
-def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
-    """The first name whose tensor holds NaN or ±Inf on any rank, or None. Looks at each
-    rank's own shards of DTensors; under a process group every rank must pass the same
-    names in the same order (a collective: one all-reduce agrees on the first)."""
+def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]], order: list[str] | None = None) -> str | None:
+    """The first name, in ``order`` (every name any rank passes), whose tensor holds NaN or
+    ±Inf on any rank, or None. Looks at each rank's own shards of DTensors. Under a process
+    group it is a collective (one all-reduce agrees on the first); ranks may pass different
+    names (pipeline stages), and without ``order`` the ranks' names are gathered, rank by rank."""
     names, flags = [], []
     for name, tensor in named:
         names.append(name)
         flags.append(all_finite(tensor.to_local() if isinstance(tensor, DTensor) else tensor))
-    if not names:
-        return None
-    finite = torch.stack(flags).tolist()
-    first = torch.tensor(next((i for i, ok in enumerate(finite) if not ok), len(names)), device=flags[0].device)
+    if order is None:
+        order = names
+        if _distributed():
+            gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+            dist.all_gather_object(gathered, names)
+            order = list(dict.fromkeys(name for rank_names in gathered for name in rank_names))
+    device = flags[0].device if flags else None
+    finite = torch.stack(flags).tolist() if flags else []
+    first = torch.tensor(min((order.index(n) for n, ok in zip(names, finite, strict=True) if not ok), default=len(order)),
+                         device=device)
     if _distributed():
         dist.all_reduce(first, op=dist.ReduceOp.MIN)
     index = int(first)
-    return names[index] if index < len(names) else None
+    return order[index] if index < len(order) else None
 
 
 def resume_note(root: str | Path) -> str:

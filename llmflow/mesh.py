@@ -1,4 +1,4 @@
-"""Parallel layouts: checking a (dp, tp) split against the world and the model, and
+"""Parallel layouts: checking a (pp, dp, tp) split against the world and the model, and
 building the device mesh for it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 if TYPE_CHECKING:
     from llmflow.models.config import ModelConfig
 
-MESH_DIMS = ("dp", "tp")
+MESH_DIMS = ("pp", "dp", "tp")
 
 
 class LayoutError(ValueError):
@@ -20,8 +20,10 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """How the ranks of a job are split. dp * tp must equal the number of ranks."""
+    """How the ranks of a job are split. pp * dp * tp must equal the number of ranks."""
 
+    pp: int = 1
+    """Pipeline stages: consecutive decoder layers on different ranks."""
     dp: int = 1
     """Data-parallel replicas (parameters sharded with FSDP2 across them)."""
     tp: int = 1
@@ -29,7 +31,7 @@ class ParallelLayout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp
+        return self.pp * self.dp * self.tp
 
 
 def layout_problems(layout: ParallelLayout, world_size: int, config: ModelConfig | None = None) -> list[str]:
@@ -43,7 +45,7 @@ def layout_problems(layout: ParallelLayout, world_size: int, config: ModelConfig
         return problems
     if layout.world_size != world_size:
         problems.append(
-            f"dp*tp = {layout.dp}*{layout.tp} = {layout.world_size} "
+            f"pp*dp*tp = {layout.pp}*{layout.dp}*{layout.tp} = {layout.world_size} "
             f"but the job has {world_size} ranks; they must be equal"
         )
     if config is not None:
@@ -55,6 +57,8 @@ def layout_problems(layout: ParallelLayout, world_size: int, config: ModelConfig
         ):
             if value % tp:
                 problems.append(f"model {field}={value} is not divisible by tp={tp}")
+        if layout.pp > config.num_hidden_layers:
+            problems.append(f"pp={layout.pp} stages but the model has {config.num_hidden_layers} layers; each stage needs one")
     return problems
 
 
@@ -66,9 +70,10 @@ def validate_layout(layout: ParallelLayout, world_size: int, config: ModelConfig
 
 
 def build_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
-    """A 2-D DeviceMesh with dims ("dp", "tp"); tp innermost so tensor-parallel ranks are
-    neighbours (same node, fastest links)."""
+    """A 3-D DeviceMesh with dims ("pp", "dp", "tp"); tp innermost so tensor-parallel ranks
+    are neighbours (same node, fastest links), pp outermost (its point-to-point traffic is
+    the lightest, so it may cross nodes)."""
     import torch.distributed as dist
 
     validate_layout(layout, dist.get_world_size())
-    return init_device_mesh(device_type, (layout.dp, layout.tp), mesh_dim_names=MESH_DIMS)
+    return init_device_mesh(device_type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=MESH_DIMS)

@@ -3,9 +3,10 @@
 Module and parameter names are Hugging Face's (``model.layers.0.self_attn.q_proj.weight``),
 so weights, LoRA target names and precision dumps line up with the HF ecosystem. Layers
 live in a ModuleDict keyed "0", "1", ...: a model holding only some of the layers keeps their
-names. ``embed_tokens``, ``norm`` and ``lm_head`` may be None; forward then takes or returns
-hidden states instead of token ids or logits. Parallelism is applied from outside
-(``models/parallelize.py``), never here.
+names. ``embed_tokens``, ``norm`` and ``lm_head`` may be None, as in a pipeline stage; forward
+takes token ids (embedded) or hidden states (floating point: a later stage's input, never
+embedded) and returns logits or, without ``lm_head``, hidden states. Parallelism is applied
+from outside (``models/parallelize.py``, ``models/pipeline.py``), never here.
 
 Shapes are read from the weights at run time (``view(B, S, -1, head_dim)``), so a
 tensor-parallel plan that shards heads needs no change to this file.
@@ -166,7 +167,8 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """With ``kv_cache``, the input holds the positions after the cached ones: positions
         default to continuing from them, and ``document_ids`` are the new positions' ids."""
-        h = self.embed_tokens(tokens_or_hidden) if self.embed_tokens is not None else tokens_or_hidden
+        embed = self.embed_tokens is not None and not tokens_or_hidden.is_floating_point()
+        h = self.embed_tokens(tokens_or_hidden) if embed else tokens_or_hidden
         batch, seq = tokens_or_hidden.shape[:2]  # h may hold a sequence shard (sequence parallel)
         start = kv_cache.filled if kv_cache is not None else 0
         if position_ids is None:

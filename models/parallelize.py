@@ -142,15 +142,18 @@ def apply_ac(model: CausalLM) -> None:
         layers[name] = checkpoint_wrapper(layer, preserve_rng_state=True)
 
 
-def apply_fsdp(model: CausalLM, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32) -> None:
-    """FSDP2 over the data-parallel ``mesh``: one unit per layer, the rest in the root."""
+def apply_fsdp(model: CausalLM, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32,
+               reshard_after_forward: bool = True) -> None:
+    """FSDP2 over the data-parallel ``mesh``: one unit per layer, the rest in the root.
+    ``reshard_after_forward=False`` keeps each layer gathered from its forward to its backward
+    (pipeline stages, whose schedule runs several forwards before the backwards)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     layers = list(model.model.layers.values())
     for i, layer in enumerate(layers):
         # The last layer's parameters are needed again at once by backward: keep them.
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(layers) - 1)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward and i < len(layers) - 1)
     fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
@@ -168,11 +171,13 @@ def parallelize_decoder(
     activation_checkpointing: bool = False,
     compile: bool = False,
     fsdp_dtype: torch.dtype | None = None,
+    reshard_after_forward: bool = True,
 ) -> None:
-    """Shard ``model`` for training over ``mesh`` (dims "dp" and "tp"; None in a single
-    process), in place: tensor parallel when the "tp" dimension is larger than 1 (LoRA's
-    adapters split with the weights they adapt), activation checkpointing, compilation, then
-    FSDP2 over "dp" computing in ``fsdp_dtype`` (None: no FSDP)."""
+    """Shard ``model`` (the whole model or one pipeline stage) for training over ``mesh`` (dims
+    "pp", "dp" and "tp"; None in a single process), in place: tensor parallel when the "tp"
+    dimension is larger than 1 (LoRA's adapters split with the weights they adapt), activation
+    checkpointing, compilation, then FSDP2 over "dp" computing in ``fsdp_dtype`` (None: no
+    FSDP; see ``apply_fsdp`` for ``reshard_after_forward``)."""
     if mesh is not None and mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"], lora_tp_plan(layer_tp_plan()) if lora else None)
         if lora:  # SequenceParallel makes fresh, trainable norm weights
@@ -185,4 +190,4 @@ def parallelize_decoder(
     if fsdp_dtype is not None:
         if mesh is None:
             raise ValueError("FSDP needs a device mesh (a torchrun launch)")
-        apply_fsdp(model, mesh["dp"], param_dtype=fsdp_dtype)
+        apply_fsdp(model, mesh["dp"], param_dtype=fsdp_dtype, reshard_after_forward=reshard_after_forward)

@@ -79,9 +79,9 @@ class TrainConfig(BaseModel):
     """Checkpoint directory of this run. When it holds a checkpoint, training resumes from it,
     but only with the settings the weights depend on unchanged (model, data, optim, lora,
     seed, seq_length, dtype, global_batch_size; a launch that changes one is refused, naming
-    it). The parallel layout (nproc, tp, dp), micro_batch_size and the settings of
-    recomputation, compilation, logging and saving may change between launches, and steps
-    may grow."""
+    it). The parallel layout (nproc, pp, tp, dp, the pipeline schedule and split),
+    micro_batch_size and the settings of recomputation, compilation, logging and saving may
+    change between launches, and steps may grow."""
     data: DataConfig
     """Training data."""
     steps: int = Field(ge=1)
@@ -102,7 +102,26 @@ class TrainConfig(BaseModel):
     tp: int = Field(default=1, ge=1)
     """Tensor-parallel degree (heads, KV heads and FFN width must divide by it)."""
     dp: int | None = Field(default=None, ge=1)
-    """Data-parallel degree; default: world size / tp."""
+    """Data-parallel degree; default: world size / (pp * tp)."""
+    pp: int = Field(default=1, ge=1)
+    """Pipeline-parallel stages: the decoder layers are split into pp consecutive groups on
+    different ranks (stage 0 also holds the embedding, the last the norm, output projection
+    and loss). The ranks form a (pp, dp, tp) mesh: nproc = pp * dp * tp."""
+    pp_schedule: Literal["1F1B", "Interleaved1F1B", "GPipe"] = "1F1B"
+    """Pipeline schedule (pp > 1): 1F1B (one forward, one backward; needs microbatches >= pp),
+    Interleaved1F1B (virtual_stages model chunks per rank, a smaller bubble; needs
+    microbatches a multiple of pp), or GPipe (all forwards, then all backwards)."""
+    virtual_stages: int | None = Field(default=None, ge=2)
+    """Model chunks per pipeline rank for Interleaved1F1B (Megatron's
+    --num-layers-per-virtual-pipeline-stage, as a count): pp * virtual_stages stages in all,
+    placed round-robin over the ranks."""
+    num_layer_list: list[int] | None = None
+    """Decoder layers of each pipeline stage, in order (MindSpeed's --num-layer-list, e.g.
+    [16, 16]); pp * virtual_stages entries summing to the model's layers. Default: an even
+    split, earlier stages taking one more layer when it is uneven."""
+    microbatches: int | None = Field(default=None, ge=1)
+    """Micro-batches each pipeline runs per optimizer step. It is global_batch_size /
+    (micro_batch_size * dp), the default; a value given must equal it."""
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """Compute dtype: auto = bf16 on accelerators, fp32 on CPU. Master weights, optimizer
     state and gradient reduction stay fp32."""

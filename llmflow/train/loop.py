@@ -43,19 +43,22 @@ from llmflow.checkpoint import (
     latest_step_dir,
     load_checkpoint,
     load_rng_state,
+    read_dcp_metadata,
     resume_note,
     save_checkpoint,
 )
 from llmflow.convert import copy_tokenizer_files
 from llmflow.mesh import ParallelLayout, build_mesh, validate_layout
 from llmflow.model_loading import load_model, tokenizer_dir
-from llmflow.models import ModelConfig, apply_lora, is_lora_param
+from llmflow.models import CausalLM, ModelConfig, apply_lora, is_lora_param
 from llmflow.models.parallelize import parallelize_decoder
+from llmflow.models.pipeline import ScaledLoss, pipeline_schedule, split_model
+from llmflow.models.rope import positions_from_documents
 from llmflow.probe import Dumper, load_probe_config, seed_all
 from llmflow.train.config import TrainConfig
 from llmflow.train.data import BlendedSamples, PretrainSamples, SftSamples, check_token_ids, collate
 from llmflow.train.metrics import StepTimer, flops_per_token, memory_gib, peak_flops
-from llmflow.train.preflight import batch_problems
+from llmflow.train.preflight import batch_problems, pipeline_problems
 
 # --- model ----------------------------------------------------------------------------------------
 
@@ -102,22 +105,34 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig, device_type: st
 
 @dataclass
 class Topology:
-    """Where this rank sits: its data-parallel coordinates and the meshes to shard over."""
+    """Where this rank sits: its data- and pipeline-parallel coordinates and the meshes to
+    shard over."""
 
     layout: ParallelLayout
     dp_rank: int
     dp_group: Any
     mesh: Any
+    pp_rank: int = 0
+    pp_group: Any = None
+    tied_group: Any = None
+    """Under pp with tied embeddings: the group of this rank's first- and last-stage peers
+    (same dp and tp coordinates), which add up the tied weight's two gradients."""
 
 
 def topology(config: TrainConfig, env: runtime.DistEnv, model_config: ModelConfig) -> Topology:
-    dp = config.dp or max(env.world_size // config.tp, 1)
-    layout = ParallelLayout(dp=dp, tp=config.tp)
+    dp = config.dp or max(env.world_size // (config.pp * config.tp), 1)
+    layout = ParallelLayout(pp=config.pp, dp=dp, tp=config.tp)
     validate_layout(layout, env.world_size, model_config)
     if not dist.is_initialized():
         return Topology(layout, 0, None, None)
     mesh = build_mesh(layout, env.device.type)
-    return Topology(layout, mesh["dp"].get_local_rank(), mesh["dp"].get_group(), mesh)
+    topo = Topology(layout, mesh["dp"].get_local_rank(), mesh["dp"].get_group(), mesh)
+    if layout.pp > 1:
+        topo.pp_rank, topo.pp_group = mesh["pp"].get_local_rank(), mesh["pp"].get_group()
+        if model_config.tie_word_embeddings:
+            ends = mesh.mesh[[0, -1]].reshape(2, -1).T.tolist()  # [first, last] of every (dp, tp)
+            topo.tied_group, _ = dist.new_subgroups_by_enumeration(ends)
+    return topo
 
 
 def data_source(config: TrainConfig):
@@ -153,8 +168,10 @@ class Run:
     config: TrainConfig
     env: runtime.DistEnv
     topo: Topology
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
+    parts: list[CausalLM]
+    """This rank's model: the whole model, or under pp its pipeline stages, in stage order."""
+    optimizers: list[torch.optim.Optimizer]
+    """One optimizer per part (each part's state is named by the part's parameter names)."""
     trainable: list[torch.nn.Parameter]
     samples: Any
     vocab_size: int
@@ -162,22 +179,39 @@ class Run:
     sharded: bool
     """Whether FSDP2 shards the model (it then averages gradients over the dp ranks)."""
     accumulation: int
+    """Micro-batches per step on this rank (the pipeline's microbatches under pp)."""
     meta: CheckpointMeta
     """What every checkpoint of this run records (its step and samples added on save)."""
     dumper: Dumper | None
+    parameter_order: list[str]
+    """Every parameter name of the whole model in order: ranks holding different stages
+    name the first non-finite gradient by it."""
+    pipeline: Any = None
+    """The torch.distributed.pipelining schedule of this rank's stages (pp > 1)."""
+    pipeline_loss: ScaledLoss | None = None
+    tied_copy: torch.nn.Parameter | None = None
+    """Under pp with tied embeddings, on the last stage's ranks: the tied weight's second copy
+    (its gradient is summed with the first stage's; the norm counts it once)."""
     start_step: int = 0
 
-    def state(self) -> dict[str, Any]:
-        """What a checkpoint holds: the trainable weights and the optimizer state."""
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    def state(self, flatten: bool = True) -> dict[str, Any]:
+        """What a checkpoint holds: the trainable weights and the optimizer state, each named
+        by parameter name (flattened optimizer state: any layout reads it)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        return {"model": trainable_state(self.model, self.config.lora is not None),
-                "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+        options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+        model: dict[str, Any] = {}
+        optimizer: dict[str, Any] = {}
+        for part, part_optimizer in zip(self.parts, self.optimizers, strict=True):
+            model.update(trainable_state(part, self.config.lora is not None))
+            optimizer.update(get_optimizer_state_dict(part, part_optimizer, options=options))
+        return {"model": model, "optimizer": optimizer}
 
 
 def setup(config: TrainConfig) -> Run:
-    """Start this worker: process group, model (LoRA adapters added, then sharded), optimizer,
-    data and the probe; resumed from the run directory's latest checkpoint when there is one."""
+    """Start this worker: process group, model (LoRA adapters added, split into pipeline stages,
+    then sharded), optimizer, data and the probe; resumed from the run directory's latest
+    checkpoint when there is one."""
     if config.deterministic:
         seed_all(config.seed)  # before the process group: HCCL reads its switch at start-up
     env = runtime.init_distributed()
@@ -188,33 +222,51 @@ def setup(config: TrainConfig) -> Run:
     if env.is_main:
         _copy_tokenizer(Path(config.model), Path(config.out))
     topo = topology(config, env, model.config)
-    for problem in batch_problems(config.global_batch_size, config.micro_batch_size, topo.layout.dp):
-        raise ValueError(problem)
+    layout = topo.layout
+    problems = batch_problems(config.global_batch_size, config.micro_batch_size, layout.dp)
+    problems += pipeline_problems(config, layout.dp, model.config.num_hidden_layers)
+    if problems:
+        raise ValueError("; ".join(problems))
     samples = data_source(config)
-    sharded = topo.mesh is not None and (topo.layout.dp > 1 or dtype != torch.float32)
+    sharded = topo.mesh is not None and (layout.dp > 1 or dtype != torch.float32)
     if not sharded and dtype != torch.float32:
         raise ValueError(f"dtype {dtype} needs a torchrun launch (mixed precision comes with FSDP2); use dtype=fp32")
 
     if config.lora is not None:
         apply_lora(model, config.lora, generator=torch.Generator(device=env.device).manual_seed(config.seed))
-    parallelize_decoder(model, topo.mesh, lora=config.lora is not None,
-                        activation_checkpointing=config.activation_checkpointing, compile=config.compile,
-                        fsdp_dtype=dtype if sharded else None)
-    optimizer = build_optimizer(model, config, env.device.type)
+    parameter_order = [name for name, _ in model.named_parameters()]
+    stages = [(0, model)]
+    if layout.pp > 1:
+        stages = split_model(model, topo.pp_rank, layout.pp, config.virtual_stages or 1, config.num_layer_list)
+    parts = [part for _, part in stages]
+    for part in parts:
+        parallelize_decoder(part, topo.mesh, lora=config.lora is not None,
+                            activation_checkpointing=config.activation_checkpointing, compile=config.compile,
+                            fsdp_dtype=dtype if sharded else None, reshard_after_forward=layout.pp == 1)
+    accumulation = config.global_batch_size // (config.micro_batch_size * layout.dp)
     run = Run(
-        config=config, env=env, topo=topo, model=model, optimizer=optimizer,
-        trainable=[p for p in model.parameters() if p.requires_grad], samples=samples,
-        vocab_size=int(hf_config["vocab_size"]), sharded=sharded,
-        accumulation=config.global_batch_size // (config.micro_batch_size * topo.layout.dp),
+        config=config, env=env, topo=topo, parts=parts,
+        optimizers=[build_optimizer(part, config, env.device.type) for part in parts],
+        trainable=[p for part in parts for p in part.parameters() if p.requires_grad], samples=samples,
+        vocab_size=int(hf_config["vocab_size"]), sharded=sharded, accumulation=accumulation,
         meta=CheckpointMeta(
             hf_config=hf_config,
             padded_vocab_size=model.config.vocab_size,
-            layout=dict(topo.layout.__dict__),
+            layout=dict(layout.__dict__),
             lora=config.lora.model_dump() if config.lora is not None else None,
             base_checkpoint=str(Path(config.model).resolve()) if config.lora is not None else None,
         ),
-        dumper=Dumper(load_probe_config(config.probe), model) if config.probe else None,
+        dumper=Dumper(load_probe_config(config.probe), parts) if config.probe else None,
+        parameter_order=parameter_order,
     )
+    if layout.pp > 1:
+        num_stages = layout.pp * (config.virtual_stages or 1)
+        run.pipeline_loss = ScaledLoss()
+        run.pipeline = pipeline_schedule(stages, num_stages, config.pp_schedule,
+                                         accumulation, run.pipeline_loss, env.device, topo.pp_group)
+        held = [index for index, _ in stages]
+        if model.config.tie_word_embeddings and num_stages - 1 in held and 0 not in held:
+            run.tied_copy = parts[-1].lm_head.weight
     resume(run)
     return run
 
@@ -228,16 +280,27 @@ def resume(run: Run) -> None:
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    state = run.state()
+    # Checkpoints written before optimizer state was flattened keep one param_groups entry.
+    flatten = "optimizer.param_groups" not in read_dcp_metadata(resume_dir).state_dict_metadata
+    state = run.state(flatten)
     meta = load_checkpoint(resume_dir, state)
-    set_model_state_dict(run.model, state["model"], options=StateDictOptions(strict=run.config.lora is None))
-    set_optimizer_state_dict(run.model, run.optimizer, state["optimizer"])
+    lora = run.config.lora is not None
+    for part, part_optimizer in zip(run.parts, run.optimizers, strict=True):
+        own = {name: state["model"][name] for name in trainable_state(part, lora)}
+        set_model_state_dict(part, own, options=StateDictOptions(strict=not lora))
+        set_optimizer_state_dict(part, part_optimizer, state["optimizer"],
+                                 options=StateDictOptions(flatten_optimizer_state_dict=flatten))
     run.start_step = meta.step
     saved_rng = load_rng_state(resume_dir, run.env.rank)
-    if saved_rng is not None and meta.layout == run.meta.layout:
+    if saved_rng is not None and same_layout(meta.layout, run.meta.layout):
         set_rng_state(saved_rng, run.env.device.type)
     if run.env.is_main:
         print(f"resumed from {resume_dir} at step {run.start_step} ({meta.consumed_samples} samples consumed)", flush=True)
+
+
+def same_layout(saved: dict[str, int], current: dict[str, int]) -> bool:
+    """Whether a checkpoint's layout is this run's (a layout recorded without pp had pp=1)."""
+    return {"pp": 1, **saved} == {"pp": 1, **current}
 
 
 def micro_batches(run: Run, step: int) -> list[dict[str, torch.Tensor | None]]:
@@ -254,29 +317,88 @@ def micro_batches(run: Run, step: int) -> list[dict[str, torch.Tensor | None]]:
     return batches
 
 
+def loss_scale(run: Run, total: float) -> float:
+    """What each summed micro-batch loss is multiplied by before backward: 1 / the global
+    batch's target tokens, times dp where FSDP averages the gradients over the dp ranks."""
+    return (run.topo.layout.dp if run.sharded else 1) / total
+
+
 def forward_backward(run: Run, batches: list[dict[str, torch.Tensor | None]], total: float) -> torch.Tensor:
     """Gradients of the mean loss over the global batch's ``total`` target tokens; returns
     this rank's summed loss."""
+    if run.pipeline is not None:
+        return pipeline_forward_backward(run, batches, total)
     device = run.env.device
+    model = run.parts[0]
     loss_sum = torch.zeros((), device=device)
     for m, batch in enumerate(batches):
         if run.sharded:
-            run.model.set_requires_gradient_sync(m == len(batches) - 1)
+            model.set_requires_gradient_sync(m == len(batches) - 1)
         tensors = {k: (v.to(device) if v is not None else None) for k, v in batch.items()}
-        loss = run.model(tensors["input_ids"], labels=tensors["targets"], document_ids=tensors["document_ids"],
-                         loss_reduction="sum")
-        # FSDP averages gradients over dp ranks; scaling by dp makes that a global-token mean.
-        (loss * ((run.topo.layout.dp if run.sharded else 1) / total)).backward()
+        loss = model(tensors["input_ids"], labels=tensors["targets"], document_ids=tensors["document_ids"],
+                     loss_reduction="sum")
+        (loss * loss_scale(run, total)).backward()
         loss_sum += loss.detach()
     return loss_sum
+
+
+def pipeline_forward_backward(run: Run, batches: list[dict[str, torch.Tensor | None]], total: float) -> torch.Tensor:
+    """``forward_backward`` through the pipeline schedule: the micro-batches go in as one batch
+    the schedule splits again; every stage gets the labels, positions and document ids as
+    keyword arguments (the last stage's forward returns the summed loss). Returns the summed
+    loss on the last stage's ranks, zero elsewhere."""
+    device = run.env.device
+    input_ids = torch.cat([b["input_ids"] for b in batches]).to(device)
+    targets = torch.cat([b["targets"] for b in batches]).to(device)
+    extra: dict[str, torch.Tensor] = {}
+    if any(b["document_ids"] is not None for b in batches):
+        documents = torch.cat([b["document_ids"] if b["document_ids"] is not None else torch.zeros_like(b["input_ids"])
+                               for b in batches]).to(device)
+        extra = {"document_ids": documents, "position_ids": positions_from_documents(documents)}
+    else:  # a stage after the first sees hidden states, maybe a sequence shard: give it the positions
+        extra = {"position_ids": torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)}
+    run.pipeline_loss.scale = loss_scale(run, total)
+    scaled: list[torch.Tensor] = []
+    run.pipeline.step(input_ids, target=targets, losses=scaled, return_outputs=False, labels=targets,
+                      loss_reduction="sum", **extra)
+    if not scaled:
+        return torch.zeros((), device=device)
+    return torch.stack([loss.detach() for loss in scaled]).sum() / run.pipeline_loss.scale
+
+
+def sync_tied_gradients(run: Run) -> None:
+    """Under pp with tied embeddings, add up the gradients the first stage (embedding) and the
+    last stage (output projection) computed for the one tied weight, so both copies step alike."""
+    if run.topo.tied_group is None:
+        return
+    for part in run.parts:
+        embed = part.model.embed_tokens
+        if embed is not None and embed.weight.grad is not None:
+            grad = embed.weight.grad
+            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=run.topo.tied_group)
+
+
+def grad_norm(run: Run) -> torch.Tensor:
+    """The total gradient norm over every parameter of the whole model (each rank's shards and
+    stages combined; the tied weight counted once), the same on every rank."""
+    grads = [p.grad for p in run.trainable if p.grad is not None and p is not run.tied_copy]
+    norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=run.env.device)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if run.topo.pp_group is not None:
+        squared = norm.float() ** 2
+        dist.all_reduce(squared, group=run.topo.pp_group)
+        norm = squared.sqrt()
+    return norm
 
 
 def train_step(run: Run, step: int) -> tuple[float, float, float]:
     """One optimizer step; returns its loss, gradient norm (before clipping) and learning rate."""
     config = run.config
     lr = learning_rate(config, step)
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr
+    for optimizer in run.optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
     batches = micro_batches(run, step)
     count = torch.tensor(float(sum(int((b["targets"] != -100).sum()) for b in batches)), device=run.env.device)
     if run.topo.dp_group is not None:
@@ -285,14 +407,17 @@ def train_step(run: Run, step: int) -> tuple[float, float, float]:
     # msprobe counts steps from 0: probe step s is training step s + 1.
     with run.dumper.step(step - 1) if run.dumper else nullcontext():
         loss_sum = forward_backward(run, batches, total)
-    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in run.trainable if p.grad is not None])
-    if run.topo.dp_group is not None:
-        dist.all_reduce(loss_sum, group=run.topo.dp_group)
-    loss_value, norm_value = finite_step(step, loss_sum / total, grad_norm, run.model, Path(config.out))
+    sync_tied_gradients(run)
+    norm = grad_norm(run)
+    for group in (run.topo.pp_group, run.topo.dp_group):
+        if group is not None:  # the loss lives on the last stage; each dp rank has its share
+            dist.all_reduce(loss_sum, group=group)
+    loss_value, norm_value = finite_step(step, loss_sum / total, norm, run)
     if config.optim.clip_grad:
-        torch.nn.utils.clip_grads_with_norm_(run.trainable, config.optim.clip_grad, grad_norm)
-    run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=True)
+        torch.nn.utils.clip_grads_with_norm_(run.trainable, config.optim.clip_grad, norm)
+    for optimizer in run.optimizers:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     return loss_value, norm_value, lr
 
 
@@ -302,11 +427,12 @@ def train(config: TrainConfig) -> dict[str, float]:
     env = run.env
     run_id = config.mlflow_run_id or os.environ.get("LLMFLOW_MLFLOW_RUN_ID")
     seq_length = run.samples.seq_length
-    flops_token = flops_per_token(run.model.config, seq_length)
+    flops_token = flops_per_token(run.parts[0].config, seq_length)
     peak = peak_flops(env.device)
     timer = StepTimer()
     metrics: dict[str, float] = {}
-    run.model.train()
+    for part in run.parts:
+        part.train()
 
     for step in range(run.start_step + 1, config.steps + 1):
         loss_value, norm_value, lr = train_step(run, step)
@@ -334,22 +460,24 @@ def train(config: TrainConfig) -> dict[str, float]:
     return metrics
 
 
-def finite_step(step: int, loss: torch.Tensor, grad_norm: torch.Tensor, model: torch.nn.Module, out: Path) -> tuple[float, float]:
-    """The step's loss and total gradient norm as numbers (the step's one host sync; a
-    DTensor norm is completed across ranks first, so every rank sees the same values), or
-    ``NonFiniteError`` when either is NaN or ±Inf (Megatron's check_for_nan_in_loss_and_grad),
-    naming the step and the first parameter whose gradient holds NaN or ±Inf (one
-    all-reduce, only then). Call it before clipping, which would spread a NaN to every gradient."""
-    norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
-    loss_value, norm_value = torch.stack([loss.float(), norm.float()]).tolist()
+def finite_step(step: int, loss: torch.Tensor, grad_norm: torch.Tensor, run: Run) -> tuple[float, float]:
+    """The step's loss and total gradient norm as numbers (the step's one host sync; both are
+    the same on every rank), or ``NonFiniteError`` when either is NaN or ±Inf (Megatron's
+    check_for_nan_in_loss_and_grad), naming the step and the first parameter, in the whole
+    model's order, whose gradient holds NaN or ±Inf (one all-reduce, only then). Call it
+    before clipping, which would spread a NaN to every gradient."""
+    loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
     if math.isfinite(loss_value) and math.isfinite(norm_value):
         return loss_value, norm_value
-    first = first_nonfinite((_clean_name(name), p.grad) for name, p in model.named_parameters() if p.grad is not None)
+    named = ((_clean_name(name), p.grad) for part in run.parts for name, p in part.named_parameters() if p.grad is not None)
+    first = first_nonfinite(named, order=run.parameter_order)
     if first is not None:
         where = f"first non-finite gradient: {first}"
     else:
         where = "every gradient is finite" + ("" if math.isfinite(norm_value) else "; their norm overflows")
-    raise NonFiniteError(f"step {step}: loss {loss_value}, grad_norm {norm_value} ({where}); training stopped, {resume_note(out)}")
+    raise NonFiniteError(
+        f"step {step}: loss {loss_value}, grad_norm {norm_value} ({where}); training stopped, {resume_note(Path(run.config.out))}"
+    )
 
 
 def _clean_name(name: str) -> str:

@@ -7,6 +7,7 @@ Every problem is collected and reported at once, one line each, in a ``Preflight
 
 - the parallel layout against the model (heads, KV heads, FFN width, layers) and nproc;
 - the batch sizes against the data-parallel degree;
+- the pipeline settings: schedule, virtual stages, layers per stage, micro-batches;
 - the model and the data exist; the data's vocabulary (from its tokenize manifest) fits
   the model's embedding;
 - enough devices of the type the workers will use;
@@ -44,9 +45,9 @@ dataset rewritten in place is another input, though its path is the same."""
 
 WEIGHT_SETTINGS = ("model", "data", "optim", "lora", "seed", "seq_length", "dtype", "global_batch_size")
 """Settings the trained weights depend on: a run directory holding checkpoints resumes
-only with the same values. Every other setting (tp, dp, nproc, micro_batch_size,
-activation_checkpointing, compile, logging and saving) may change between launches, and
-``steps`` may grow (a continuation)."""
+only with the same values. Every other setting (pp, tp, dp, nproc, micro_batch_size, the
+pipeline schedule and split, activation_checkpointing, compile, logging and saving) may
+change between launches, and ``steps`` may grow (a continuation)."""
 
 
 class PreflightError(ValueError):
@@ -58,13 +59,14 @@ class PreflightError(ValueError):
         super().__init__(f"{count} found before launch, nothing was started:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-def parallel_problems(nproc: int, tp: int, dp: int | None = None, model: ModelConfig | None = None) -> list[str]:
-    """Every reason ``nproc`` ranks cannot split ``tp`` ways (and ``dp`` ways, default
-    nproc / tp) for ``model``; empty when they can."""
-    layout = ParallelLayout(dp=dp or max(nproc // tp, 1), tp=tp)
-    if dp is None and nproc % tp:
+def parallel_problems(nproc: int, tp: int, dp: int | None = None, model: ModelConfig | None = None, pp: int = 1) -> list[str]:
+    """Every reason ``nproc`` ranks cannot split ``pp`` stages by ``tp`` ways (and ``dp``
+    ways, default nproc / (pp * tp)) for ``model``; empty when they can."""
+    layout = ParallelLayout(pp=pp, dp=dp or max(nproc // (pp * tp), 1), tp=tp)
+    if dp is None and nproc % (pp * tp):
         # The layout's own world-size complaint would say the same thing again.
-        return [f"nproc={nproc} is not a multiple of tp={tp}", *layout_problems(layout, layout.world_size, model)]
+        product = f"tp={tp}" if pp == 1 else f"pp*tp = {pp}*{tp} = {pp * tp}"
+        return [f"nproc={nproc} is not a multiple of {product}", *layout_problems(layout, layout.world_size, model)]
     return layout_problems(layout, nproc, model)
 
 
@@ -76,6 +78,43 @@ def batch_problems(global_batch_size: int, micro_batch_size: int, dp: int) -> li
             f"{micro_batch_size} * {dp}"
         )]
     return []
+
+
+def pipeline_problems(config: TrainConfig, dp: int, num_layers: int | None) -> list[str]:
+    """Why ``config``'s pipeline settings cannot run with ``dp`` data-parallel ranks on a model
+    of ``num_layers`` layers (None: unknown), if they cannot."""
+    pp, schedule, virtual, layer_list = config.pp, config.pp_schedule, config.virtual_stages, config.num_layer_list
+    problems = []
+    if pp == 1:
+        if virtual is not None or layer_list is not None:
+            given = "virtual_stages" if virtual is not None else "num_layer_list"
+            problems.append(f"{given} splits pipeline stages, but pp=1; set pp > 1 or leave {given} out")
+        return problems
+    if schedule == "Interleaved1F1B" and virtual is None:
+        problems.append("pp_schedule Interleaved1F1B needs virtual_stages (model chunks per rank, at least 2)")
+    if schedule != "Interleaved1F1B" and virtual is not None:
+        problems.append(f"virtual_stages={virtual} needs pp_schedule Interleaved1F1B ({schedule} runs one stage per rank)")
+    stages = pp * (virtual or 1)
+    what = f"pp={pp}" if virtual is None else f"pp * virtual_stages = {pp}*{virtual} = {stages}"
+    if layer_list is not None:
+        if len(layer_list) != stages:
+            problems.append(f"num_layer_list has {len(layer_list)} entries for {what} stages; give one per stage")
+        elif min(layer_list) < 1:
+            problems.append(f"num_layer_list {layer_list}: every stage needs at least one layer")
+        elif num_layers is not None and sum(layer_list) != num_layers:
+            problems.append(f"num_layer_list {layer_list} sums to {sum(layer_list)} layers but the model has {num_layers}")
+    elif num_layers is not None and virtual is not None and stages > num_layers:
+        problems.append(f"{what} stages but the model has {num_layers} layers; each stage needs one")
+    if not batch_problems(config.global_batch_size, config.micro_batch_size, dp):
+        count = config.global_batch_size // (config.micro_batch_size * dp)
+        formula = f"global_batch_size / (micro_batch_size * dp) = {config.global_batch_size} / ({config.micro_batch_size} * {dp}) = {count}"
+        if config.microbatches is not None and config.microbatches != count:
+            problems.append(f"microbatches={config.microbatches} but {formula}; they must be equal")
+        elif schedule == "1F1B" and count < pp:
+            problems.append(f"pp_schedule 1F1B needs at least pp={pp} micro-batches per step, but {formula}")
+        elif schedule == "Interleaved1F1B" and count % pp:
+            problems.append(f"pp_schedule Interleaved1F1B needs micro-batches per step in multiples of pp={pp}, but {formula}")
+    return problems
 
 
 def device_problems(nproc: int, device_type: str | None = None) -> list[str]:
@@ -272,9 +311,10 @@ def check_training(config: TrainConfig, nproc: int, env: Mapping[str, str] | Non
     """Raise PreflightError listing every reason ``config`` cannot run on ``nproc`` workers
     (whose environment adds ``env``: its LLMFLOW_DEVICE forces the device type)."""
     model, problems = model_problems(Path(config.model))
-    problems += parallel_problems(nproc, config.tp, config.dp, model)
-    dp = config.dp or max(nproc // config.tp, 1)
+    problems += parallel_problems(nproc, config.tp, config.dp, model, config.pp)
+    dp = config.dp or max(nproc // (config.pp * config.tp), 1)
     problems += batch_problems(config.global_batch_size, config.micro_batch_size, dp)
+    problems += pipeline_problems(config, dp, model.num_hidden_layers if model is not None else None)
     problems += data_problems(config, model)
     problems += device_problems(nproc, (env or {}).get(runtime.DEVICE_ENV))
     problems += resume_problems(config, model)

@@ -138,11 +138,12 @@ def _write_json(path: Path, payload: Any) -> None:
 
 class Dumper:
     """Dumps the steps a ProbeConfig lists; ``model`` is the module whose submodules level
-    L0/mix records. Nothing is installed outside a dumped step."""
+    L0/mix records (or this rank's pipeline stages, whose modules keep the whole model's
+    names). Nothing is installed outside a dumped step."""
 
-    def __init__(self, config: ProbeConfig, model: nn.Module) -> None:
+    def __init__(self, config: ProbeConfig, model: nn.Module | list[nn.Module]) -> None:
         self.config = config
-        self.model = model
+        self.model = model if isinstance(model, list) else [model]
         self.rank = dist.get_rank() if dist.is_initialized() else None
 
     @property
@@ -195,7 +196,7 @@ class _ApiMode(TorchFunctionMode):
 class _Session:
     """What one dumped step records, and the hooks that record it."""
 
-    def __init__(self, config: ProbeConfig, model: nn.Module, work: Path, final: Path) -> None:
+    def __init__(self, config: ProbeConfig, model: list[nn.Module], work: Path, final: Path) -> None:
         self.config = config
         self.model = model
         self.work = work
@@ -293,15 +294,20 @@ class _Session:
     # --- modules (L0, mix) ---------------------------------------------------------------------------
 
     def _hook_modules(self) -> None:
-        for qualname, module in self.model.named_modules():
-            if module is self.model:
-                continue
-            prefix = f"Module.{qualname}.{_class_name(module)}."
-            for handle in (
-                module.register_forward_pre_hook(functools.partial(self._pre, prefix), with_kwargs=True),
-                module.register_forward_hook(functools.partial(self._post, prefix), with_kwargs=True, always_call=True),
-            ):
-                self.installed.callback(handle.remove)
+        hooked: set[int] = set()
+        for root in self.model:
+            for qualname, module in root.named_modules():
+                if module is not root and id(module) not in hooked:
+                    hooked.add(id(module))
+                    self._hook_module(qualname, module)
+
+    def _hook_module(self, qualname: str, module: nn.Module) -> None:
+        prefix = f"Module.{qualname}.{_class_name(module)}."
+        for handle in (
+            module.register_forward_pre_hook(functools.partial(self._pre, prefix), with_kwargs=True),
+            module.register_forward_hook(functools.partial(self._post, prefix), with_kwargs=True, always_call=True),
+        ):
+            self.installed.callback(handle.remove)
 
     def _hook_parameters(self, prefix: str, module: nn.Module) -> None:
         """Hook the gradients of the parameters a module computes with, as its call starts:
