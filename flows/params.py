@@ -27,7 +27,7 @@ from pydantic.fields import FieldInfo
 from llmflow.data.conversations import Format
 from llmflow.data.tokenize_instruction import TemplateName
 from llmflow.train.config import DataConfig, OptimConfig, TrainConfig
-from llmflow.train.preflight import batch_problems, device_problems, parallel_problems
+from llmflow.train.preflight import batch_problems, device_problems, parallel_problems, pipeline_problems
 
 SAMPLE = "sample"
 """Source value that means "the built-in sample assets" (written by the sample stage)."""
@@ -84,9 +84,11 @@ class _TrainSettings(Params):
 
     @model_validator(mode="after")
     def _layout_fits(self) -> _TrainSettings:
-        tp, micro, batch = self.tp, self.micro_batch_size, self.global_batch_size  # type: ignore[attr-defined]
-        problems = parallel_problems(self.nproc, tp) + device_problems(self.nproc)
-        problems += batch_problems(batch, micro, max(self.nproc // tp, 1))
+        pp, tp, micro, batch = self.pp, self.tp, self.micro_batch_size, self.global_batch_size  # type: ignore[attr-defined]
+        dp = max(self.nproc // (pp * tp), 1)
+        problems = parallel_problems(self.nproc, tp, pp=pp) + device_problems(self.nproc)
+        problems += batch_problems(batch, micro, dp)
+        problems += pipeline_problems(self, dp, None)
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -109,7 +111,8 @@ TrainParams = create_model(
     **_train_config_fields({
         "steps": 500, "micro_batch_size": 16, "global_batch_size": 16,
         "optim": OptimConfig(lr=5e-3, min_lr=5e-4, warmup_steps=20, decay="linear"),
-        "lora": None, "tp": 1, "dtype": "auto", "save_interval": 100, "seed": 1234,
+        "lora": None, "tp": 1, "pp": 1, "pp_schedule": "1F1B", "virtual_stages": None, "num_layer_list": None,
+        "microbatches": None, "dtype": "auto", "save_interval": 100, "seed": 1234,
     }),
 )
 

@@ -154,7 +154,7 @@ def test_one_process_gloo_group_and_mesh(clean_env):
         assert env.world_size == dist.get_world_size() == 1
         mesh = build_mesh(ParallelLayout(), "cpu")
         assert mesh.mesh_dim_names == ("pp", "dp", "tp")
-        assert tuple(mesh.shape) == (1, 1)
+        assert tuple(mesh.shape) == (1, 1, 1)
         assert mesh["tp"].size() == 1
         with pytest.raises(LayoutError, match="2 ranks|1 ranks"):
             build_mesh(ParallelLayout(tp=2), "cpu")

@@ -21,7 +21,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
@@ -80,7 +80,19 @@ def batch_problems(global_batch_size: int, micro_batch_size: int, dp: int) -> li
     return []
 
 
-def pipeline_problems(config: TrainConfig, dp: int, num_layers: int | None) -> list[str]:
+class PipelineSettings(Protocol):
+    """The settings a pipeline layout is checked by (TrainConfig's, and the flows' TrainParams)."""
+
+    pp: int
+    pp_schedule: str
+    virtual_stages: int | None
+    num_layer_list: list[int] | None
+    microbatches: int | None
+    micro_batch_size: int
+    global_batch_size: int
+
+
+def pipeline_problems(config: PipelineSettings, dp: int, num_layers: int | None) -> list[str]:
     """Why ``config``'s pipeline settings cannot run with ``dp`` data-parallel ranks on a model
     of ``num_layers`` layers (None: unknown), if they cannot."""
     pp, schedule, virtual, layer_list = config.pp, config.pp_schedule, config.virtual_stages, config.num_layer_list
