@@ -43,7 +43,7 @@ def time_steps(model, batch: tuple[torch.Tensor, torch.Tensor], optimizer, guard
         loss.backward()
         if guarded:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-            finite_step(step, loss.detach(), norm, model, out)
+            finite_step(step, loss.detach(), norm, [model], out)
             torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm)
         else:
             torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -8,6 +8,7 @@ log, or the terminal), and the last lines are kept to quote when a worker fails.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
@@ -17,6 +18,8 @@ import sys
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+import psutil
 
 _TORCHRUN_REPORT = re.compile(r"torch/distributed/elastic/.*\] failed \(exitcode")
 
@@ -92,14 +95,24 @@ def run_workers(
 
 
 def kill_group(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM the process group of ``proc``, SIGKILL it if still alive after ``grace_s``."""
+    """SIGTERM the process group of ``proc``, SIGKILL it if still alive after ``grace_s``; then
+    SIGKILL whatever descendant of ``proc`` still runs: torchrun starts each worker in a session
+    of its own, out of reach of a signal to ``proc``'s group, and a worker orphaned by a killed
+    torchrun would otherwise go on training and writing checkpoints."""
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
+            break
         try:
             proc.wait(timeout=wait)
-            return
+            break
         except subprocess.TimeoutExpired:
             continue
+    for child in descendants:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()

@@ -17,70 +17,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from train_helpers import assert_close, config, run, train_in_subprocess, training_assets
 
 from llmflow.checkpoint import latest_step_dir, load_checkpoint, read_meta, stored_tensors
 from llmflow.data.indexed import IndexedDatasetWriter
-from llmflow.data.tokenize_instruction import InstructionTokenizeConfig, tokenize_instruction
-from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig, tokenize_pretrain
 from llmflow.export import ExportConfig, export
-from llmflow.launch import run_workers
 from llmflow.model_loading import load_model
 from llmflow.models import LoraConfig, apply_lora, is_lora_param, load_hf_model, lora_state_dict
-from llmflow.train.command import launch_training
-from llmflow.train.config import TrainConfig, load_train_config
+from llmflow.train.config import load_train_config
 from llmflow.train.data import PretrainSamples, blend_assignments
 from llmflow.train.loop import learning_rate, train
-
-STEP_LINE = re.compile(r"^step (\d+)/\d+ \| loss ([0-9.]+)")
-TOLERANCE = 1e-5  # fp32 losses of different layouts
 
 
 @pytest.fixture(scope="module")
 def assets(sample_assets, tmp_path_factory) -> dict[str, Path]:
     """Sample model and data, tokenized for pretraining and (packed) finetuning."""
-    root = tmp_path_factory.mktemp("train")
-    sample = sample_assets(instruct_rows=300, documents=60)
-    model = sample / "model"
-    tokenize_pretrain(PretrainTokenizeConfig(input=[sample / "pretrain" / "corpus.parquet"], tokenizer=model, out=root / "wiki", append_eod=True))
-    tokenize_instruction(
-        InstructionTokenizeConfig(
-            input=[sample / "instruct" / "alpaca.jsonl"], tokenizer=model, out=root / "sft", format="alpaca", seq_length=128, pack=True
-        )
-    )
-    return {"root": root, "model": model, "wiki": root / "wiki", "sft": root / "sft"}
-
-
-def config(assets, out: Path, kind: str = "pretrain", **overrides) -> TrainConfig:
-    base = {
-        "model": str(assets["model"]),
-        "out": str(out),
-        "data": {"kind": kind, "paths": [str(assets["wiki" if kind == "pretrain" else "sft"])]},
-        "steps": 10,
-        "seq_length": 64,
-        "micro_batch_size": 2,
-        "global_batch_size": 8,
-        "optim": {"lr": 3e-3, "warmup_steps": 2},
-        "log_interval": 1,
-    }
-    for key, value in overrides.items():
-        base[key] = value
-    return TrainConfig.model_validate(base)
-
-
-def losses(lines: list[str]) -> dict[int, float]:
-    return {int(m.group(1)): float(m.group(2)) for line in lines if (m := STEP_LINE.match(line))}
-
-
-def run(cfg: TrainConfig, nproc: int) -> dict[int, float]:
-    lines: list[str] = []
-    launch_training(cfg, nproc, on_line=lines.append, env={"OMP_NUM_THREADS": "1", "LLMFLOW_DEVICE": "cpu"})
-    return losses(lines)
-
-
-def assert_close(got: dict[int, float], want: dict[int, float]) -> None:
-    assert got and set(got) <= set(want)
-    for step, loss in got.items():
-        assert abs(loss - want[step]) <= TOLERANCE, (step, loss, want[step])
+    return training_assets(sample_assets(instruct_rows=300, documents=60), tmp_path_factory.mktemp("train"))
 
 
 # --- pieces ---------------------------------------------------------------------------------------
@@ -161,14 +113,6 @@ def reference(assets) -> dict[str, dict[int, float]]:
         "pretrain": train_in_subprocess(config(assets, root / "ref-pretrain")),
         "sft": train_in_subprocess(config(assets, root / "ref-sft", kind="sft", seq_length=None)),
     }
-
-
-def train_in_subprocess(cfg: TrainConfig) -> dict[int, float]:
-    path = Path(cfg.out).parent / f"{Path(cfg.out).name}.json"
-    path.write_text(cfg.model_dump_json())
-    lines: list[str] = []
-    run_workers([sys.executable, "-m", "llmflow.train", str(path)], on_line=lines.append, env={"LLMFLOW_DEVICE": "cpu"})
-    return losses(lines)
 
 
 @pytest.fixture(scope="module")

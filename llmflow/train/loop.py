@@ -412,7 +412,7 @@ def train_step(run: Run, step: int) -> tuple[float, float, float]:
     for group in (run.topo.pp_group, run.topo.dp_group):
         if group is not None:  # the loss lives on the last stage; each dp rank has its share
             dist.all_reduce(loss_sum, group=group)
-    loss_value, norm_value = finite_step(step, loss_sum / total, norm, run)
+    loss_value, norm_value = finite_step(step, loss_sum / total, norm, run.parts, Path(config.out), run.parameter_order)
     if config.optim.clip_grad:
         torch.nn.utils.clip_grads_with_norm_(run.trainable, config.optim.clip_grad, norm)
     for optimizer in run.optimizers:
@@ -460,23 +460,25 @@ def train(config: TrainConfig) -> dict[str, float]:
     return metrics
 
 
-def finite_step(step: int, loss: torch.Tensor, grad_norm: torch.Tensor, run: Run) -> tuple[float, float]:
+def finite_step(step: int, loss: torch.Tensor, grad_norm: torch.Tensor, parts: list[torch.nn.Module], out: Path,
+                order: list[str] | None = None) -> tuple[float, float]:
     """The step's loss and total gradient norm as numbers (the step's one host sync; both are
     the same on every rank), or ``NonFiniteError`` when either is NaN or ±Inf (Megatron's
-    check_for_nan_in_loss_and_grad), naming the step and the first parameter, in the whole
-    model's order, whose gradient holds NaN or ±Inf (one all-reduce, only then). Call it
-    before clipping, which would spread a NaN to every gradient."""
+    check_for_nan_in_loss_and_grad), naming the step and the first parameter of ``parts``
+    whose gradient holds NaN or ±Inf (one all-reduce, only then), first in ``order`` (every
+    parameter name of the whole model) where ranks hold different parts. Call it before
+    clipping, which would spread a NaN to every gradient."""
     loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
     if math.isfinite(loss_value) and math.isfinite(norm_value):
         return loss_value, norm_value
-    named = ((_clean_name(name), p.grad) for part in run.parts for name, p in part.named_parameters() if p.grad is not None)
-    first = first_nonfinite(named, order=run.parameter_order)
+    named = ((_clean_name(name), p.grad) for part in parts for name, p in part.named_parameters() if p.grad is not None)
+    first = first_nonfinite(named, order=order)
     if first is not None:
         where = f"first non-finite gradient: {first}"
     else:
         where = "every gradient is finite" + ("" if math.isfinite(norm_value) else "; their norm overflows")
     raise NonFiniteError(
-        f"step {step}: loss {loss_value}, grad_norm {norm_value} ({where}); training stopped, {resume_note(Path(run.config.out))}"
+        f"step {step}: loss {loss_value}, grad_norm {norm_value} ({where}); training stopped, {resume_note(out)}"
     )
 
 
