@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -16,15 +17,17 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+import yaml
 from train_helpers import assert_close, config, losses, run, train_in_subprocess, training_assets
 
 from llmflow.checkpoint import latest_step_dir, read_meta, stored_tensors
 from llmflow.cli import main as cli_main
 from llmflow.export import ExportConfig, export
 from llmflow.model_loading import load_model
-from llmflow.models import is_lora_param, load_hf_model
+from llmflow.models import CausalLM, ModelConfig, is_lora_param, load_hf_model
 from llmflow.models.pipeline import layer_split, rank_stages, split_model
-from llmflow.train.preflight import PreflightError, check_training
+from llmflow.train.config import TrainConfig
+from llmflow.train.preflight import PreflightError, check_training, parallel_problems, pipeline_problems
 
 STEPS = 5
 SCHEDULES = [{"pp_schedule": "1F1B"}, {"pp_schedule": "GPipe"}, {"pp_schedule": "Interleaved1F1B", "virtual_stages": 2}]
@@ -210,3 +213,35 @@ def test_resume_across_pp_layouts_and_after_sigkill(assets, tmp_path):
     vocab = json.loads((assets["model"] / "config.json").read_text())["vocab_size"]
     with torch.no_grad():
         assert (theirs(ids).logits - ours(ids)[..., :vocab]).abs().max() <= 1e-5
+
+
+LLAMA_2_7B = {
+    "model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "float16",
+}
+
+
+def worked_example() -> dict:
+    """The training config of docs/training.md's worked example."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
+    (block,) = re.findall(r"```yaml\n# llama2-7b-pp2.yaml\n(.*?)```", text, re.DOTALL)
+    return yaml.safe_load(block)
+
+
+def test_the_worked_example_splits_llama_2_7b_as_documented(tmp_path):
+    cfg = TrainConfig.model_validate(worked_example())
+    model_config = ModelConfig.from_hf(LLAMA_2_7B)
+    assert parallel_problems(8, cfg.tp, cfg.dp, model_config, cfg.pp) == []
+    assert pipeline_problems(cfg, 4, model_config.num_hidden_layers) == []
+    with torch.device("meta"):
+        model = CausalLM(model_config)
+    sizes = []
+    for rank in range(cfg.pp):
+        ((_, stage),) = split_model(model, rank, cfg.pp, num_layer_list=cfg.num_layer_list)
+        sizes.append(round(sum(p.numel() for p in stage.parameters()) / 1e9, 2))
+        assert list(stage.model.layers) == [str(i) for i in range(16 * rank, 16 * (rank + 1))]
+    assert sizes == [3.37, 3.37]
+    for other in ({"pp": 1, "num_layer_list": None}, {"pp": 4, "num_layer_list": [8, 8, 8, 8]}):
+        moved = cfg.model_copy(update=other)
+        assert pipeline_problems(moved, 8 // moved.pp, model_config.num_hidden_layers) == []

@@ -6,6 +6,7 @@ the config lists the step and this rank::
     {dump_path}/step{n}/rank{r}/dump.json        # "rank" without a number outside torchrun
                                /stack.json
                                /construct.json
+                               /layout.json             # llmflow's, not msprobe's: see below
                                /dump_tensor_data/*.pt   # task tensor
 
 (msprobe's layout: Ascend/mstt, ``debug/accuracy_tools/msprobe/docs/05.data_dump_PyTorch.md``
@@ -31,10 +32,29 @@ the same reason FSDP2 warns, in a dumped step, that a wrapped module "returned a
 tensor": harmless unless the caller changes that output in place.
 
 parameters_grad records the gradient a rank computes for a parameter, before any
-reduction across data-parallel ranks (under FSDP2: the unsharded parameter's). API calls
-made by torch.distributed itself (DTensor redistribution, parallel styles, FSDP2's
-all-gathers) are not recorded: they differ between parallel layouts. Steps run with
-torch.compile are not supported.
+reduction across data-parallel ranks (under FSDP2: the unsharded parameter's). A parameter
+that gets a gradient while no module holding it ran in the step (a tied output projection's
+weight on the last pipeline stage, which the loss uses directly) is recorded under the first
+module holding it. API calls made by torch.distributed itself (DTensor redistribution,
+parallel styles, FSDP2's all-gathers) are not recorded: they differ between parallel
+layouts. Nor is the metadata inference of ``torch.distributed.pipelining`` (the first step
+of a schedule runs each stage once on the first micro-batch, on uninitialised tensors after
+the first stage, to learn the shapes it sends): a pipeline run records the same calls as a
+run without one. Steps run with torch.compile are not supported.
+
+layout.json (llmflow's own file, which msprobe's tools do not read) records where the rank
+sits, so that ``llmflow probe compare`` can put the ranks of a run together::
+
+    {"rank": 2,                          # null outside a process group
+     "stages": [1],                      # pipeline stage of each module given to the Dumper
+     "num_stages": 2,
+     "pipeline_group": [0, 2],           # global ranks of this rank's pipeline group, by stage rank
+     "meshes": [{"dims": ["tp"], "ranks": [2, 3]}],   # device meshes of the DTensor parameters
+     "calls": [{"stage": 1, "counts": {"Functional.linear": [0, 14], "Module.model.DecoderModel.": [0, 1]}}]}
+
+``calls`` lists each forward call of a given module (a pipeline stage: one per micro-batch),
+in order, with the numbers its calls took: ``[first, end)`` per API and per module. Outside
+pipelining ``stages`` numbers the given modules by position, ``pipeline_group`` is null.
 """
 
 from __future__ import annotations
@@ -55,6 +75,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import BackwardHook
 
@@ -67,6 +88,11 @@ from llmflow.probe.dump.scope import CallFilter, backward_name
 TENSOR_DIR = "dump_tensor_data"
 _TORCH = str(Path(torch.__file__).resolve().parent) + "/"
 _DISTRIBUTED = _TORCH + "distributed/"
+_PIPELINING = _DISTRIBUTED + "pipelining/"
+LAYOUT = "layout.json"
+"""llmflow's record of where a rank sits (pipeline stages, meshes, stage calls); not msprobe's."""
+_METADATA_INFERENCE = frozenset({"_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference"})
+"""The functions of torch.distributed.pipelining that run a stage to learn its shapes."""
 # Frames of torch itself (module call machinery, the function mode) and of the probe tell
 # nothing about where the model made the call.
 _HIDDEN_FRAMES = (_TORCH, str(Path(__file__).resolve().parent) + "/")
@@ -85,6 +111,47 @@ def _called_by_distributed(frame: Any) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def _in_metadata_inference(frame: Any) -> bool:
+    """Whether ``frame`` runs inside torch.distributed.pipelining's metadata (shape) inference."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in _METADATA_INFERENCE and code.co_filename.startswith(_PIPELINING):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _pipeline_stage(frame: Any, module: nn.Module) -> Any:
+    """The torch.distributed.pipelining stage whose submodule ``module`` is, found among the
+    callers of ``frame``; None when the module does not run as a pipeline stage."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_PIPELINING):
+            stage = frame.f_locals.get("self")
+            if getattr(stage, "submod", None) is module and isinstance(getattr(stage, "stage_index", None), int):
+                return stage
+        frame = frame.f_back
+    return None
+
+
+def _group_ranks(group: Any) -> list[int]:
+    """The global ranks of a process group, in the order of their ranks in the group."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    return sorted(ranks, key=lambda r: dist.get_group_rank(group, r) if group is not None else r)
+
+
+def _meshes(model: list[nn.Module]) -> list[dict[str, Any]]:
+    """The device meshes of the DTensor parameters of ``model``: dimension names and ranks."""
+    found: list[dict[str, Any]] = []
+    for root in model:
+        for param in root.parameters():
+            if isinstance(param, DTensor):
+                mesh = param.device_mesh
+                entry = {"dims": list(mesh.mesh_dim_names or ()), "ranks": mesh.mesh.tolist()}
+                if entry not in found:
+                    found.append(entry)
+    return found
 
 
 def call_stack() -> tuple[str, ...]:
@@ -161,7 +228,7 @@ class Dumper:
     def _dump(self, step: int) -> Iterator[None]:
         final = Path(self.config.dump_path) / f"step{step}" / self.rank_dir
         with atomic_directory(final) as work:
-            session = _Session(self.config, self.model, work, final)
+            session = _Session(self.config, self.model, work, final, self.rank)
             with session:
                 yield
             session.write()
@@ -188,17 +255,21 @@ class _ApiMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = api_name(func)
-        if name is None or name in SKIPPED or _called_by_distributed(sys._getframe(1)):
+        session = self.session
+        if name is None or name in SKIPPED or session.skipping or _called_by_distributed(sys._getframe(1)):
             return func(*args, **kwargs)
-        return self.session.api_call(name, func, args, kwargs)
+        if not session.open_roots and _in_metadata_inference(sys._getframe(1)):
+            return func(*args, **kwargs)  # pipelining's metadata inference (its loss function)
+        return session.api_call(name, func, args, kwargs)
 
 
 class _Session:
     """What one dumped step records, and the hooks that record it."""
 
-    def __init__(self, config: ProbeConfig, model: list[nn.Module], work: Path, final: Path) -> None:
+    def __init__(self, config: ProbeConfig, model: list[nn.Module], work: Path, final: Path, rank: int | None = None) -> None:
         self.config = config
         self.model = model
+        self.rank = rank
         self.work = work
         self.modes = config.section.data_mode
         tensor_dir = work / TENSOR_DIR if config.task == "tensor" else None
@@ -214,6 +285,15 @@ class _Session:
         self.calls: list[_Call] = []
         self.recorded_modules: set[str] = set()
         self.hooked_parameters: set[int] = set()
+        self.called_parameters: set[int] = set()
+        """Parameters of the modules called in the step (recorded or not)."""
+        self.skipping = 0
+        """Depth of the given modules' calls that record nothing (pipelining's metadata inference)."""
+        self.open_roots: list[tuple[int, dict[str, int]]] = []
+        """The given modules' calls under way: (index, counts when the call started)."""
+        self.root_calls: list[dict[str, Any]] = []
+        self.stages: dict[int, Any] = {}
+        """Index of a given module -> the pipeline stage running it (None: not a pipeline stage)."""
         self.installed = contextlib.ExitStack()
 
     def __enter__(self) -> None:
@@ -221,8 +301,10 @@ class _Session:
         # BackwardHook warns when no input of a call needs a gradient (token ids); the
         # gradients of its outputs are recorded all the same.
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        self._hook_roots()
         if self.config.level != "L1":
             self._hook_modules()
+            self._hook_unused_parameters()
         if self.config.level != "L0":
             self.installed.enter_context(_ApiMode(self))
 
@@ -239,6 +321,18 @@ class _Session:
         # msprobe groups the calls that share a stack: {"0": [[names], [frames]], ...}
         _write_json(self.work / "stack.json", {str(i): [names, list(stack)] for i, (stack, names) in enumerate(self.stacks.items())})
         _write_json(self.work / "construct.json", self.construct)
+        _write_json(self.work / LAYOUT, self._layout())
+
+    def _layout(self) -> dict[str, Any]:
+        """layout.json: the pipeline stages, meshes and stage calls of this rank (see the module doc)."""
+        stages = [self.stages.get(i) for i in range(len(self.model))]
+        known = [stage for stage in stages if stage is not None]
+        if known:
+            return {"rank": self.rank, "stages": [None if s is None else s.stage_index for s in stages],
+                    "num_stages": known[0].num_stages, "pipeline_group": _group_ranks(known[0].group),
+                    "meshes": _meshes(self.model), "calls": self.root_calls}
+        return {"rank": self.rank, "stages": list(range(len(self.model))), "num_stages": len(self.model),
+                "pipeline_group": None, "meshes": _meshes(self.model), "calls": self.root_calls}
 
     # --- recording ----------------------------------------------------------------------------------
 
@@ -291,6 +385,34 @@ class _Session:
                 entry["output"] = self.records.build(grad_input, f"{name}.output")
             self._add(name, entry, backward_name(parent) if parent else None, with_stack=False)
 
+    # --- the given modules (stages): their calls, and pipelining's metadata inference ---------------
+
+    def _hook_roots(self) -> None:
+        for index, root in enumerate(self.model):
+            for handle in (
+                root.register_forward_pre_hook(functools.partial(self._root_pre, index), with_kwargs=True),
+                root.register_forward_hook(functools.partial(self._root_post, index), with_kwargs=True, always_call=True),
+            ):
+                self.installed.callback(handle.remove)
+
+    def _root_pre(self, index: int, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        frame = sys._getframe(1)
+        if self.skipping or _in_metadata_inference(frame):
+            self.skipping += 1  # nothing inside is recorded or counted
+            return
+        if index not in self.stages:
+            self.stages[index] = _pipeline_stage(frame, module)
+        self.open_roots.append((index, dict(self.counts)))
+
+    def _root_post(self, index: int, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        if self.skipping:
+            self.skipping -= 1
+            return
+        _, before = self.open_roots.pop()
+        stage = self.stages.get(index)
+        counts = {key: [before.get(key, 0), n] for key, n in self.counts.items() if n != before.get(key, 0)}
+        self.root_calls.append({"stage": index if stage is None else stage.stage_index, "counts": counts})
+
     # --- modules (L0, mix) ---------------------------------------------------------------------------
 
     def _hook_modules(self) -> None:
@@ -319,8 +441,36 @@ class _Session:
                 handle = param.register_hook(functools.partial(self._param_grad, prefix, pname))
                 self.installed.callback(handle.remove)
 
+    def _hook_unused_parameters(self) -> None:
+        """Hook every parameter's gradient under the first module holding it; the hook records
+        only a gradient that no called module's hook records (see ``_unused_grad``)."""
+        seen: set[int] = set()
+        for root in self.model:
+            for qualname, module in root.named_modules():
+                if module is root:
+                    continue
+                prefix = f"Module.{qualname}.{_class_name(module)}."
+                for pname, param in module.named_parameters(recurse=False):
+                    if param.requires_grad and id(param) not in seen:
+                        seen.add(id(param))
+                        handle = param.register_hook(functools.partial(self._unused_grad, prefix, pname, id(param)))
+                        self.installed.callback(handle.remove)
+
+    def _unused_grad(self, prefix: str, pname: str, key: int, grad: torch.Tensor) -> None:
+        """The gradient of a parameter no module called in the step holds (a tied output
+        projection's weight on the last pipeline stage): recorded as its first holder's."""
+        if self.skipping or key in self.called_parameters or not self._wants("backward", "output"):
+            return
+        name = f"{prefix}parameters_grad.{self.counts[f'{prefix}parameters_grad.{pname}']}"
+        if self.filter.scope or (self.filter.names and not self.filter.listed(name)):
+            return
+        self._param_grad(prefix, pname, grad, recorded=True)
+
     def _pre(self, prefix: str, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        if self.skipping:
+            return args, kwargs
         with self._quietly():
+            self.called_parameters.update(id(p) for p in module.parameters(recurse=False))
             forward = f"{prefix}forward.{self.counts[prefix]}"
             self.counts[prefix] += 1
             parent = self.calls[-1].forward if self.calls else None
@@ -335,6 +485,8 @@ class _Session:
         return args, kwargs
 
     def _post(self, prefix: str, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
+        if self.skipping:
+            return output
         with self._quietly():
             call = self.calls.pop()
             if call.record:
@@ -345,8 +497,8 @@ class _Session:
                 output = call.hook.setup_output_hook(output)
         return output
 
-    def _param_grad(self, prefix: str, pname: str, grad: torch.Tensor) -> None:
-        if prefix not in self.recorded_modules or not self._wants("backward", "output"):
+    def _param_grad(self, prefix: str, pname: str, grad: torch.Tensor, recorded: bool = False) -> None:
+        if not (recorded or prefix in self.recorded_modules) or not self._wants("backward", "output"):
             return
         with self._quietly():
             key = f"{prefix}parameters_grad.{pname}"

@@ -40,7 +40,7 @@ class CallFilter:
             return False, False
         if not self.names:
             return True, True
-        return self._listed(forward), self._listed(backward_name(forward))
+        return self.listed(forward), self.listed(backward_name(forward))
 
     def end(self, forward: str) -> None:
         """The call ``forward`` returned."""
@@ -48,6 +48,7 @@ class CallFilter:
             self._in_range = False
             self._range_end = None
 
-    def _listed(self, name: str) -> bool:
+    def listed(self, name: str) -> bool:
+        """Whether the ``list`` option names the call ``name`` (in full, or an API or module name in it)."""
         parts = set(name.split("."))
         return any(item == name or ("." not in item and item in parts) for item in self.names)
