@@ -6,34 +6,45 @@ embeddings, the sample tokenizer's 896-token vocabulary, ``--layers`` x ``--hidd
 tokenized sample corpus with the same global batch (``--microbatches`` x ``--micro-batch``
 samples of ``--seq`` tokens) and the same optimizer:
 
-- ``pp=1``: dp=2, each rank runs half the micro-batches through the whole model (FSDP2
-  shards it, as it does every fp32 run with dp > 1: parameters all-gathered per micro-batch,
-  gradients reduce-scattered once per step);
+- ``pp=1``: dp=2, each rank runs half the micro-batches through the whole model. FSDP2
+  shards it, as it does every fp32 run with dp > 1: each layer's parameters are all-gathered
+  in every micro-batch's forward and again in its backward, the gradients reduce-scattered
+  once per step;
 - ``pp=2``: dp=1, each rank holds half the layers (stage 0 also the embedding, stage 1 the
   norm, output projection and loss) and the schedule (1F1B, GPipe, and Interleaved1F1B with
   ``--virtual-stages`` chunks per rank when the model has enough layers) runs all
   ``--microbatches`` micro-batches through both stages, activations and their gradients
-  sent between the ranks.
+  sent between the ranks; no FSDP (fp32, dp=1);
+- ``compute``, a reference that is no layout: two independent one-rank workers (no process
+  group) started side by side, each training on half the global batch, i.e. one dp=2 rank's
+  work without any collective. Its step time is the slower worker's.
 
-Every rank does the same matmul FLOPs per step on both sides (up to the output projection
-and loss on the last stage), so the ratio of tokens/s pp2 / pp1 measures what pipelining
-costs. tokens/s is the global batch's tokens over the summed step times (the worker's
-``step`` lines) after ``--warmup`` steps; checkpointing and start-up are excluded. Each
-round runs both sides of every schedule, pp=1 and pp=2 alternating which goes first, and
-the ratio is taken per round; the median and the spread (min-max) over rounds are printed,
-so a burst of load on the shared machine moves one round, not the result. Both sides must
-log the same loss at every step (within 1e-5): the loss does not depend on the layout.
+Every rank does the same matmul FLOPs per step on all sides (up to the output projection and
+loss on the last stage), so the ratio of tokens/s pp2 / pp1 measures what pipelining costs
+against data parallelism. tokens/s is the global batch's tokens over the summed step times
+(the worker's ``step`` lines) after ``--warmup`` steps; start-up and the final checkpoint are
+excluded. Each round runs, for every schedule, pp=1 and pp=2 back to back (alternating which
+goes first), then the compute reference; ratios are taken per round, and the median and
+spread (min-max) over rounds are printed, so a burst of load on the shared machine moves one
+round, not the result. pp=1 and pp=2 must log the same loss at every step (within 1e-5): the
+loss does not depend on the layout.
 
-Bubble fraction, predicted: the share of a step a pipeline rank idles in the schedule with
+Bubble fraction, predicted: the share of a step a pipeline rank idles under the schedule with
 equal stage times and free communication, (p-1)/(m+p-1) for 1F1B and GPipe with p stages and
-m micro-batches, (p-1)/(v*m+p-1) for Interleaved1F1B with v chunks per rank. Measured:
-1 - T_pp1/T_pp2 = 1 - ratio, the share of the pp=2 step time beyond the dp=2 step time (T:
-seconds per step). It is an upper bound on the bubble only in the sense that it lumps
-together everything that differs between the sides: the bubble, the stage imbalance (the
-last stage's output projection and loss), the point-to-point sends, the schedule's Python
-overhead, and, with the opposite sign, FSDP's all-gathers and reduce-scatter on the dp=2
-side. ``--record`` appends the result to bench/RESULTS.md (a row per schedule in the
-Current table, replacing this benchmark's earlier rows, and the full table under History).
+m micro-batches, (p-1)/(v*m+p-1) for Interleaved1F1B with v chunks per rank. Measured, two
+ways (T: seconds per step, medians of the per-round ratios):
+
+- against dp=2: 1 - T_pp1/T_pp2 = 1 - ratio. It lumps together everything that differs
+  between the layouts: the bubble, the stage imbalance (output projection and loss on the
+  last stage), the point-to-point sends and the schedule's own overhead, less FSDP's
+  all-gathers and reduce-scatter that the pp=1 side pays (negative when those cost more);
+- against compute: 1 - T_compute/T_pp2, the share of the pp=2 step beyond the same work with
+  no communication at all: the bubble plus imbalance, sends and schedule overhead. This is
+  the figure to hold against the prediction (it cannot be below it unless the idle rank's
+  core speeds up the busy one).
+
+``--record`` appends the result to bench/RESULTS.md: a row per schedule in the Current table
+(replacing this benchmark's earlier rows) and the full table under History.
 
     python -m bench.pipeline [--layers 8] [--hidden 256] [--seq 256] [--micro-batch 1] [--microbatches 4] [--steps 8] [--warmup 2] [--rounds 3] [--schedules 1F1B GPipe Interleaved1F1B] [--record]
 """
@@ -43,9 +54,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import re
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -54,16 +68,15 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).with_name("RESULTS.md")
-STEP_LINE = re.compile(r"^step (\d+)/(\d+) \| loss ([-+0-9.eE]+|nan|inf) \|.* \| ([0-9.]+) tokens/s \|")
+STEP_LINE = re.compile(r"^step (\d+)/(\d+) \| loss (\S+) \|.* \| ([0-9.]+) tokens/s \|")
 LOSS_TOLERANCE = 1e-5
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "LLMFLOW_DEVICE": "cpu"}
 
 
 def cpu_model() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
-    import platform
-
     return platform.processor() or platform.machine()
 
 
@@ -93,64 +106,92 @@ def prepare(work: Path, args) -> tuple[Path, Path, int]:
     return model_dir, work / "wiki", params
 
 
-def layouts(args, layers: int) -> list[tuple[str, dict]]:
+def layouts(args) -> list[tuple[str, dict]]:
     """(name, pipeline settings) of each pp=2 side to measure."""
     sides = []
     for schedule in args.schedules:
         if schedule == "Interleaved1F1B":
-            if layers < 2 * args.virtual_stages or args.microbatches % 2:
-                print(f"skipping Interleaved1F1B: {layers} layers / microbatches {args.microbatches} "
-                      f"do not fit pp=2 x virtual_stages={args.virtual_stages}", flush=True)
+            if args.layers < 2 * args.virtual_stages:
+                print(f"skipping Interleaved1F1B: {args.layers} layers cannot fill pp=2 x "
+                      f"virtual_stages={args.virtual_stages} stages", flush=True)
                 continue
-            sides.append((schedule, {"pp": 2, "pp_schedule": schedule, "virtual_stages": args.virtual_stages}))
+            sides.append((f"{schedule} v={args.virtual_stages}",
+                          {"pp": 2, "pp_schedule": schedule, "virtual_stages": args.virtual_stages}))
         else:
             sides.append((schedule, {"pp": 2, "pp_schedule": schedule}))
     return sides
 
 
-def run_side(model: Path, data: Path, work: Path, pipeline: dict, args) -> dict:
-    """One launch of the training worker on 2 ranks; returns its per-step losses and step
-    seconds and the tokens/s after the warm-up steps."""
-    from llmflow.launch import run_workers, torchrun_command
+def write_config(model: Path, data: Path, out: Path, args, samples: int, microbatches: int, pipeline: dict) -> Path:
+    """A training config of ``samples`` per step in ``microbatches`` micro-batches per pipeline,
+    written beside its (emptied) run directory ``out``; returns its path."""
     from llmflow.train.config import TrainConfig
 
-    pp = pipeline.get("pp", 1)
-    dp = 2 // pp
     config = TrainConfig.model_validate({
         "model": str(model),
-        "out": str(work / "run"),
+        "out": str(out),
         "data": {"kind": "pretrain", "paths": [str(data)]},
         "steps": args.warmup + args.steps,
         "seq_length": args.seq,
         "micro_batch_size": args.micro_batch,
-        "global_batch_size": args.micro_batch * args.microbatches,
-        "microbatches": args.microbatches // dp,
+        "global_batch_size": samples,
+        "microbatches": microbatches,
         "optim": {"lr": args.lr, "warmup_steps": 0, "decay": "constant"},
         "dtype": "fp32",
         "log_interval": 1,
         **pipeline,
     })
-    shutil.rmtree(work / "run", ignore_errors=True)  # a run directory with a checkpoint would resume
-    path = work / "train.json"
+    shutil.rmtree(out, ignore_errors=True)  # a run directory holding a checkpoint would resume
+    path = out.with_suffix(".json")
     path.write_text(config.model_dump_json())
-    lines: list[str] = []
-    start = time.perf_counter()
-    run_workers(torchrun_command("llmflow.train", [str(path)], 2), on_line=lines.append, cwd=REPO,
-                env={"OMP_NUM_THREADS": "1", "LLMFLOW_DEVICE": "cpu"})
-    wall = time.perf_counter() - start
-    tokens = config.global_batch_size * args.seq
+    return path
+
+
+def parse_steps(lines: list[str], args, tokens: int) -> dict:
+    """Losses and step seconds from the worker's step lines; tokens/s after the warm-up."""
     losses, seconds = {}, {}
     for line in lines:
         match = STEP_LINE.match(line)
         if match:
-            step = int(match[1])
-            losses[step] = float(match[3])
-            seconds[step] = tokens / float(match[4])
-    if sorted(losses) != list(range(1, config.steps + 1)):
-        raise SystemExit("the training worker logged no step line for some steps; its output:\n" + "\n".join(lines[-30:]))
-    timed = [seconds[s] for s in range(args.warmup + 1, config.steps + 1)]
-    return {"losses": [losses[s] for s in sorted(losses)], "step_s": timed,
-            "tokens_per_s": tokens * len(timed) / sum(timed), "wall_s": wall}
+            losses[int(match[1])] = float(match[3])
+            seconds[int(match[1])] = tokens / float(match[4])
+    if sorted(losses) != list(range(1, args.warmup + args.steps + 1)):
+        raise SystemExit("a training worker logged no step line for some steps; its output:\n" + "\n".join(lines[-30:]))
+    timed = [seconds[s] for s in range(args.warmup + 1, args.warmup + args.steps + 1)]
+    return {"losses": [losses[s] for s in sorted(losses)], "step_s": statistics.mean(timed),
+            "tokens_per_s": tokens * len(timed) / sum(timed)}
+
+
+def run_layout(model: Path, data: Path, work: Path, pipeline: dict, args) -> dict:
+    """pp=1 (dp=2, pipeline empty) or pp=2 on 2 torchrun ranks, the whole global batch."""
+    from llmflow.launch import run_workers, torchrun_command
+
+    dp = 2 // pipeline.get("pp", 1)
+    samples = args.micro_batch * args.microbatches
+    path = write_config(model, data, work / "run", args, samples, args.microbatches // dp, pipeline)
+    lines: list[str] = []
+    start = time.perf_counter()
+    run_workers(torchrun_command("llmflow.train", [str(path)], 2), on_line=lines.append, cwd=REPO, env=WORKER_ENV)
+    return {**parse_steps(lines, args, samples * args.seq), "wall_s": time.perf_counter() - start}
+
+
+def run_compute(model: Path, data: Path, work: Path, args) -> dict:
+    """Two independent one-rank workers side by side, each on half the global batch (one dp=2
+    rank's work, no collectives); tokens/s of the whole global batch at the slower one's pace."""
+    samples = args.micro_batch * args.microbatches // 2
+    paths = [write_config(model, data, work / f"compute{i}", args, samples, args.microbatches // 2, {}) for i in range(2)]
+    env = {**os.environ, **WORKER_ENV, "PYTHONUNBUFFERED": "1"}
+    start = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-m", "llmflow.train", str(path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO) for path in paths]
+    outputs = [proc.communicate()[0] for proc in procs]
+    wall = time.perf_counter() - start
+    for proc, output in zip(procs, outputs, strict=True):
+        if proc.returncode != 0:
+            raise SystemExit("a compute-reference worker failed:\n" + "\n".join(output.splitlines()[-30:]))
+    slower = max((parse_steps(output.splitlines(), args, samples * args.seq) for output in outputs),
+                 key=lambda result: result["step_s"])
+    return {"step_s": slower["step_s"], "tokens_per_s": 2 * samples * args.seq / slower["step_s"], "wall_s": wall}
 
 
 def main() -> None:
@@ -171,68 +212,80 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--record", action="store_true", help="append the result to bench/RESULTS.md")
     args = parser.parse_args()
-    if args.microbatches % 2:
-        parser.error("--microbatches must be even: the pp=1 side splits them over dp=2 ranks")
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    if args.microbatches % 2 or args.microbatches < 2:
+        parser.error("--microbatches must be even: pp=1 splits them over dp=2 ranks (and 1F1B needs >= pp=2)")
+    load_before = os.getloadavg()
     started = time.perf_counter()
 
+    sides = layouts(args)
+    pairs: dict[str, list[tuple[dict, dict]]] = {name: [] for name, _ in sides}
+    compute: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model, data, params = prepare(work, args)
-        sides = layouts(args, args.layers)
-        runs: dict[str, list[tuple[dict, dict]]] = {name: [] for name, _ in sides}
         for r in range(args.rounds):
             for name, pipeline in sides:
                 order = [("pp1", {}), ("pp2", pipeline)]
-                if r % 2:
-                    order.reverse()
-                got = {label: run_side(model, data, work, settings, args) for label, settings in order}
-                ratio = got["pp2"]["tokens_per_s"] / got["pp1"]["tokens_per_s"]
-                diff = max(abs(a - b) for a, b in zip(got["pp1"]["losses"], got["pp2"]["losses"], strict=True))
-                print(f"round {r + 1} {name}: pp1 {got['pp1']['tokens_per_s']:.0f} tok/s, pp2 "
-                      f"{got['pp2']['tokens_per_s']:.0f} tok/s, ratio {ratio:.3f}, max loss diff {diff:.1e}", flush=True)
+                got = {label: run_layout(model, data, work, settings, args) for label, settings in order[:: 1 - 2 * (r % 2)]}
+                one, two = got["pp1"], got["pp2"]
+                diff = max(abs(a - b) for a, b in zip(one["losses"], two["losses"], strict=True))
+                print(f"round {r + 1} {name}: pp1 {one['tokens_per_s']:.0f} tok/s ({one['step_s']:.3f} s/step), "
+                      f"pp2 {two['tokens_per_s']:.0f} tok/s ({two['step_s']:.3f} s/step), ratio "
+                      f"{two['tokens_per_s'] / one['tokens_per_s']:.3f}, max loss diff {diff:.1e}", flush=True)
                 if diff > LOSS_TOLERANCE:
                     raise SystemExit(f"{name}: pp=2 and pp=1 logged different losses (max diff {diff:.2e} > "
-                                     f"{LOSS_TOLERANCE}):\npp1 {got['pp1']['losses']}\npp2 {got['pp2']['losses']}")
-                runs[name].append((got["pp1"], got["pp2"]))
+                                     f"{LOSS_TOLERANCE}):\npp1 {one['losses']}\npp2 {two['losses']}")
+                pairs[name].append((one, two))
+            compute.append(run_compute(model, data, work, args))
+            print(f"round {r + 1} compute reference: {compute[-1]['tokens_per_s']:.0f} tok/s "
+                  f"({compute[-1]['step_s']:.3f} s/step)", flush=True)
 
     rows = []
     for name, pipeline in sides:
-        pairs = runs[name]
-        ratios = [b["tokens_per_s"] / a["tokens_per_s"] for a, b in pairs]
+        runs = pairs[name]
+        ratios = [two["tokens_per_s"] / one["tokens_per_s"] for one, two in runs]
+        against_compute = [two["tokens_per_s"] / ref["tokens_per_s"] for (_, two), ref in zip(runs, compute, strict=True)]
         p, m, v = 2, args.microbatches, pipeline.get("virtual_stages", 1)
         rows.append({
-            "schedule": name if v == 1 else f"{name} v={v}",
-            "pp1_tokens_per_s": round(statistics.median(a["tokens_per_s"] for a, _ in pairs)),
-            "pp2_tokens_per_s": round(statistics.median(b["tokens_per_s"] for _, b in pairs)),
-            "pp1_step_s": round(statistics.median(s for a, _ in pairs for s in a["step_s"]), 3),
-            "pp2_step_s": round(statistics.median(s for _, b in pairs for s in b["step_s"]), 3),
+            "schedule": name,
+            "pp1_tokens_per_s": round(statistics.median(one["tokens_per_s"] for one, _ in runs)),
+            "pp2_tokens_per_s": round(statistics.median(two["tokens_per_s"] for _, two in runs)),
+            "compute_tokens_per_s": round(statistics.median(ref["tokens_per_s"] for ref in compute)),
+            "pp1_step_s": round(statistics.median(one["step_s"] for one, _ in runs), 3),
+            "pp2_step_s": round(statistics.median(two["step_s"] for _, two in runs), 3),
+            "compute_step_s": round(statistics.median(ref["step_s"] for ref in compute), 3),
             "ratio_median": round(statistics.median(ratios), 3),
             "ratio_min": round(min(ratios), 3),
             "ratio_max": round(max(ratios), 3),
             "bubble_predicted": round((p - 1) / (v * m + p - 1), 3),
-            "bubble_measured": round(1 - statistics.median(ratios), 3),
-            "max_loss_diff": max(max(abs(x - y) for x, y in zip(a["losses"], b["losses"], strict=True)) for a, b in pairs),
-            "launch_wall_s": round(statistics.median(x["wall_s"] for pair in pairs for x in pair), 1),
+            "bubble_vs_dp2": round(1 - statistics.median(ratios), 3),
+            "bubble_vs_compute": round(1 - statistics.median(against_compute), 3),
+            "bubble_vs_compute_min": round(1 - max(against_compute), 3),
+            "bubble_vs_compute_max": round(1 - min(against_compute), 3),
+            "max_loss_diff": max(max(abs(a - b) for a, b in zip(one["losses"], two["losses"], strict=True))
+                                 for one, two in runs),
         })
         print(json.dumps(rows[-1]), flush=True)
-    total = time.perf_counter() - started
-    print(f"model {params / 1e6:.1f}M parameters; {total:.0f} s in all", flush=True)
+    load_after = os.getloadavg()
+    print(f"model {params / 1e6:.1f}M parameters; m={args.microbatches}; {time.perf_counter() - started:.0f} s in all; "
+          f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after", flush=True)
     if args.record:
-        record(rows, args, params, load)
+        record(rows, args, params, load_before, load_after)
 
 
-def record(rows: list[dict], args, params: int, load: str) -> None:
+def record(rows: list[dict], args, params: int, load_before: tuple, load_after: tuple) -> None:
     day = time.strftime("%Y-%m-%d")
+    load = ", ".join(f"{x:.1f}" for x in load_before)
     tokens = args.micro_batch * args.microbatches * args.seq
     command = (f"python -m bench.pipeline --layers {args.layers} --hidden {args.hidden} --seq {args.seq} "
                f"--micro-batch {args.micro_batch} --microbatches {args.microbatches} --steps {args.steps} "
                f"--warmup {args.warmup} --rounds {args.rounds}")
     current = [
         f"| `bench.pipeline` {row['schedule']} | pp=1 (dp=2, FSDP) on the same 2 ranks, same global batch and losses "
-        f"(fp32, m={args.microbatches}) | {row['ratio_median']:.2f}x tokens/s; bubble {row['bubble_measured']:.0%} "
-        f"measured, {row['bubble_predicted']:.0%} predicted | {row['ratio_min']:.2f}x-{row['ratio_max']:.2f}x over "
-        f"{args.rounds} rounds | 1 per rank | {load} | {day} |"
+        f"(fp32, m={args.microbatches}) | {row['ratio_median']:.2f}x tokens/s; bubble {row['bubble_predicted']:.0%} "
+        f"predicted, {row['bubble_vs_compute']:.0%} measured against compute alone, {row['bubble_vs_dp2']:.0%} "
+        f"against dp=2 | {row['ratio_min']:.2f}x-{row['ratio_max']:.2f}x over {args.rounds} rounds | 1 per rank | "
+        f"{load} | {day} |"
         for row in rows
     ]
     text = RESULTS.read_text()
@@ -243,24 +296,29 @@ def record(rows: list[dict], args, params: int, load: str) -> None:
     entry = [
         "",
         (f"### Pipeline parallelism, pp=2 against pp=1 ({day}, {cpu_model()}, {os.cpu_count()} cores, "
-        f"torch {torch.__version__}, 1 thread per rank, cpu, gloo, load average {load} before the run)"),
+         f"torch {torch.__version__}, 1 thread per rank, cpu, gloo, load average {load} before the run, "
+         f"{load_after[0]:.1f} after)"),
         "",
         (f"`{command}`: `llmflow train` on 2 ranks, pp=2 (dp=1) against pp=1 (dp=2, FSDP), random Llama-shaped "
-        f"model ({params / 1e6:.1f}M parameters: {args.layers} layers, hidden {args.hidden}, FFN {args.intermediate}, "
-        f"untied, vocab 896), fp32, global batch {args.micro_batch * args.microbatches} x seq {args.seq} "
-        f"({tokens} tokens) in m={args.microbatches} micro-batches of {args.micro_batch} for the pipeline "
-        f"({args.microbatches // 2} per rank at dp=2); tokens/s over {args.steps} steps after {args.warmup} warm-up "
-        f"steps, medians over {args.rounds} alternating rounds. Measured bubble = 1 - T_pp1/T_pp2 (bubble, stage "
-        "imbalance, sends and schedule overhead, less FSDP's collectives on the pp=1 side)."),
+         f"model ({params / 1e6:.1f}M parameters: {args.layers} layers, hidden {args.hidden}, FFN {args.intermediate}, "
+         f"untied, vocab 896), fp32, global batch {args.micro_batch * args.microbatches} x seq {args.seq} "
+         f"({tokens} tokens) in m={args.microbatches} pipeline micro-batches of {args.micro_batch} "
+         f"({args.microbatches // 2} per rank at dp=2); compute = two independent one-rank workers side by side, each "
+         f"on half the batch (no collectives). tokens/s over {args.steps} steps after {args.warmup} warm-up steps; "
+         f"medians over {args.rounds} rounds, pp=1 and pp=2 alternating. Bubble measured against dp=2: "
+         "1 - T_pp1/T_pp2; against compute: 1 - T_compute/T_pp2 (bubble, stage imbalance, sends, schedule overhead)."),
         "",
-        ("| schedule | pp=1 tok/s | pp=2 tok/s | pp=1 step s | pp=2 step s | pp2 / pp1, median | min | max "
-        "| bubble predicted | bubble measured | max loss diff |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        ("| schedule | pp=1 tok/s | pp=2 tok/s | compute tok/s | pp=1 step s | pp=2 step s | compute step s "
+         "| pp2 / pp1, median | min | max | bubble predicted | measured vs compute (min-max) | measured vs dp=2 "
+         "| max loss diff |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     entry += [
-        f"| {row['schedule']} | {row['pp1_tokens_per_s']} | {row['pp2_tokens_per_s']} | {row['pp1_step_s']:.3f} | "
-        f"{row['pp2_step_s']:.3f} | {row['ratio_median']:.3f}x | {row['ratio_min']:.3f}x | {row['ratio_max']:.3f}x | "
-        f"{row['bubble_predicted']:.1%} | {row['bubble_measured']:.1%} | {row['max_loss_diff']:.1e} |"
+        f"| {row['schedule']} | {row['pp1_tokens_per_s']} | {row['pp2_tokens_per_s']} | {row['compute_tokens_per_s']} | "
+        f"{row['pp1_step_s']:.3f} | {row['pp2_step_s']:.3f} | {row['compute_step_s']:.3f} | {row['ratio_median']:.3f}x | "
+        f"{row['ratio_min']:.3f}x | {row['ratio_max']:.3f}x | {row['bubble_predicted']:.1%} | "
+        f"{row['bubble_vs_compute']:.1%} ({row['bubble_vs_compute_min']:.1%} to {row['bubble_vs_compute_max']:.1%}) | "
+        f"{row['bubble_vs_dp2']:.1%} | {row['max_loss_diff']:.1e} |"
         for row in rows
     ]
     RESULTS.write_text("\n".join(lines) + sep + history.rstrip("\n") + "\n" + "\n".join(entry) + "\n")

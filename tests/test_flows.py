@@ -253,6 +253,23 @@ def test_an_impossible_layout_stops_the_flow_before_any_heavy_stage(prefect_env,
         flow_params(tmp_path / "ws", train={"nproc": 4, "tp": 3})
 
 
+def test_pipeline_layouts_are_checked_with_the_parameters_and_against_the_model(sample_assets, tmp_path):
+    from llmflow.flows.checks import check_layout
+    from llmflow.flows.params import TrainParams
+    from llmflow.mesh import LayoutError
+
+    with pytest.raises(ValueError, match="pp_schedule 1F1B needs at least pp=2 micro-batches per step"):
+        flow_params(tmp_path / "ws", train={"nproc": 2, "pp": 2})
+    with pytest.raises(ValueError, match="pp_schedule Interleaved1F1B needs virtual_stages"):
+        flow_params(tmp_path / "ws", train={"nproc": 2, "pp": 2, "micro_batch_size": 4, "pp_schedule": "Interleaved1F1B"})
+    model = sample_assets() / "model"
+    check_layout(model, TrainParams(nproc=4, pp=4, micro_batch_size=4))
+    with pytest.raises(LayoutError, match="pp=8 stages but the model has 4 layers; each stage needs one"):
+        check_layout(model, TrainParams(nproc=8, pp=8, micro_batch_size=2))
+    with pytest.raises(LayoutError, match=r"num_layer_list \[3, 3\] sums to 6 layers but the model has 4"):
+        check_layout(model, TrainParams(nproc=2, pp=2, micro_batch_size=4, num_layer_list=[3, 3]))
+
+
 @pytest.mark.parametrize(
     ("target", "bench", "finding"),
     # tp=2 computes what tp=1 does: its ranks' shards, merged, match in every row (tensor mode
