@@ -216,6 +216,27 @@ def test_lora_trains_only_adapters_and_merged_export_matches(assets, tmp_path):
     assert (hf_logits(merged, ids) - want).abs().max() <= 1e-5
 
 
+def test_a_checkpoint_with_nested_optimizer_state_still_resumes(assets, tmp_path, monkeypatch):
+    """Checkpoints written before the optimizer state was flattened (one param_groups entry
+    listing the parameter names) resume exactly; the next save is flattened."""
+    from llmflow.checkpoint import read_dcp_metadata
+    from llmflow.train.loop import Run
+
+    flattened = Run.state
+    monkeypatch.setattr(Run, "state", lambda run, flatten=True: flattened(run, False))
+    cfg = config(assets, tmp_path / "run", steps=4, save_interval=2, keep_last=None)
+    want = train(cfg)["loss"]
+    assert "optimizer.param_groups.0.lr" in read_dcp_metadata(tmp_path / "run" / "step_00000002").state_dict_metadata
+    monkeypatch.setattr(Run, "state", flattened)
+
+    shutil.rmtree(tmp_path / "run" / "step_00000004")
+    (tmp_path / "run" / "latest").write_text("step_00000002\n")
+    assert train(cfg)["loss"] == want
+    metadata = read_dcp_metadata(tmp_path / "run" / "step_00000004").state_dict_metadata
+    assert "optimizer.param_groups.0.lr" not in metadata
+    assert "optimizer.param_groups.model.norm.weight.lr" in metadata
+
+
 def test_activation_checkpointing_keeps_the_loss(assets, tmp_path):
     plain = train(config(assets, tmp_path / "plain", steps=2, lora={"rank": 4}))
     recomputed = train(config(assets, tmp_path / "ac", steps=2, lora={"rank": 4}, activation_checkpointing=True))

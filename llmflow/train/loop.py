@@ -280,8 +280,8 @@ def resume(run: Run) -> None:
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    # Checkpoints written before optimizer state was flattened keep one param_groups entry.
-    flatten = "optimizer.param_groups" not in read_dcp_metadata(resume_dir).state_dict_metadata
+    # Checkpoints written before optimizer state was flattened number their param_groups.
+    flatten = "optimizer.param_groups.0.lr" not in read_dcp_metadata(resume_dir).state_dict_metadata
     state = run.state(flatten)
     meta = load_checkpoint(resume_dir, state)
     lora = run.config.lora is not None

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from llmflow.probe.dump.dumper import TENSOR_DIR
+from llmflow.probe.dump.dumper import LAYOUT, TENSOR_DIR
 from llmflow.probe.dump.records import DTENSOR_TYPE, TENSOR_TYPE
 
 Join = tuple[Literal["cat"], int] | tuple[Literal["sum", "avg"], None]
@@ -114,6 +114,52 @@ def read_rank(rank_dir: Path) -> RankDump:
     else:
         mode = "md5" if any("md5" in leaf.record for leaf in found) else "statistics"
     return RankDump(rank_dir.name, mode, found, read_stacks(rank_dir))
+
+
+@dataclass
+class RankLayout:
+    """Where a rank sat, from the layout.json llmflow's dumper writes beside dump.json."""
+
+    rank: int | None
+    stages: list[int | None]
+    """The pipeline stage of each module the dumper recorded (one per stage this rank held)."""
+    num_stages: int
+    pipeline_group: list[int] | None
+    """Global ranks of the rank's pipeline group, in stage-rank order; None outside pipelining."""
+    meshes: list[dict[str, Any]]
+    """Device meshes of the DTensor parameters: {"dims": [...], "ranks": nested lists}."""
+    calls: list[dict[str, Any]]
+    """Each forward call of a stage, in order: {"stage": s, "counts": {key: [first, end)}}."""
+
+    @property
+    def tp_group(self) -> list[int] | None:
+        """The global ranks of this rank's tensor-parallel group (the "tp" dimension of a mesh
+        holding it), or None when no DTensor parameter lies on a tensor-parallel mesh."""
+        for mesh in self.meshes:
+            if "tp" not in mesh["dims"] or self.rank is None:
+                continue
+            ranks = np.array(mesh["ranks"])
+            where = np.argwhere(ranks == self.rank)
+            if len(where):
+                index = list(where[0])
+                index[mesh["dims"].index("tp")] = slice(None)
+                return ranks[tuple(index)].tolist()
+        return None
+
+    @property
+    def placement(self) -> tuple:
+        """What two runs must share to be compared rank by rank."""
+        return tuple(self.stages), self.num_stages, self.pipeline_group, self.tp_group
+
+
+def read_layout(rank_dir: Path) -> RankLayout | None:
+    """The layout.json of ``rank_dir``; None for a dump without one (msprobe's, or an older llmflow's)."""
+    path = rank_dir / LAYOUT
+    if not path.is_file():
+        return None
+    tree = json.loads(path.read_text(encoding="utf-8"))
+    return RankLayout(tree.get("rank"), tree["stages"], tree["num_stages"], tree.get("pipeline_group"),
+                      tree.get("meshes", []), tree.get("calls", []))
 
 
 def rank_dirs(path: Path) -> dict[str, Path]:
