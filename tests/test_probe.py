@@ -254,6 +254,15 @@ def test_mix_dump_follows_msprobe_schema(clean_runs):
     assert linear_api.startswith("Functional.linear.")
     stacks = {name: frames for names, frames in json.loads((rank_dir / "stack.json").read_text()).values() for name in names}
     assert any("models/decoder.py" in frame for frame in stacks[MLP])
+    # The output projection's gradient, though the loss uses its weight without calling it.
+    assert "Module.lm_head.Linear.parameters_grad.0" in data and "Module.lm_head.Linear.forward.0" not in data
+    # llmflow's layout.json: one stage outside pipelining, and the numbers its forward call took.
+    layout = json.loads((rank_dir / "layout.json").read_text())
+    assert {k: layout[k] for k in ("rank", "stages", "num_stages", "pipeline_group", "meshes")} == {
+        "rank": None, "stages": [0], "num_stages": 1, "pipeline_group": None, "meshes": []}
+    (call,) = layout["calls"]
+    assert call["stage"] == 0 and call["counts"]["Module.model.layers.0.mlp.MLP."] == [0, 1]
+    assert call["counts"]["Functional.linear"][0] == 0
 
 
 def test_list_and_data_mode_select_what_is_dumped(tmp_path, deterministic):

@@ -1,5 +1,6 @@
 """The advisor: the first diverging operation of each rank, its weight when that is what
-differs, its call stack and the likely cause.
+differs, its call stack and the likely cause (and, for a run put together from pipeline
+stages, the rank, entry and stage it was dumped as).
 
 Execution order is dump.json's order, where a call's entry is written when the call
 returns: whatever a call consumed was produced by entries before it. Like msprobe's
@@ -134,6 +135,11 @@ def likely_cause(call: list[Row], rows: list[Row], floor: float = 0.0) -> tuple[
     ), row
 
 
+def dumped_as(parts: list[list]) -> str:
+    """Where a merged entry's parts were dumped: "Functional.linear.6.forward in rank1 (pipeline stage 1)"."""
+    return "; ".join(f"{entry} in {rank} (pipeline stage {stage})" for rank, entry, stage in parts)
+
+
 def advise(ranks: list[RankComparison], noise_floor: float = 0.0) -> str:
     """The advisor's text: for each rank, the first diverging call or that there is none;
     and whether a noise floor changed msprobe's verdicts."""
@@ -156,6 +162,8 @@ def advise(ranks: list[RankComparison], noise_floor: float = 0.0) -> str:
                 f"Suspect Nodes: {row.leaf.entry}",
                 f"Line: {index + 2}",
                 f"Row: {row.leaf.name} ({row.result}{measured})",
+                *([f"Dumped as: {dumped_as(rank.origins[row.leaf.entry])}"]
+                  if rank.origins and row.leaf.entry in rank.origins else []),
                 *([f"Weight: {weight_of(row, rank.rows)}"] if cause == "weight" else []),
                 f"Likely cause: {cause}",
                 f"Expert Advice: {advice}",

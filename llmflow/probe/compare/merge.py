@@ -30,9 +30,12 @@ from llmflow.probe.compare.reading import UNMATCHED, WARNING, Join, Leaf, RankDu
 _STATS = ("Max", "Min", "Mean", "Norm")
 
 
-def merge_ranks(ranks: list[RankDump], other: RankDump) -> RankDump:
+def merge_ranks(ranks: list[RankDump], other: RankDump, hints: dict[str, Leaf] | None = None) -> RankDump:
     """The dumps of ``ranks`` (one tensor-parallel group, in rank order) as one dump, laid out
-    to compare with ``other`` (a run with ``other.ranks`` ranks)."""
+    to compare with ``other`` (a run with ``other.ranks`` ranks). ``hints`` gives, by name,
+    whole values to take a plain tensor's shard dimension from instead of ``other``'s (the
+    value a previous pipeline stage sent, for the one a stage received)."""
+    hints = hints or {}
     first = ranks[0]
     by_name = [{leaf.name: leaf for leaf in rank.leaves} for rank in ranks[1:]]
     reference = {leaf.name: leaf for leaf in other.leaves}
@@ -43,6 +46,8 @@ def merge_ranks(ranks: list[RankDump], other: RankDump) -> RankDump:
             merged.append(replace(leaf, problem=(UNMATCHED, "not dumped by every rank of the group")))
         elif not leaf.is_tensor:
             merged.append(leaf)
+        elif leaf.name in hints:
+            merged.append(_merge_tensor(shards, hints[leaf.name], 1, first.mode))
         else:
             merged.append(_merge_tensor(shards, reference.get(leaf.name), other.ranks, first.mode))
     name = f"{first.name}-{ranks[-1].name.removeprefix('rank')}"

@@ -38,3 +38,6 @@ class RankComparison:
     rows: list[Row]
     csv: str
     """File name of this rank's table in the output folder."""
+    origins: dict[str, list[list]] | None = None
+    """For a target put together from pipeline stages: merged entry -> [rank folder, entry
+    there, stage] of each part."""

@@ -15,7 +15,8 @@ stage (one per micro-batch) took. A run is put together as follows:
   own layers) makes one record per micro-batch: the first stage's inputs and parameters and
   the last stage's outputs (backward: the last stage's output gradients and the first
   stage's input gradients). Each stage's output must be the next stage's input (the pipeline
-  sends it as is): where it is not, the record's outputs are flagged;
+  sends it as is; where tensor-parallel shards were put together, to float rounding): where
+  it is not, the record's outputs are flagged;
 - a parameter gradient recorded by several stages (the tied embedding: the first stage's
   embedding and the last stage's output projection) is the sum of the stages' parts, as the
   training adds them up: summed from the saved tensors in tensor mode, left uncompared with
@@ -24,14 +25,17 @@ stage (one per micro-batch) took. A run is put together as follows:
   they happen instead: the micro-batch, the API, the call site (the innermost frame of
   stack.json: file name, function and source line) and their order among the calls of that
   API at that site in the micro-batch, counting the stages in order. A stage that repeats a
-  call of another (each stage computes the rotary tables) makes calls without a counterpart
-  in a run of fewer stages; they are compared with nothing. The calls a rank makes outside
+  call an earlier stage made at the same site (each stage computes the rotary tables) makes
+  calls without a counterpart in a run of fewer stages; where they match nothing they are
+  left uncompared with that reason. The calls a rank makes outside
   the stages' forward (the training loop's and the pipeline schedule's own tensor work:
-  batching, loss scaling) differ between layouts and are left uncompared with the reason;
-- names: when one side ran as one stage its own names are kept and the other side's calls
-  take the names of the calls they match; calls without a match are numbered after every
-  number that side uses. ``merged_names.json`` in the output says which rank and entry
-  every merged entry came from;
+  batching, loss scaling; API calls a backward pass makes) differ between layouts and are
+  left uncompared with the reason;
+- names: when one side ran as one stage its names are kept, else the bench's calls are
+  numbered in the order below; the other side's calls take the names of the calls they
+  match, and calls without a match are numbered after every number in use.
+  ``merged_names.json`` in the output says which rank, entry and stage every merged entry
+  came from;
 - order: micro-batch by micro-batch, the forward records stage after stage, then the
   backward records from the last stage to the first, each stage's in its own order.
 """
@@ -47,15 +51,26 @@ from pathlib import Path
 from typing import Any
 
 from llmflow.probe.compare.merge import merge_ranks
-from llmflow.probe.compare.reading import UNMATCHED, WARNING, Leaf, RankDump, RankLayout, load_tensor, read_layout, read_rank
+from llmflow.probe.compare.reading import (
+    UNMATCHED,
+    WARNING,
+    Leaf,
+    RankDump,
+    RankLayout,
+    load_tensor,
+    read_layout,
+    read_rank,
+)
 
 _API = re.compile(r"^(?P<key>(?!Module\.).+)\.(?P<n>\d+)\.(?P<dir>forward|backward)$")
 _MODULE = re.compile(r"^(?P<key>Module\..+\.)(?P<dir>forward|backward)\.(?P<n>\d+)$")
 _FRAME = re.compile(r"^File (?P<path>.*), line \d+, in (?P<func>.*?), \n(?P<source>.*)$", re.DOTALL)
 _STATS = ("Max", "Min", "Mean", "Norm")
 
-OUTSIDE = ("called outside the model's forward (by the training loop or the pipeline schedule): runs of different "
-           "layouts make different calls there")
+OUTSIDE = ("made outside the forward of the model's stages (by the training loop, the pipeline schedule or a backward "
+           "pass): runs of different layouts make different calls there")
+REPEATED = ("repeats at this stage a call an earlier stage made at the same place (each stage computes it for its "
+            "own layers): no counterpart in a run of fewer stages")
 SHARED_GRADIENT = ("the gradient of a weight that pipeline stages {stages} share (tied embeddings) is the sum of "
                    "their parts: {why}")
 
@@ -66,7 +81,6 @@ class Entry:
 
     name: str
     """Its name in the rank's dump.json."""
-    leaves: list[Leaf]
     kind: str
     """api, module, or other (parameters_grad, unparsed names)."""
     key: str | None
@@ -77,7 +91,14 @@ class Entry:
     micro: int | None
     """The micro-batch (the stage's forward call) it belongs to; None outside the stages' calls."""
     order: tuple
+    """Its place in the whole model's order: (micro-batch, forward 0 or backward 1, stage
+    (negated in backward), position in the rank's dump)."""
     site: tuple[str, str, str] | None = None
+    """An API forward call's call site (``site``)."""
+    anchor: tuple | None = None
+    """An API forward call's place in the whole model: (micro-batch, API, site, order)."""
+    repeat: bool = False
+    """An API forward call that an earlier stage made at the same site in the micro-batch."""
     merged: str | None = None
     """Its name in the whole model's dump."""
 
@@ -107,7 +128,7 @@ class Side:
     def name(self) -> str:
         numbers = sorted(int(n.removeprefix("rank")) for _, _, _, group in self.ranks for n in group
                          if n.removeprefix("rank").isdigit())
-        if not numbers:
+        if len(numbers) < 2:
             return self.ranks[0][0]
         if numbers == list(range(numbers[0], numbers[-1] + 1)):
             return f"rank{numbers[0]}-{numbers[-1]}"
@@ -199,7 +220,7 @@ def _entries(dump: RankDump, layout: RankLayout) -> list[Entry]:
         else:
             entry_micro = None  # outside the stages' calls: placed after what precedes it
         order = (-1 if micro is None else micro, phase, -stage if phase else stage, position)
-        entries.append(Entry(name, list(group), kind, key, number, backward, stage, entry_micro, order,
+        entries.append(Entry(name, kind, key, number, backward, stage, entry_micro, order,
                              site(dump.stacks.get(name)) if kind == "api" and not backward else None))
     return entries
 
@@ -211,10 +232,12 @@ def _anchor(side: Side) -> None:
                       if entry.kind == "api" and not entry.backward and entry.micro is not None),
                      key=lambda e: (e.stage, e.micro, e.number))
     seen: Counter[tuple] = Counter()
+    first_stage: dict[tuple, int] = {}
     for entry in forward:
-        place_ = (entry.micro, entry.key, entry.site)
-        entry.site = (*place_, seen[place_])  # type: ignore[assignment]
-        seen[place_] += 1
+        where = (entry.micro, entry.key, entry.site)
+        entry.anchor = (*where, seen[where])
+        entry.repeat = first_stage.setdefault(where, entry.stage) != entry.stage
+        seen[where] += 1
 
 
 # --- names ---------------------------------------------------------------------------------------------
@@ -222,69 +245,67 @@ def _anchor(side: Side) -> None:
 
 def name_entries(target: Side, bench: Side) -> None:
     """Name every entry of both runs in the whole model (``Entry.merged``). A run of one stage
-    keeps its names and the other's calls take them; with stages on both sides, the bench's
-    calls are numbered in the whole model's order and the target's take those numbers."""
+    keeps its names and the other run's calls take them; with stages on both sides, the
+    bench's calls are numbered in the whole model's order and the target's take those numbers.
+    A call without a counterpart is numbered after every number of its API in use."""
     basis, other = (bench, target) if bench.num_stages == 1 or target.num_stages > 1 else (target, bench)
     numbers: dict[str, dict[tuple, int]] = defaultdict(dict)
-    used: dict[str, int] = defaultdict(int)
+    used: Counter[str] = Counter()
+    for entry in _api_calls(basis):
+        number = entry.number if basis.num_stages == 1 else used[entry.key]
+        used[entry.key] = max(used[entry.key], number + 1)
+        if entry.anchor is not None:
+            numbers[entry.key][entry.anchor] = number
+        entry.merged = f"{entry.key}.{number}.forward"
+    fresh = Counter(used)
+    for entry in _api_calls(other):
+        number = numbers[entry.key].get(entry.anchor) if entry.anchor is not None else None
+        if number is None:
+            number = fresh[entry.key]
+            fresh[entry.key] += 1
+        else:
+            entry.repeat = False  # matched: compared
+        entry.merged = f"{entry.key}.{number}.forward"
+    for entry in _api_calls(basis):
+        entry.repeat = False
     for side in (basis, other):
-        if side is other:
-            fresh = dict(used)
+        _name_modules(side)
         for entries in side.entries.values():
-            _name_modules(side, entries)
-        apis = sorted((e for entries in side.entries.values() for e in entries if e.kind == "api" and not e.backward),
-                      key=lambda e: e.order)
-        for entry in apis:
-            anchored = entry.micro is not None
-            if side is basis and side.num_stages == 1:
-                number = entry.number
-            elif side is basis and anchored:
-                number = numbers[entry.key].setdefault(entry.site, used[entry.key])
-            elif side is other and anchored and entry.site in numbers[entry.key]:
-                number = numbers[entry.key][entry.site]
-            else:
-                number = None
-            if side is basis and anchored:
-                numbers[entry.key][entry.site] = number
-            if number is None:  # no counterpart: after every number in use
-                counter = fresh if side is other else used
-                number = counter.setdefault(entry.key, used[entry.key])
-                counter[entry.key] = number + 1
-            if side is basis:
-                used[entry.key] = max(used[entry.key], number + 1)
-            entry.merged = f"{entry.key}.{number}.forward"
-        names = {(e.key, e.number): e.merged for e in apis}
-        for entries in side.entries.values():
+            forward = {(e.key, e.number): e.merged for e in entries
+                       if e.kind != "other" and not e.backward and e.merged is not None}
             for entry in entries:
-                if entry.kind == "api" and entry.backward:
-                    forward = names.get((entry.key, entry.number))
-                    entry.merged = forward.removesuffix(".forward") + ".backward" if forward else entry.name
+                if entry.kind != "other" and entry.backward and (entry.key, entry.number) in forward:
+                    head, _, tail = forward[entry.key, entry.number].rpartition(".forward")
+                    entry.merged = f"{head}.backward{tail}"
                 elif entry.merged is None:
                     entry.merged = entry.name
 
 
-def _name_modules(side: Side, entries: list[Entry]) -> None:
+def _api_calls(side: Side) -> list[Entry]:
+    """The API forward calls of a run, in the whole model's order."""
+    return sorted((e for entries in side.entries.values() for e in entries if e.kind == "api" and not e.backward),
+                  key=lambda e: e.order)
+
+
+def _name_modules(side: Side) -> None:
     """Modules keep their names; a module several stages call is numbered by its whole calls
-    (micro-batch, then call within the micro-batch), each stage's part under the same name."""
+    (by micro-batch, then by call within the micro-batch), each stage's part under that name."""
     calls: Counter[tuple] = Counter()
-    for entry in sorted((e for e in entries if e.kind == "module" and e.key in side.split and not e.backward),
+    whole_call: dict[int, tuple[int, int]] = {}
+    for entry in sorted((e for entries in side.entries.values() for e in entries
+                         if e.kind == "module" and e.key in side.split and not e.backward and e.micro is not None),
                         key=lambda e: e.number):
-        if entry.micro is not None:
-            entry.merged = (entry.micro, calls[entry.key, entry.stage, entry.micro])  # type: ignore[assignment]
-            calls[entry.key, entry.stage, entry.micro] += 1
-    wholes: dict[str, list] = defaultdict(list)
-    for other in side.entries.values():
-        for entry in other:
-            if isinstance(entry.merged, tuple) and entry.merged not in wholes[entry.key]:
-                wholes[entry.key].append(entry.merged)
-    for entry in entries:
-        if isinstance(entry.merged, tuple):
-            number = sorted(wholes[entry.key]).index(entry.merged)
-            entry.merged = f"{entry.key}forward.{number}"
-    forward = {(e.key, e.number): e.merged for e in entries if e.kind == "module" and not e.backward and e.merged}
-    for entry in entries:
-        if entry.kind == "module" and entry.backward and (entry.key, entry.number) in forward:
-            entry.merged = forward[entry.key, entry.number].replace(".forward.", ".backward.")
+        whole_call[id(entry)] = (entry.micro, calls[entry.key, entry.stage, entry.micro])
+        calls[entry.key, entry.stage, entry.micro] += 1
+    wholes: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for entries in side.entries.values():
+        for entry in entries:
+            if id(entry) in whole_call:
+                wholes[entry.key].append(whole_call[id(entry)])
+    for entries in side.entries.values():
+        for entry in entries:
+            if id(entry) in whole_call:
+                entry.merged = f"{entry.key}forward.{sorted(set(wholes[entry.key])).index(whole_call[id(entry)])}"
 
 
 # --- putting the stages together -----------------------------------------------------------------------
@@ -301,6 +322,7 @@ def _stage_dump(side: Side, name: str, dump: RankDump, entries: list[Entry], sta
     """The entries of ``stage`` in one rank's dump (the tensor-parallel peers hold the same
     entries as the pipeline rank), under their whole-model names."""
     by_name = {entry.name: entry for entry in entries}
+    repeats = {(entry.key, entry.number): entry.repeat for entry in entries if entry.kind == "api" and not entry.backward}
     leaves, stacks = [], {}
     for entry_name, group in itertools.groupby(dump.leaves, key=lambda leaf: leaf.entry):
         entry = by_name.get(entry_name)
@@ -309,36 +331,57 @@ def _stage_dump(side: Side, name: str, dump: RankDump, entries: list[Entry], sta
         group = _renamed(list(group), entry.name, entry.merged)
         if entry.kind == "api" and entry.micro is None:
             group = [replace(leaf, problem=(UNMATCHED, OUTSIDE)) for leaf in group]
+        elif entry.repeat or (entry.backward and repeats.get((entry.key, entry.number), False)):
+            group = [replace(leaf, problem=(UNMATCHED, REPEATED)) for leaf in group]
         leaves += group
         if entry_name in dump.stacks:
             stacks[entry.merged] = dump.stacks[entry_name]
     return RankDump(name, mode, leaves, stacks)
 
 
-def whole(side: Side, other: Side) -> tuple[RankDump, dict[str, list[list[str]]]]:
-    """``side``'s ranks as one dump of the whole model, and where each entry came from."""
+def whole(side: Side, other: Side) -> tuple[RankDump, dict[str, list[list]]]:
+    """``side``'s ranks as one dump of the whole model, and where each entry came from
+    ([rank folder, entry there, stage] of each part)."""
     mode = next(iter(side.dumps.values())).mode
     reference = RankDump("reference", mode, [leaf for name, _, layout, _ in other.ranks for stage in layout.stages
                                              for leaf in _stage_dump(other, name, other.dumps[name], other.entries[name],
                                                                      stage, mode).leaves], {}, ranks=other.tp)
     parts: dict[str, list[tuple[int, list[Leaf], Entry]]] = defaultdict(list)
     stacks: dict[str, list[str]] = {}
-    origins: dict[str, list[list[str]]] = defaultdict(list)
-    for name, path, layout, group in side.ranks:
+    origins: dict[str, list[list]] = defaultdict(list)
+    peers: dict[str, list[RankDump]] = {}
+    sent: dict[str, list[Leaf]] = {}
+    """Split module entry -> the values its last stage so far passes on (forward: outputs;
+    backward: the gradients of its outputs), whole."""
+    held = sorted((stage, name, path, group) for name, path, layout, group in side.ranks for stage in layout.stages
+                  if stage is not None)
+    for stage, name, path, group in held:
         entries = side.entries[name]
-        peers = [side.dumps[name]] + [read_rank(path.parent / peer) for peer in group if peer != name]
-        for stage in sorted(s for s in layout.stages if s is not None):
-            shards = [_stage_dump(side, peer.name, peer, entries, stage, mode) for peer in peers]
-            merged = merge_ranks(shards, reference) if len(shards) > 1 else shards[0]
-            stacks.update(merged.stacks if len(shards) == 1 else shards[0].stacks)
-            by_merged = {entry.merged: entry for entry in entries if entry.stage == stage}
-            for entry_name, group in itertools.groupby(merged.leaves, key=lambda leaf: leaf.entry):
-                entry = by_merged[entry_name]
-                parts[entry_name].append((stage, list(group), entry))
-                origins[entry_name].append([name, entry.name])
+        if name not in peers:
+            peers[name] = [side.dumps[name]] + [read_rank(path.parent / peer) for peer in group if peer != name]
+        shards = [_stage_dump(side, dump.name, dump, entries, stage, mode) for dump in peers[name]]
+        by_merged = {entry.merged: entry for entry in entries if entry.stage == stage}
+        if len(shards) > 1:
+            hints = {}
+            for entry_name, group_leaves in itertools.groupby(shards[0].leaves, key=lambda leaf: leaf.entry):
+                if entry_name in sent:  # received: whole as the previous stage sent it
+                    receiving = "output" if by_merged[entry_name].backward else "input"
+                    hints.update({leaf.name: whole_leaf for leaf, whole_leaf in
+                                  zip((leaf for leaf in group_leaves if leaf.side == receiving), sent[entry_name],
+                                      strict=False)})
+            merged = merge_ranks(shards, reference, hints)
+        else:
+            merged = shards[0]
+        stacks.update(shards[0].stacks)
+        for entry_name, group_leaves in itertools.groupby(merged.leaves, key=lambda leaf: leaf.entry):
+            entry = by_merged[entry_name]
+            leaves = list(group_leaves)
+            parts[entry_name].append((stage, leaves, entry))
+            origins[entry_name].append([name, entry.name, stage])
+            if entry.kind == "module" and entry.key in side.split:
+                sent[entry_name] = [leaf for leaf in leaves if leaf.side == ("input" if entry.backward else "output")]
     combined: list[tuple[tuple, list[Leaf]]] = []
     for entry_name, found in parts.items():
-        found.sort(key=lambda part: part[0])
         if len(found) == 1:
             combined.append((found[0][2].order, found[0][1]))
             continue
@@ -357,16 +400,25 @@ def whole(side: Side, other: Side) -> tuple[RankDump, dict[str, list[list[str]]]
     return RankDump(side.name, mode, leaves, stacks, ranks=ranks), dict(origins)
 
 
+HANDOFF_TOLERANCE = 1e-6
+"""Relative tolerance of the Mean and Norm of a value one stage sends and the next receives:
+where tensor-parallel shards were put together, they are combined from the shards'."""
+
+
 def _same(a: Leaf, b: Leaf) -> str | None:
     """What differs between two records of the value one stage sends and the next receives."""
     if a.is_tensor != b.is_tensor:
         return "one is a tensor, the other not"
-    if not a.is_tensor:
+    if not a.is_tensor or a.problem is not None or b.problem is not None:
         return None
     for key in ("dtype", "shape", *_STATS, "md5"):
         x, y = a.record.get(key), b.record.get(key)
-        if x != y and not (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y)):
-            return f"{key} {x} against {y}"
+        if x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y)):
+            continue
+        if key in ("Mean", "Norm") and isinstance(x, (int, float)) and isinstance(y, (int, float)) and math.isclose(
+                x, y, rel_tol=HANDOFF_TOLERANCE, abs_tol=1e-12):
+            continue
+        return f"{key} {x} against {y}"
     return None
 
 

@@ -1,9 +1,12 @@
 """Compare a dump against a benchmark dump, as msprobe's compare does.
 
-Inputs are step folders (``{dump_path}/step{N}``, ranks matched by folder name) or rank
-folders. Runs with different ranks (tp=2 against tp=1) are compared whole: each side's
-tensor-parallel group is merged into one dump first (``merge.py``). Every tensor (and non-tensor argument) of the target dump is matched by name with
-the benchmark's, e.g. ``Functional.linear.0.forward.input.0`` or
+Inputs are step folders (``{dump_path}/step{N}``, ranks matched by folder name when both
+runs have the same layout) or rank folders. Runs of different layouts are compared whole:
+each side's tensor-parallel group is merged into one dump first (``merge.py``: tp=2 against
+tp=1), and a pipeline run's stages into one dump of the whole model (``stages.py``: pp=2
+against pp=1, also with tensor parallelism in each stage), which the dumps' layout.json
+lets the compare lay out. Every tensor (and non-tensor argument) of the target dump is
+matched by name with the benchmark's, e.g. ``Functional.linear.0.forward.input.0`` or
 ``Module.model.norm.RMSNorm.forward.0.parameters.weight``, and gets msprobe's metrics and
 result (Ascend/mstt, ``debug/accuracy_tools/msprobe/docs/zh/accuracy_compare/pytorch_accuracy_compare_instruct.md``,
 "指标说明", "比对指标计算公式" and "比对结果（Result）"; column names from msprobe's
@@ -21,7 +24,8 @@ one departure is opt-in: ``norm_noise_floor`` (see CompareConfig), which the pre
 sets when the runs have different tensor-parallel layouts, and advisor.txt then says so.
 
 The output folder gets ``compare_result_{rank}.csv`` per rank (and ``.xlsx`` when openpyxl
-is installed), ``advisor.txt`` and ``manifest.json`` (written last).
+is installed), ``advisor.txt``, ``merged_names.json`` when pipeline stages were merged, and
+``manifest.json`` (written last).
 """
 
 from __future__ import annotations
@@ -49,11 +53,16 @@ from llmflow.probe.compare.reading import (
     RankDump,
     load_array,
     rank_dirs,
+    read_layout,
     read_rank,
 )
 from llmflow.probe.compare.rows import RankComparison, Row
+from llmflow.probe.compare.stages import is_pipelined, pipeline_pair
 
 STAGE = "probe-compare"
+MERGED_NAMES = "merged_names.json"
+"""Written when pipeline stages were merged: {"target"|"bench": {merged entry: [[rank folder,
+its entry there], ...]}}."""
 
 
 # msprobe's result rules: the checkers of mindstudio-probe 26.2.0
@@ -115,12 +124,14 @@ class CompareConfig(BaseModel):
 
     target: CliPositionalArg[Path]
     """The dump under test: a step folder ({dump_path}/step{N}) or one rank folder. With
-    other ranks than the benchmark's (another tensor-parallel degree), the ranks of rank 0's
-    tensor-parallel group are merged into one dump."""
+    another layout than the benchmark's (another tensor-parallel degree, other pipeline
+    stages), the ranks of rank 0's tensor-parallel group, or of its pipeline group and their
+    tensor-parallel groups, are merged into one dump."""
     bench: CliPositionalArg[Path]
     """The benchmark dump, at the same level."""
     out: Path
-    """Output folder: compare_result_{rank}.csv (.xlsx with openpyxl), advisor.txt, manifest.json."""
+    """Output folder: compare_result_{rank}.csv (.xlsx with openpyxl), advisor.txt, merged_names.json
+    (pipeline stages merged), manifest.json."""
     norm_noise_floor: float = Field(0.0, ge=0)
     """Statistics mode: norm relative errors below this count as agreement in msprobe's rules
     (0, the default: off, msprobe's own verdicts). For runs of different tensor-parallel
@@ -138,18 +149,31 @@ class CompareReport:
 # --- pairing ranks -------------------------------------------------------------------------------
 
 
-def rank_pairs(target: Path, bench: Path) -> list[tuple[str, RankDump, RankDump]]:
-    """(name, target dump, bench dump) of each rank. Ranks pair up by folder name; a single
-    rank on each side pairs up whatever its name ("rank" outside torchrun, "rank0" under
-    it). Runs with different ranks (tp=2 against tp=1) are compared whole: each side's ranks,
-    one tensor-parallel group, are merged into one dump."""
+def rank_pairs(target: Path, bench: Path) -> tuple[list[tuple[str, RankDump, RankDump]], dict[str, Any] | None]:
+    """(name, target dump, bench dump) of each rank, and where merged entries came from (None
+    when nothing was merged across pipeline stages). Ranks pair up by folder name (pipeline
+    runs: when their layout.json files give both the same layout); a single rank on each side
+    pairs up whatever its name ("rank" outside torchrun, "rank0" under it). Runs of different
+    layouts are compared whole: a run's
+    tensor-parallel group is merged into one dump (tp=2 against tp=1), and a pipeline run's
+    stages into one dump of the whole model (``stages.py``)."""
     targets, benches = rank_dirs(Path(target)), rank_dirs(Path(bench))
-    if len(targets) == 1 and len(benches) == 1 or list(targets) == list(benches):
+    target_layouts = [read_layout(path) for path in targets.values()]
+    bench_layouts = [read_layout(path) for path in benches.values()]
+    if is_pipelined(target_layouts + bench_layouts):
+        same = list(targets) == list(benches) and None not in target_layouts + bench_layouts and (
+            [t.placement for t in target_layouts] == [b.placement for b in bench_layouts])
+    else:
+        same = len(targets) == 1 and len(benches) == 1 or list(targets) == list(benches)
+    if same:
         pairs = [(read_rank(t), read_rank(b)) for t, b in zip(targets.values(), benches.values(), strict=True)]
-        return [(t.name, t, b) for t, b in pairs]
+        return [(t.name, t, b) for t, b in pairs], None
+    if is_pipelined(target_layouts + bench_layouts):
+        whole_target, whole_bench, origins = pipeline_pair(targets, benches)
+        return [(whole_target.name, whole_target, whole_bench)], origins
     target_group, bench_group = _tensor_parallel_group(targets), _tensor_parallel_group(benches)
     whole_target = _whole(target_group, bench_group)
-    return [(whole_target.name, whole_target, _whole(bench_group, target_group))]
+    return [(whole_target.name, whole_target, _whole(bench_group, target_group))], None
 
 
 def _whole(group: list[RankDump], other: list[RankDump]) -> RankDump:
@@ -352,6 +376,10 @@ def _row(mode: str, leaf: Leaf, bench: Leaf | None, stack: list[str]) -> Row:
     }
     cells.update(zip(_SUMMARY, npu_stats + bench_stats, strict=True))
     row = Row(leaf, cells, stack=stack)
+    if bench is None and leaf.problem is not None:  # a merged value with no counterpart by construction
+        row.result = UNMATCHED
+        row.messages.append(leaf.problem[1])
+        return row
     if bench is None:
         row.result = WARNING if mode == "md5" else UNMATCHED  # msprobe's CRC-32 rule warns
         row.messages.append(NO_BENCH)
@@ -518,7 +546,7 @@ def _write_tables(work: Path, name: str, mode: str, rows: list[Row]) -> list[Pat
 def compare_dumps(config: CompareConfig) -> CompareReport:
     """Compare ``config.target`` against ``config.bench`` rank by rank and write the tables,
     the advisor's text and the manifest into ``config.out`` (replaced as a whole)."""
-    pairs = rank_pairs(config.target, config.bench)
+    pairs, origins = rank_pairs(config.target, config.bench)
     for _, target, bench in pairs:
         if target.mode != bench.mode:
             raise ValueError(f"{config.target} is a {target.mode} dump and {config.bench} a {bench.mode} dump: "
@@ -527,11 +555,15 @@ def compare_dumps(config: CompareConfig) -> CompareReport:
         ranks, files = [], []
         for rank, target, bench in pairs:
             rows = compare_rank(target, bench, config.norm_noise_floor)
-            ranks.append(RankComparison(rank, target.mode, rows, f"compare_result_{rank}.csv"))
+            ranks.append(RankComparison(rank, target.mode, rows, f"compare_result_{rank}.csv",
+                                        origins["target"] if origins is not None else None))
             files += _write_tables(work, f"compare_result_{rank}", target.mode, rows)
         advice = advise(ranks, config.norm_noise_floor)
         (work / "advisor.txt").write_text(advice, encoding="utf-8")
         files.append(work / "advisor.txt")
+        if origins is not None:
+            (work / MERGED_NAMES).write_text(json.dumps(origins, indent=1), encoding="utf-8")
+            files.append(work / MERGED_NAMES)
         params = config.model_dump(mode="json")
         write_json_atomic(work / MANIFEST, manifest_payload(STAGE, params, [file_record(f, work) for f in files]))
     return CompareReport(Path(config.out), ranks, advice)

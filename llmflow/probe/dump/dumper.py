@@ -33,22 +33,23 @@ tensor": harmless unless the caller changes that output in place.
 
 parameters_grad records the gradient a rank computes for a parameter, before any
 reduction across data-parallel ranks (under FSDP2: the unsharded parameter's). A parameter
-that gets a gradient while no module holding it ran in the step (a tied output projection's
-weight on the last pipeline stage, which the loss uses directly) is recorded under the first
-module holding it. API calls made by torch.distributed itself (DTensor redistribution,
-parallel styles, FSDP2's all-gathers) are not recorded: they differ between parallel
-layouts. Nor is the metadata inference of ``torch.distributed.pipelining`` (the first step
-of a schedule runs each stage once on the first micro-batch, on uninitialised tensors after
-the first stage, to learn the shapes it sends): a pipeline run records the same calls as a
-run without one. Steps run with torch.compile are not supported.
+that gets a gradient while no module holding it ran in the step (an output projection's
+weight, which the loss uses without calling the module; on the last pipeline stage, the
+tied embedding) is recorded under the first module holding it. API calls made by
+torch.distributed itself (DTensor redistribution, parallel styles, FSDP2's all-gathers) are
+not recorded: they differ between parallel layouts. Nor are the calls of the metadata
+inference of ``torch.distributed.pipelining`` (the first step of a schedule runs each stage
+once more, on the first micro-batch, on uninitialised tensors after the first stage, to
+learn the shapes it sends), so a stage's modules are numbered as in a run without pipeline.
+Steps run with torch.compile are not supported.
 
-layout.json (llmflow's own file, which msprobe's tools do not read) records where the rank
+layout.json (llmflow's own file, which msprobe's compare ignores) records where the rank
 sits, so that ``llmflow probe compare`` can put the ranks of a run together::
 
     {"rank": 2,                          # null outside a process group
      "stages": [1],                      # pipeline stage of each module given to the Dumper
      "num_stages": 2,
-     "pipeline_group": [0, 2],           # global ranks of this rank's pipeline group, by stage rank
+     "pipeline_group": [0, 2],           # global ranks of this rank's pipeline group, by group rank
      "meshes": [{"dims": ["tp"], "ranks": [2, 3]}],   # device meshes of the DTensor parameters
      "calls": [{"stage": 1, "counts": {"Functional.linear": [0, 14], "Module.model.DecoderModel.": [0, 1]}}]}
 
@@ -287,6 +288,7 @@ class _Session:
         self.hooked_parameters: set[int] = set()
         self.called_parameters: set[int] = set()
         """Parameters of the modules called in the step (recorded or not)."""
+        self.unused_hooked: set[int] = set()
         self.skipping = 0
         """Depth of the given modules' calls that record nothing (pipelining's metadata inference)."""
         self.open_roots: list[tuple[int, dict[str, int]]] = []
@@ -304,7 +306,6 @@ class _Session:
         self._hook_roots()
         if self.config.level != "L1":
             self._hook_modules()
-            self._hook_unused_parameters()
         if self.config.level != "L0":
             self.installed.enter_context(_ApiMode(self))
 
@@ -402,6 +403,8 @@ class _Session:
             return
         if index not in self.stages:
             self.stages[index] = _pipeline_stage(frame, module)
+            if self.config.level != "L1":
+                self._hook_unused_parameters(module)
         self.open_roots.append((index, dict(self.counts)))
 
     def _root_post(self, index: int, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
@@ -441,20 +444,20 @@ class _Session:
                 handle = param.register_hook(functools.partial(self._param_grad, prefix, pname))
                 self.installed.callback(handle.remove)
 
-    def _hook_unused_parameters(self) -> None:
-        """Hook every parameter's gradient under the first module holding it; the hook records
-        only a gradient that no called module's hook records (see ``_unused_grad``)."""
-        seen: set[int] = set()
-        for root in self.model:
-            for qualname, module in root.named_modules():
-                if module is root:
-                    continue
-                prefix = f"Module.{qualname}.{_class_name(module)}."
-                for pname, param in module.named_parameters(recurse=False):
-                    if param.requires_grad and id(param) not in seen:
-                        seen.add(id(param))
-                        handle = param.register_hook(functools.partial(self._unused_grad, prefix, pname, id(param)))
-                        self.installed.callback(handle.remove)
+    def _hook_unused_parameters(self, root: nn.Module) -> None:
+        """Hook the gradient of every parameter of ``root``, as its first call starts (under
+        FSDP2 the root's own parameters are unsharded then), under the first module holding
+        it; the hook records only a gradient that no called module's hook records (see
+        ``_unused_grad``)."""
+        for qualname, module in root.named_modules():
+            if module is root:
+                continue
+            prefix = f"Module.{qualname}.{_class_name(module)}."
+            for pname, param in module.named_parameters(recurse=False):
+                if param.requires_grad and id(param) not in self.unused_hooked:
+                    self.unused_hooked.add(id(param))
+                    handle = param.register_hook(functools.partial(self._unused_grad, prefix, pname, id(param)))
+                    self.installed.callback(handle.remove)
 
     def _unused_grad(self, prefix: str, pname: str, key: int, grad: torch.Tensor) -> None:
         """The gradient of a parameter no module called in the step holds (a tied output
