@@ -23,6 +23,7 @@ import torch
 
 from llmflow.data.indexed import IndexedDataset, IndexedDatasetError
 from llmflow.data.instruction_dataset import InstructionDataset
+from llmflow.models.rope import positions_from_documents
 
 
 @dataclass
@@ -135,16 +136,21 @@ class BlendedSamples:
 
 
 def collate(samples: list[Sample]) -> dict[str, torch.Tensor | None]:
-    """Stack samples into a batch of tensors (document_ids None when no sample has them)."""
+    """Stack samples into a batch of tensors (document_ids None when no sample has them), with
+    every token's position (restarting at each document when there are documents)."""
+    input_ids = torch.from_numpy(np.stack([s.input_ids for s in samples]))
     batch: dict[str, torch.Tensor | None] = {
-        "input_ids": torch.from_numpy(np.stack([s.input_ids for s in samples])),
+        "input_ids": input_ids,
         "targets": torch.from_numpy(np.stack([s.targets for s in samples])),
         "document_ids": None,
+        "position_ids": torch.arange(input_ids.shape[1]).expand_as(input_ids),
     }
     if any(s.document_ids is not None for s in samples):
-        batch["document_ids"] = torch.from_numpy(
+        documents = torch.from_numpy(
             np.stack([s.document_ids if s.document_ids is not None else np.zeros_like(s.input_ids) for s in samples])
         )
+        batch["document_ids"] = documents
+        batch["position_ids"] = positions_from_documents(documents)
     return batch
 
 

@@ -53,7 +53,6 @@ from llmflow.model_loading import load_model, tokenizer_dir
 from llmflow.models import CausalLM, ModelConfig, apply_lora, is_lora_param
 from llmflow.models.parallelize import parallelize_decoder
 from llmflow.models.pipeline import ScaledLoss, pipeline_schedule, split_model
-from llmflow.models.rope import positions_from_documents
 from llmflow.probe import Dumper, load_probe_config, seed_all
 from llmflow.train.config import TrainConfig
 from llmflow.train.data import BlendedSamples, PretrainSamples, SftSamples, check_token_ids, collate
@@ -335,8 +334,8 @@ def forward_backward(run: Run, batches: list[dict[str, torch.Tensor | None]], to
         if run.sharded:
             model.set_requires_gradient_sync(m == len(batches) - 1)
         tensors = {k: (v.to(device) if v is not None else None) for k, v in batch.items()}
-        loss = model(tensors["input_ids"], labels=tensors["targets"], document_ids=tensors["document_ids"],
-                     loss_reduction="sum")
+        loss = model(tensors["input_ids"], labels=tensors["targets"], position_ids=tensors["position_ids"],
+                     document_ids=tensors["document_ids"], loss_reduction="sum")
         (loss * loss_scale(run, total)).backward()
         loss_sum += loss.detach()
     return loss_sum
@@ -348,15 +347,13 @@ def pipeline_forward_backward(run: Run, batches: list[dict[str, torch.Tensor | N
     keyword arguments (the last stage's forward returns the summed loss). Returns the summed
     loss on the last stage's ranks, zero elsewhere."""
     device = run.env.device
-    input_ids = torch.cat([b["input_ids"] for b in batches]).to(device)
-    targets = torch.cat([b["targets"] for b in batches]).to(device)
-    extra: dict[str, torch.Tensor] = {}
+    input_ids, targets, positions = (torch.cat([b[key] for b in batches]).to(device)
+                                     for key in ("input_ids", "targets", "position_ids"))
+    # A stage after the first sees hidden states (a sequence shard under tp): it takes the positions.
+    extra = {"position_ids": positions}
     if any(b["document_ids"] is not None for b in batches):
-        documents = torch.cat([b["document_ids"] if b["document_ids"] is not None else torch.zeros_like(b["input_ids"])
-                               for b in batches]).to(device)
-        extra = {"document_ids": documents, "position_ids": positions_from_documents(documents)}
-    else:  # a stage after the first sees hidden states, maybe a sequence shard: give it the positions
-        extra = {"position_ids": torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)}
+        extra["document_ids"] = torch.cat([b["document_ids"] if b["document_ids"] is not None
+                                           else torch.zeros_like(b["input_ids"]) for b in batches]).to(device)
     run.pipeline_loss.scale = loss_scale(run, total)
     scaled: list[torch.Tensor] = []
     run.pipeline.step(input_ids, target=targets, losses=scaled, return_outputs=False, labels=targets,
