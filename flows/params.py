@@ -255,7 +255,9 @@ class RunSide(Params):
     """Model: hf://org/name, ms://org/name, a local Hugging Face directory or training
     checkpoint, or "sample"."""
     tp: int = Field(default=1, ge=1)
-    """Tensor-parallel degree (the run uses tp workers)."""
+    """Tensor-parallel degree."""
+    pp: int = Field(default=1, ge=1)
+    """Pipeline stages (1F1B schedule; the run uses pp * tp workers)."""
     dtype: Literal["bf16", "fp16", "fp32"] = "fp32"
     """Compute dtype."""
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
@@ -279,7 +281,8 @@ class PrecisionParams(Params):
     seq_length: int = Field(default=64, ge=8)
     """Tokens per sample."""
     batch_size: int = Field(default=4, ge=1)
-    """Samples per step."""
+    """Samples per step: one micro-batch, or, when a run has pipeline stages, as many
+    micro-batches as the larger pp of the two (both runs alike), so a multiple of it."""
     steps: int = Field(default=2, ge=1)
     """Training steps each run makes."""
     dump_steps: list[int] = Field(default_factory=lambda: [0])
@@ -290,3 +293,17 @@ class PrecisionParams(Params):
     """L0: modules, L1: torch API calls, mix: both."""
     refresh: list[Stage] = Field(default_factory=list)
     """Stages to run again even when their inputs are unchanged."""
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches of each run's step: the larger pp of the two runs."""
+        return max(self.target.pp, self.bench.pp)
+
+    @model_validator(mode="after")
+    def _batch_splits(self) -> PrecisionParams:
+        if self.batch_size % self.micro_batches:
+            raise ValueError(
+                f"batch_size={self.batch_size} must be a multiple of the larger pp of the two runs ({self.micro_batches}): "
+                "both runs cut their step into that many micro-batches"
+            )
+        return self
