@@ -281,6 +281,11 @@ def resume(run: Run) -> None:
 
     # Checkpoints written before optimizer state was flattened number their param_groups.
     flatten = "optimizer.param_groups.0.lr" not in read_dcp_metadata(resume_dir).state_dict_metadata
+    if not flatten and run.topo.layout.pp > 1:
+        raise ValueError(
+            f"{resume_dir} holds its optimizer state in the layout written before pipeline parallelism, which only "
+            "pp=1 reads: resume it at pp=1 until its next checkpoint, then at any pp"
+        )
     state = run.state(flatten)
     meta = load_checkpoint(resume_dir, state)
     lora = run.config.lora is not None
