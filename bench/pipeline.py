@@ -43,10 +43,17 @@ ways (T: seconds per step, medians of the per-round ratios):
   the figure to hold against the prediction (it cannot be below it unless the idle rank's
   core speeds up the busy one).
 
+On a shared machine other people's jobs take CPU time from whichever side runs beside them:
+before each launch the benchmark waits (``--max-wait`` seconds in all) until the rest of the
+machine is idle, and measures during each launch the cores the rest of the machine used
+(/proc/stat's busy time less this benchmark's own processes), printed per run and, as the
+median, in the result. A round in which other jobs used more than 0.25 cores during any of
+its runs is left out of the medians and spreads (all rounds count when none was quiet).
+
 ``--record`` appends the result to bench/RESULTS.md: a row per schedule in the Current table
 (replacing this benchmark's earlier rows) and the full table under History.
 
-    python -m bench.pipeline [--layers 8] [--hidden 256] [--seq 256] [--micro-batch 1] [--microbatches 4] [--steps 8] [--warmup 2] [--rounds 3] [--schedules 1F1B GPipe Interleaved1F1B] [--record]
+    python -m bench.pipeline [--layers 8] [--hidden 256] [--seq 256] [--micro-batch 1] [--microbatches 4] [--steps 8] [--warmup 2] [--rounds 3] [--schedules 1F1B GPipe Interleaved1F1B] [--max-wait 120] [--record]
 """
 
 from __future__ import annotations
@@ -70,7 +77,49 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).with_name("RESULTS.md")
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) \| loss (\S+) \|.* \| ([0-9.]+) tokens/s \|")
 LOSS_TOLERANCE = 1e-5
+QUIET_CORES = 0.25
+"""A round whose runs had other jobs using more cores than this (on average over a launch) is
+left out of the medians, unless every round was."""
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "LLMFLOW_DEVICE": "cpu"}
+
+
+class CpuMeter:
+    """CPU time the rest of the machine used while this benchmark ran something: the busy time
+    of /proc/stat less this process's and its reaped descendants' CPU time, in cores (other
+    people's jobs on a shared machine; 0 where /proc/stat is missing)."""
+
+    def __init__(self) -> None:
+        self.start = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float]:
+        import resource
+
+        own = sum(getattr(resource.getrusage(who), field) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+                  for field in ("ru_utime", "ru_stime"))
+        busy = 0.0
+        stat = Path("/proc/stat")
+        if stat.is_file():
+            fields = [int(x) for x in stat.read_text().split("\n", 1)[0].split()[1:]]
+            busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
+        return time.perf_counter(), busy, own
+
+    def other_cores(self) -> float:
+        now, busy, own = self._sample()
+        wall = now - self.start[0]
+        return max(0.0, (busy - self.start[1]) - (own - self.start[2])) / wall if wall > 0 else 0.0
+
+
+def wait_quiet(budget: list[float], threshold: float = 0.25) -> None:
+    """Wait, in 2 s windows, until the rest of the machine uses under ``threshold`` cores, or
+    until the shared waiting budget (seconds, ``budget[0]``) runs out."""
+    while budget[0] > 0:
+        meter = CpuMeter()
+        time.sleep(2.0)
+        budget[0] -= 2.0
+        if meter.other_cores() < threshold:
+            return
+    budget[0] = 0.0
 
 
 def cpu_model() -> str:
@@ -170,9 +219,9 @@ def run_layout(model: Path, data: Path, work: Path, pipeline: dict, args) -> dic
     samples = args.micro_batch * args.microbatches
     path = write_config(model, data, work / "run", args, samples, args.microbatches // dp, pipeline)
     lines: list[str] = []
-    start = time.perf_counter()
+    meter = CpuMeter()
     run_workers(torchrun_command("llmflow.train", [str(path)], 2), on_line=lines.append, cwd=REPO, env=WORKER_ENV)
-    return {**parse_steps(lines, args, samples * args.seq), "wall_s": time.perf_counter() - start}
+    return {**parse_steps(lines, args, samples * args.seq), "other_cores": meter.other_cores()}
 
 
 def run_compute(model: Path, data: Path, work: Path, args) -> dict:
@@ -181,17 +230,18 @@ def run_compute(model: Path, data: Path, work: Path, args) -> dict:
     samples = args.micro_batch * args.microbatches // 2
     paths = [write_config(model, data, work / f"compute{i}", args, samples, args.microbatches // 2, {}) for i in range(2)]
     env = {**os.environ, **WORKER_ENV, "PYTHONUNBUFFERED": "1"}
-    start = time.perf_counter()
+    meter = CpuMeter()
     procs = [subprocess.Popen([sys.executable, "-m", "llmflow.train", str(path)], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO) for path in paths]
     outputs = [proc.communicate()[0] for proc in procs]
-    wall = time.perf_counter() - start
+    other = meter.other_cores()
     for proc, output in zip(procs, outputs, strict=True):
         if proc.returncode != 0:
             raise SystemExit("a compute-reference worker failed:\n" + "\n".join(output.splitlines()[-30:]))
     slower = max((parse_steps(output.splitlines(), args, samples * args.seq) for output in outputs),
                  key=lambda result: result["step_s"])
-    return {"step_s": slower["step_s"], "tokens_per_s": 2 * samples * args.seq / slower["step_s"], "wall_s": wall}
+    return {"step_s": slower["step_s"], "tokens_per_s": 2 * samples * args.seq / slower["step_s"],
+            "other_cores": other}
 
 
 def main() -> None:
@@ -210,12 +260,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--max-wait", type=float, default=120.0,
+                        help="seconds in all to wait, before launches, for other jobs to leave the CPUs idle")
     parser.add_argument("--record", action="store_true", help="append the result to bench/RESULTS.md")
     args = parser.parse_args()
     if args.microbatches % 2 or args.microbatches < 2:
         parser.error("--microbatches must be even: pp=1 splits them over dp=2 ranks (and 1F1B needs >= pp=2)")
     load_before = os.getloadavg()
     started = time.perf_counter()
+    wait = [float(args.max_wait)]
 
     sides = layouts(args)
     pairs: dict[str, list[tuple[dict, dict]]] = {name: [] for name, _ in sides}
@@ -226,44 +279,55 @@ def main() -> None:
         for r in range(args.rounds):
             for name, pipeline in sides:
                 order = [("pp1", {}), ("pp2", pipeline)]
-                got = {label: run_layout(model, data, work, settings, args) for label, settings in order[:: 1 - 2 * (r % 2)]}
+                got = {}
+                for label, settings in order[:: 1 - 2 * (r % 2)]:
+                    wait_quiet(wait)
+                    got[label] = run_layout(model, data, work, settings, args)
                 one, two = got["pp1"], got["pp2"]
                 diff = max(abs(a - b) for a, b in zip(one["losses"], two["losses"], strict=True))
-                print(f"round {r + 1} {name}: pp1 {one['tokens_per_s']:.0f} tok/s ({one['step_s']:.3f} s/step), "
-                      f"pp2 {two['tokens_per_s']:.0f} tok/s ({two['step_s']:.3f} s/step), ratio "
-                      f"{two['tokens_per_s'] / one['tokens_per_s']:.3f}, max loss diff {diff:.1e}", flush=True)
+                print(f"round {r + 1} {name}: pp1 {one['tokens_per_s']:.0f} tok/s ({one['step_s']:.3f} s/step, other jobs "
+                      f"{one['other_cores']:.2f} cores), pp2 {two['tokens_per_s']:.0f} tok/s ({two['step_s']:.3f} s/step, "
+                      f"other jobs {two['other_cores']:.2f} cores), ratio {two['tokens_per_s'] / one['tokens_per_s']:.3f}, "
+                      f"max loss diff {diff:.1e}", flush=True)
                 if diff > LOSS_TOLERANCE:
                     raise SystemExit(f"{name}: pp=2 and pp=1 logged different losses (max diff {diff:.2e} > "
                                      f"{LOSS_TOLERANCE}):\npp1 {one['losses']}\npp2 {two['losses']}")
                 pairs[name].append((one, two))
+            wait_quiet(wait)
             compute.append(run_compute(model, data, work, args))
             print(f"round {r + 1} compute reference: {compute[-1]['tokens_per_s']:.0f} tok/s "
-                  f"({compute[-1]['step_s']:.3f} s/step)", flush=True)
+                  f"({compute[-1]['step_s']:.3f} s/step, other jobs {compute[-1]['other_cores']:.2f} cores)", flush=True)
 
     rows = []
     for name, pipeline in sides:
-        runs = pairs[name]
-        ratios = [two["tokens_per_s"] / one["tokens_per_s"] for one, two in runs]
-        against_compute = [two["tokens_per_s"] / ref["tokens_per_s"] for (_, two), ref in zip(runs, compute, strict=True)]
+        every = [(one, two, ref) for (one, two), ref in zip(pairs[name], compute, strict=True)]
+        quiet = [run for run in every if all(side["other_cores"] <= QUIET_CORES for side in run)]
+        runs = quiet or every
+        ratios = [two["tokens_per_s"] / one["tokens_per_s"] for one, two, _ in runs]
+        against_compute = [two["tokens_per_s"] / ref["tokens_per_s"] for _, two, ref in runs]
         p, m, v = 2, args.microbatches, pipeline.get("virtual_stages", 1)
         rows.append({
             "schedule": name,
-            "pp1_tokens_per_s": round(statistics.median(one["tokens_per_s"] for one, _ in runs)),
-            "pp2_tokens_per_s": round(statistics.median(two["tokens_per_s"] for _, two in runs)),
-            "compute_tokens_per_s": round(statistics.median(ref["tokens_per_s"] for ref in compute)),
-            "pp1_step_s": round(statistics.median(one["step_s"] for one, _ in runs), 3),
-            "pp2_step_s": round(statistics.median(two["step_s"] for _, two in runs), 3),
-            "compute_step_s": round(statistics.median(ref["step_s"] for ref in compute), 3),
+            "rounds_used": len(runs),
+            "quiet": bool(quiet),
+            "rounds": len(every),
+            "pp1_tokens_per_s": round(statistics.median(one["tokens_per_s"] for one, _, _ in runs)),
+            "pp2_tokens_per_s": round(statistics.median(two["tokens_per_s"] for _, two, _ in runs)),
+            "compute_tokens_per_s": round(statistics.median(ref["tokens_per_s"] for _, _, ref in runs)),
+            "pp1_step_s": round(statistics.median(one["step_s"] for one, _, _ in runs), 3),
+            "pp2_step_s": round(statistics.median(two["step_s"] for _, two, _ in runs), 3),
+            "compute_step_s": round(statistics.median(ref["step_s"] for _, _, ref in runs), 3),
             "ratio_median": round(statistics.median(ratios), 3),
             "ratio_min": round(min(ratios), 3),
             "ratio_max": round(max(ratios), 3),
             "bubble_predicted": round((p - 1) / (v * m + p - 1), 3),
-            "bubble_vs_dp2": round(1 - statistics.median(ratios), 3),
             "bubble_vs_compute": round(1 - statistics.median(against_compute), 3),
             "bubble_vs_compute_min": round(1 - max(against_compute), 3),
             "bubble_vs_compute_max": round(1 - min(against_compute), 3),
+            "bubble_vs_dp2": round(1 - statistics.median(ratios), 3),
+            "other_cores": round(statistics.median(side["other_cores"] for run in runs for side in run), 2),
             "max_loss_diff": max(max(abs(a - b) for a, b in zip(one["losses"], two["losses"], strict=True))
-                                 for one, two in runs),
+                                 for one, two, _ in every),
         })
         print(json.dumps(rows[-1]), flush=True)
     load_after = os.getloadavg()
@@ -284,8 +348,9 @@ def record(rows: list[dict], args, params: int, load_before: tuple, load_after: 
         f"| `bench.pipeline` {row['schedule']} | pp=1 (dp=2, FSDP) on the same 2 ranks, same global batch and losses "
         f"(fp32, m={args.microbatches}) | {row['ratio_median']:.2f}x tokens/s; bubble {row['bubble_predicted']:.0%} "
         f"predicted, {row['bubble_vs_compute']:.0%} measured against compute alone, {row['bubble_vs_dp2']:.0%} "
-        f"against dp=2 | {row['ratio_min']:.2f}x-{row['ratio_max']:.2f}x over {args.rounds} rounds | 1 per rank | "
-        f"{load} | {day} |"
+        f"against dp=2 | {row['ratio_min']:.2f}x-{row['ratio_max']:.2f}x over "
+        + (f"the {row['rounds_used']} quiet rounds of {row['rounds']}" if row["quiet"] else f"{row['rounds']} rounds, none quiet")
+        + f" | 1 per rank | {load} before; other jobs {row['other_cores']:.2f} cores | {day} |"
         for row in rows
     ]
     text = RESULTS.read_text()
@@ -305,20 +370,23 @@ def record(rows: list[dict], args, params: int, load_before: tuple, load_after: 
          f"({tokens} tokens) in m={args.microbatches} pipeline micro-batches of {args.micro_batch} "
          f"({args.microbatches // 2} per rank at dp=2); compute = two independent one-rank workers side by side, each "
          f"on half the batch (no collectives). tokens/s over {args.steps} steps after {args.warmup} warm-up steps; "
-         f"medians over {args.rounds} rounds, pp=1 and pp=2 alternating. Bubble measured against dp=2: "
+         f"{args.rounds} rounds, pp=1 and pp=2 alternating; medians and spreads over the quiet rounds (other jobs "
+         f"under {QUIET_CORES} cores during each of the round's runs; all rounds where none was quiet). "
+         "Bubble measured against dp=2: "
          "1 - T_pp1/T_pp2; against compute: 1 - T_compute/T_pp2 (bubble, stage imbalance, sends, schedule overhead)."),
         "",
         ("| schedule | pp=1 tok/s | pp=2 tok/s | compute tok/s | pp=1 step s | pp=2 step s | compute step s "
          "| pp2 / pp1, median | min | max | bubble predicted | measured vs compute (min-max) | measured vs dp=2 "
-         "| max loss diff |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+         "| max loss diff | rounds used | other jobs, cores |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     entry += [
         f"| {row['schedule']} | {row['pp1_tokens_per_s']} | {row['pp2_tokens_per_s']} | {row['compute_tokens_per_s']} | "
         f"{row['pp1_step_s']:.3f} | {row['pp2_step_s']:.3f} | {row['compute_step_s']:.3f} | {row['ratio_median']:.3f}x | "
         f"{row['ratio_min']:.3f}x | {row['ratio_max']:.3f}x | {row['bubble_predicted']:.1%} | "
         f"{row['bubble_vs_compute']:.1%} ({row['bubble_vs_compute_min']:.1%} to {row['bubble_vs_compute_max']:.1%}) | "
-        f"{row['bubble_vs_dp2']:.1%} | {row['max_loss_diff']:.1e} |"
+        f"{row['bubble_vs_dp2']:.1%} | {row['max_loss_diff']:.1e} | "
+        f"{row['rounds_used']} of {row['rounds']} | {row['other_cores']:.2f} |"
         for row in rows
     ]
     RESULTS.write_text("\n".join(lines) + sep + history.rstrip("\n") + "\n" + "\n".join(entry) + "\n")
