@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from bench.machine import cpu_model
 from llmflow.train.loop import finite_step
 
 
@@ -56,13 +56,6 @@ def time_steps(model, batch: tuple[torch.Tensor, torch.Tensor], optimizer, guard
 def _sync(device: torch.device) -> None:
     if device.type != "cpu":
         torch.get_device_module(device.type).synchronize()
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:

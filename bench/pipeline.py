@@ -61,7 +61,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import statistics
@@ -72,6 +71,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from bench.machine import cpu_model
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).with_name("RESULTS.md")
@@ -120,13 +121,6 @@ def wait_quiet(budget: list[float], threshold: float = 0.25) -> None:
         if meter.other_cores() < threshold:
             return
     budget[0] = 0.0
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def prepare(work: Path, args) -> tuple[Path, Path, int]:
