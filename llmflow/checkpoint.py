@@ -13,7 +13,7 @@ The DCP state holds the model's parameters under the top-level key ``"model"`` (
 ``CausalLM.state_dict()`` gives them, so DCP names look like
 ``model.model.layers.0.self_attn.q_proj.weight``), and optionally ``"optimizer"``,
 ``"scheduler"`` and ``"train"``. DCP reshards on load: a checkpoint saved under any
-data/tensor layout loads into any other, or into one process.
+pipeline/data/tensor layout loads into any other, or into one process.
 
 A step directory is written beside its final name, renamed into place once every rank has
 finished, and only then named by ``latest`` (itself replaced by rename): a process killed
@@ -68,8 +68,9 @@ class CheckpointMeta(BaseModel):
     """Optimizer steps taken when the checkpoint was saved."""
     consumed_samples: int = 0
     """Training samples consumed when the checkpoint was saved."""
-    layout: dict[str, int] = Field(default_factory=lambda: {"dp": 1, "tp": 1})
-    """Parallel layout the checkpoint was saved under (data- and tensor-parallel sizes)."""
+    layout: dict[str, int] = Field(default_factory=lambda: {"pp": 1, "dp": 1, "tp": 1})
+    """Parallel layout the checkpoint was saved under (pipeline, data- and tensor-parallel
+    sizes; checkpoints written before pipeline parallelism record no pp)."""
     lora: dict[str, Any] | None = None
     """The LoRA config (with at least ``rank`` and ``alpha``) when the checkpoint holds only
     adapter weights (``...q_proj.lora_A.weight``, ``...q_proj.lora_B.weight``); None for full weights."""

@@ -131,7 +131,7 @@ def test_vocab_rows_are_zero_padded_in_the_checkpoint(make_hf_model, tmp_path, t
     step_dir = latest_step_dir(tmp_path / "ckpt")
     meta = read_meta(step_dir)
     assert step_dir.name == step_name(0) and meta.padded_vocab_size == 168 and meta.hf_config["vocab_size"] == VOCAB
-    assert meta.contents == ["model"] and meta.layout == {"dp": 1, "tp": 1}
+    assert meta.contents == ["model"] and meta.layout == {"pp": 1, "dp": 1, "tp": 1}
     assert read_manifest(tmp_path / "ckpt")["padded_vocab_size"] == 168
 
     model = padded_model(step_dir)

@@ -295,7 +295,7 @@ def test_precision_flow_dumps_both_runs_and_compares_them(prefect_env, tmp_path,
     layouts = "dtype" not in target
     uncompared = run.data.metrics.get("rows_N/A", 0)  # pp: calls a later stage repeats, the loop's own calls
     assert rows > 1000 and (passed + uncompared == rows if layouts else passed < rows)
-    assert uncompared == 0 or "pp" in target
+    assert uncompared == 0 or "tp" not in target
     assert finding in result["advice"]
     assert ("Noise floor on" in result["advice"]) == layouts  # only across parallel layouts
     assert (Path(result["comparison"]) / "advisor.txt").read_text() == result["advice"]
