@@ -16,7 +16,7 @@ def check_layout(model_dir: Path, train: TrainParams) -> None:
     its layers do not split into ``train``'s pipeline stages (the device count was checked
     with the parameters)."""
     config = ModelConfig.from_hf(hf_config_of(model_dir))
-    layout = ParallelLayout(pp=train.pp, dp=train.nproc // (train.pp * train.tp), tp=train.tp)
+    layout = ParallelLayout.of_world(train.nproc, train.pp, train.tp)
     validate_layout(layout, train.nproc, config)
     problems = pipeline_problems(train, layout.dp, config.num_hidden_layers)
     if problems:

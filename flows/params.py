@@ -26,6 +26,7 @@ from pydantic.fields import FieldInfo
 
 from llmflow.data.conversations import Format
 from llmflow.data.tokenize_instruction import TemplateName
+from llmflow.mesh import ParallelLayout
 from llmflow.train.config import DataConfig, OptimConfig, TrainConfig
 from llmflow.train.preflight import batch_problems, device_problems, parallel_problems, pipeline_problems
 
@@ -85,7 +86,7 @@ class _TrainSettings(Params):
     @model_validator(mode="after")
     def _layout_fits(self) -> _TrainSettings:
         pp, tp, micro, batch = self.pp, self.tp, self.micro_batch_size, self.global_batch_size  # type: ignore[attr-defined]
-        dp = max(self.nproc // (pp * tp), 1)
+        dp = ParallelLayout.of_world(self.nproc, pp, tp).dp
         problems = parallel_problems(self.nproc, tp, pp=pp) + device_problems(self.nproc)
         problems += batch_problems(batch, micro, dp)
         problems += pipeline_problems(self, dp, None)

@@ -33,6 +33,12 @@ class ParallelLayout:
     def world_size(self) -> int:
         return self.pp * self.dp * self.tp
 
+    @classmethod
+    def of_world(cls, world_size: int, pp: int = 1, tp: int = 1, dp: int | None = None) -> ParallelLayout:
+        """The layout of ``world_size`` ranks split into ``pp`` stages of ``tp`` ranks: dp is
+        what remains (world_size / (pp * tp), at least 1) unless given."""
+        return cls(pp=pp, dp=dp or max(world_size // (pp * tp), 1), tp=tp)
+
 
 def layout_problems(layout: ParallelLayout, world_size: int, config: ModelConfig | None = None) -> list[str]:
     """Every reason ``layout`` cannot run on ``world_size`` ranks with ``config`` (empty when it can)."""

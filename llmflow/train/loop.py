@@ -119,8 +119,7 @@ class Topology:
 
 
 def topology(config: TrainConfig, env: runtime.DistEnv, model_config: ModelConfig) -> Topology:
-    dp = config.dp or max(env.world_size // (config.pp * config.tp), 1)
-    layout = ParallelLayout(pp=config.pp, dp=dp, tp=config.tp)
+    layout = ParallelLayout.of_world(env.world_size, config.pp, config.tp, config.dp)
     validate_layout(layout, env.world_size, model_config)
     if not dist.is_initialized():
         return Topology(layout, 0, None, None)
@@ -380,7 +379,7 @@ def sync_tied_gradients(run: Run) -> None:
             dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=run.topo.tied_group)
 
 
-def grad_norm(run: Run) -> torch.Tensor:
+def total_grad_norm(run: Run) -> torch.Tensor:
     """The total gradient norm over every parameter of the whole model (each rank's shards and
     stages combined; the tied weight counted once), the same on every rank."""
     grads = [p.grad for p in run.trainable if p.grad is not None and p is not run.tied_copy]
@@ -410,7 +409,7 @@ def train_step(run: Run, step: int) -> tuple[float, float, float]:
     with run.dumper.step(step - 1) if run.dumper else nullcontext():
         loss_sum = forward_backward(run, batches, total)
     sync_tied_gradients(run)
-    norm = grad_norm(run)
+    norm = total_grad_norm(run)
     for group in (run.topo.pp_group, run.topo.dp_group):
         if group is not None:  # the loss lives on the last stage; each dp rank has its share
             dist.all_reduce(loss_sum, group=group)

@@ -62,7 +62,7 @@ class PreflightError(ValueError):
 def parallel_problems(nproc: int, tp: int, dp: int | None = None, model: ModelConfig | None = None, pp: int = 1) -> list[str]:
     """Every reason ``nproc`` ranks cannot split ``pp`` stages by ``tp`` ways (and ``dp``
     ways, default nproc / (pp * tp)) for ``model``; empty when they can."""
-    layout = ParallelLayout(pp=pp, dp=dp or max(nproc // (pp * tp), 1), tp=tp)
+    layout = ParallelLayout.of_world(nproc, pp, tp, dp)
     if dp is None and nproc % (pp * tp):
         # The layout's own world-size complaint would say the same thing again.
         product = f"tp={tp}" if pp == 1 else f"pp*tp = {pp}*{tp} = {pp * tp}"
@@ -324,7 +324,7 @@ def check_training(config: TrainConfig, nproc: int, env: Mapping[str, str] | Non
     (whose environment adds ``env``: its LLMFLOW_DEVICE forces the device type)."""
     model, problems = model_problems(Path(config.model))
     problems += parallel_problems(nproc, config.tp, config.dp, model, config.pp)
-    dp = config.dp or max(nproc // (config.pp * config.tp), 1)
+    dp = ParallelLayout.of_world(nproc, config.pp, config.tp, config.dp).dp
     problems += batch_problems(config.global_batch_size, config.micro_batch_size, dp)
     problems += pipeline_problems(config, dp, model.num_hidden_layers if model is not None else None)
     problems += data_problems(config, model)
