@@ -21,6 +21,8 @@ from pathlib import Path
 
 import psutil
 
+from llmflow.cluster.nodes import NodeLayout
+
 _TORCHRUN_REPORT = re.compile(r"torch/distributed/elastic/.*\] failed \(exitcode")
 
 
@@ -37,23 +39,11 @@ class WorkerError(RuntimeError):
         super().__init__(f"workers exited with code {returncode}; last output:" + ("\n" if len(quoted) > 1 else " ") + "\n".join(quoted))
 
 
-def torchrun_command(
-    module: str,
-    args: Sequence[str],
-    nproc: int,
-    nnodes: int = 1,
-    rdzv_endpoint: str | None = None,
-) -> list[str]:
-    """``torchrun`` running ``python -m module args`` on ``nproc`` processes per node;
-    one node uses --standalone, more use the c10d rendezvous at ``rdzv_endpoint``."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
-    if nnodes == 1 and rdzv_endpoint is None:
-        cmd.append("--standalone")
-    else:
-        if rdzv_endpoint is None:
-            raise ValueError("a multi-node launch needs rdzv_endpoint (host:port of the rendezvous)")
-        cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
-    return [*cmd, "-m", module, *args]
+def torchrun_command(module: str, args: Sequence[str], nproc: int, nodes: NodeLayout | None = None) -> list[str]:
+    """``torchrun`` running ``python -m module args`` on ``nproc`` processes on this node of
+    ``nodes`` (default: one node, standalone)."""
+    options = (nodes or NodeLayout()).torchrun_args(nproc)
+    return [sys.executable, "-m", "torch.distributed.run", *options, "-m", module, *args]
 
 
 def run_workers(

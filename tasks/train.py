@@ -26,6 +26,8 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from llmflow import runtime, tracking
 from llmflow.checkpoint import latest_step_dir, read_meta
+from llmflow.cluster.launcher import LaunchSettings
+from llmflow.cluster.nodes import NodeLayout
 from llmflow.tasks.common import STAGE_CACHE_POLICY, InputFiles, StageArtifact
 from llmflow.train.command import launch_training
 from llmflow.train.config import TrainConfig
@@ -35,19 +37,25 @@ STAGE = "train"
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) \|")
 
 
-@task(name=STAGE, cache_policy=STAGE_CACHE_POLICY + InputFiles(fields=("model", "data.paths")))
-def train_task(config: TrainConfig, nproc: int = 1, device: str | None = None) -> StageArtifact:
-    """Train (or resume) ``config`` on ``nproc`` torchrun workers on this node (of the
-    ``device`` type: cpu, cuda or npu; default: the best one); returns the checkpoint root
-    ``config.out`` with the final step's meta. Tracked in MLflow: params are the config,
-    metrics the workers' per-step loss, lr, grad_norm, throughput and memory."""
+# Where the workers run is no part of the key: a run retried on another launcher resumes the
+# same checkpoints.
+@task(name=STAGE, cache_policy=STAGE_CACHE_POLICY - "launch" + InputFiles(fields=("model", "data.paths")))
+def train_task(config: TrainConfig, nproc: int = 1, device: str | None = None, nnodes: int = 1,
+               launch: LaunchSettings | None = None) -> StageArtifact:
+    """Train (or resume) ``config`` on ``nproc`` torchrun workers on each of ``nnodes`` nodes
+    (of the ``device`` type: cpu, cuda or npu; default: the best one), launched by ``launch``
+    (default: the LLMFLOW_LAUNCHER variable, else torchrun on this machine); returns the
+    checkpoint root ``config.out`` with the final step's meta. Tracked in MLflow: params are
+    the config, metrics the workers' per-step loss, lr, grad_norm, throughput and memory."""
     logger = get_run_logger()
+    launch = launch or LaunchSettings()
     device_env = {runtime.DEVICE_ENV: device} if device is not None else {}
-    check_training(config, nproc, device_env)
-    with tracking.stage_run(STAGE, config.model_dump(mode="json") | {"nproc": nproc}) as run_id:
+    check_training(config, nproc, device_env, nnodes=nnodes, local=launch.on_this_machine)
+    with tracking.stage_run(STAGE, config.model_dump(mode="json") | {"nproc": nproc, "nnodes": nnodes}) as run_id:
         env = tracking.worker_env(run_id) | device_env
         start = time.monotonic()
-        out = launch_training(config, nproc, on_line=progress_reporter(logger.info, config.out), env=env)
+        out = launch_training(config, nproc, on_line=progress_reporter(logger.info, config.out), env=env,
+                              launch=launch, nodes=NodeLayout(nnodes=nnodes))
         artifact = checkpoint_artifact(out, config.steps)
         tracking.log_metrics(run_id, {"seconds": time.monotonic() - start}, step=config.steps)
         log_loss_curve(run_id)

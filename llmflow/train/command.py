@@ -1,31 +1,42 @@
-"""``llmflow train CONFIG.yaml [--nproc N] [key=value ...]``: validate the config here,
-then run it on ``nproc`` torchrun workers, tracked in MLflow as the flows' training is."""
+"""``llmflow train CONFIG.yaml [--nproc N] [--nnodes M ...] [key=value ...]``: validate the
+config here, then run it on ``nproc`` torchrun workers per node (here, or as a Slurm or
+Kubernetes job), tracked in MLflow as the flows' training is."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 from pydantic_settings import CliPositionalArg
 
 from llmflow import tracking
-from llmflow.launch import run_workers, torchrun_command
+from llmflow.cluster.kubernetes import KubernetesSettings
+from llmflow.cluster.launcher import LaunchSettings, WorkerJob, node_problems, run_job
+from llmflow.cluster.nodes import NodeLayout
+from llmflow.cluster.slurm import SlurmSettings
 from llmflow.train.config import TrainConfig, load_train_config
 from llmflow.train.preflight import check_training, record_run
 
 
-def launch_training(config: TrainConfig, nproc: int, on_line=print, env: dict[str, str] | None = None) -> Path:
-    """Write the resolved config into the run directory and run it on ``nproc`` workers
-    (whose environment adds ``env``); returns the run (checkpoint) directory. Callers run
+def launch_training(config: TrainConfig, nproc: int, on_line=print, env: dict[str, str] | None = None,
+                    launch: LaunchSettings | None = None, nodes: NodeLayout | None = None) -> Path:
+    """Write the resolved config into the run directory and run it on ``nproc`` workers per
+    node of ``nodes`` with ``launch``'s launcher (default: this machine alone); the workers'
+    environment adds ``env``. Returns the run (checkpoint) directory. Callers run
     ``check_training`` first, before they open anything (an MLflow run, the run directory)."""
     config_path = record_run(config)
-    run_workers(torchrun_command("llmflow.train", [str(config_path)], nproc), on_line=on_line, env=env)
-    return Path(config.out)
+    out = Path(config.out)
+    job = WorkerJob(name=f"llmflow-train-{out.name}", module="llmflow.train", args=(str(config_path),),
+                    nproc_per_node=nproc, workdir=out)
+    run_job(job, launch or LaunchSettings(launcher="local"), nodes or NodeLayout(), on_line=on_line, env=env)
+    return out
 
 
-class TrainCommand(BaseModel):
+class TrainCommand(NodeLayout):
     """Pretrain or finetune (full or LoRA) on torchrun workers; resumes when the run's
-    output directory holds a checkpoint."""
+    output directory holds a checkpoint. On several nodes, run the same command on each node
+    (with its own --node-rank, or the same --rdzv-endpoint), or once with --launcher slurm."""
 
     model_config = ConfigDict(use_attribute_docstrings=True)
 
@@ -34,15 +45,32 @@ class TrainCommand(BaseModel):
     overrides: CliPositionalArg[list[str]] = Field(default_factory=list)
     """key=value overrides of the config (dotted for sections: optim.lr=1e-4 data.paths='[a,b]')."""
     nproc: int = Field(default=1, ge=1)
-    """Worker processes on this machine (one per accelerator; CPU runs use gloo)."""
+    """Worker processes per node (one per accelerator; CPU runs use gloo)."""
+    launcher: Literal["local", "slurm", "kubernetes"] = "local"
+    """local: torchrun here (one node, or this node of a multi-node run); slurm or kubernetes:
+    submit the run as a job of --nnodes nodes."""
+    slurm: SlurmSettings = SlurmSettings()
+    """Slurm job settings (--launcher slurm)."""
+    kubernetes: KubernetesSettings = KubernetesSettings()
+    """Kubernetes job settings (--launcher kubernetes)."""
     workspace: Path = Path("workspace")
     """Workspace whose MLflow store (workspace/mlflow.db, the one the flows and llmflow server
     use) records the run: its config and step metrics, in the experiment llmflow-train.
-    MLFLOW_TRACKING_URI, when set, names the store instead."""
+    MLFLOW_TRACKING_URI, when set, names the store instead. With a static master, node 0
+    records the run and the other nodes record nothing."""
 
     def cli_cmd(self) -> None:
         config = load_train_config(self.config, self.overrides)
-        check_training(config, self.nproc)
+        launch = LaunchSettings(launcher=self.launcher, slurm=self.slurm, kubernetes=self.kubernetes)
+        nodes = NodeLayout.model_validate(self.model_dump(include=set(NodeLayout.model_fields)))
+        problems = node_problems(launch, nodes)
+        if problems:
+            raise SystemExit("; ".join(problems))
+        check_training(config, self.nproc, nnodes=self.nnodes, local=launch.on_this_machine)
+        if not self.leads:
+            launch_training(config, self.nproc, launch=launch, nodes=nodes)
+            return
         tracking.configure(self.workspace, tracking.experiment_name("train"))
-        with tracking.stage_run("train", config.model_dump(mode="json") | {"nproc": self.nproc}) as run_id:
-            launch_training(config, self.nproc, env=tracking.worker_env(run_id))
+        params = config.model_dump(mode="json") | {"nproc": self.nproc, "nnodes": self.nnodes}
+        with tracking.stage_run("train", params) as run_id:
+            launch_training(config, self.nproc, env=tracking.worker_env(run_id), launch=launch, nodes=nodes)

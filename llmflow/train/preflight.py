@@ -319,16 +319,20 @@ def resume_problems(config: TrainConfig, model: ModelConfig | None) -> list[str]
     return problems
 
 
-def check_training(config: TrainConfig, nproc: int, env: Mapping[str, str] | None = None) -> None:
-    """Raise PreflightError listing every reason ``config`` cannot run on ``nproc`` workers
-    (whose environment adds ``env``: its LLMFLOW_DEVICE forces the device type)."""
+def check_training(config: TrainConfig, nproc: int, env: Mapping[str, str] | None = None, nnodes: int = 1,
+                   local: bool = True) -> None:
+    """Raise PreflightError listing every reason ``config`` cannot run on ``nproc`` workers on
+    each of ``nnodes`` nodes (whose environment adds ``env``: its LLMFLOW_DEVICE forces the
+    device type); ``local``: the workers run on this machine, whose devices are then counted."""
     model, problems = model_problems(Path(config.model))
-    problems += parallel_problems(nproc, config.tp, config.dp, model, config.pp)
-    dp = ParallelLayout.of_world(nproc, config.pp, config.tp, config.dp).dp
+    world = nproc * nnodes
+    problems += parallel_problems(world, config.tp, config.dp, model, config.pp)
+    dp = ParallelLayout.of_world(world, config.pp, config.tp, config.dp).dp
     problems += batch_problems(config.global_batch_size, config.micro_batch_size, dp)
     problems += pipeline_problems(config, dp, model.num_hidden_layers if model is not None else None)
     problems += data_problems(config, model)
-    problems += device_problems(nproc, (env or {}).get(runtime.DEVICE_ENV))
+    if local:
+        problems += device_problems(nproc, (env or {}).get(runtime.DEVICE_ENV))
     problems += resume_problems(config, model)
     if problems:
         raise PreflightError(problems)

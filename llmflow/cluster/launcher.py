@@ -1,0 +1,94 @@
+"""Where a stage's torchrun workers run: torchrun on this machine (the default, one node or one
+node of a multi-node run started on every node), a Slurm job, or a Kubernetes job. Every
+launcher streams the workers' output lines to a callback, raises ``WorkerError`` when they
+fail, and stops them when the caller is interrupted (a cancelled flow run)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from llmflow.cluster.kubernetes import KubernetesSettings, run_kubernetes
+from llmflow.cluster.nodes import NodeLayout
+from llmflow.cluster.slurm import SlurmSettings, run_slurm
+from llmflow.launch import run_workers, torchrun_command
+
+LAUNCHER_ENV = "LLMFLOW_LAUNCHER"
+LAUNCHERS = ("local", "slurm", "kubernetes")
+
+
+@dataclass(frozen=True)
+class WorkerJob:
+    """One stage's workers: ``python -m module *args`` on ``nproc_per_node`` processes per node."""
+
+    name: str
+    """Job name shown by the engine (the stage and its run)."""
+    module: str
+    args: tuple[str, ...]
+    nproc_per_node: int
+    workdir: Path
+    """A directory on the storage every node shares (the run's output directory), where a batch
+    launcher writes its job script and output."""
+
+
+class LaunchSettings(BaseModel):
+    """Where the workers of a training stage run."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    launcher: Literal["auto", "local", "slurm", "kubernetes"] = "auto"
+    """local: torchrun on this machine; slurm: a Slurm job (sbatch, srun torchrun on every node);
+    kubernetes: a gang-scheduled Kubernetes job. auto: the work pool's LLMFLOW_LAUNCHER job
+    variable, else local."""
+    slurm: SlurmSettings = SlurmSettings()
+    """Slurm job settings (launcher slurm)."""
+    kubernetes: KubernetesSettings = KubernetesSettings()
+    """Kubernetes job settings (launcher kubernetes)."""
+
+    @property
+    def engine(self) -> str:
+        """The launcher that runs: ``launcher``, with auto resolved from the environment."""
+        if self.launcher != "auto":
+            return self.launcher
+        chosen = os.environ.get(LAUNCHER_ENV, "local") or "local"
+        if chosen not in LAUNCHERS:
+            raise ValueError(f"{LAUNCHER_ENV}={chosen!r}: expected one of {', '.join(LAUNCHERS)}")
+        return chosen
+
+    @property
+    def on_this_machine(self) -> bool:
+        """Whether the workers run here (their devices are this machine's)."""
+        return self.engine == "local"
+
+
+def node_problems(launch: LaunchSettings, nodes: NodeLayout) -> list[str]:
+    """Why ``launch``'s launcher cannot run ``nodes``, if it cannot."""
+    engine = launch.engine
+    if engine == "local" and nodes.nnodes > 1 and nodes.master_addr is None and nodes.rdzv_endpoint is None:
+        return [(f"nnodes={nodes.nnodes} with the local launcher needs master_addr and node_rank (a static "
+                "master) or rdzv_endpoint, with the same command started on every node")]
+    if engine != "local" and (nodes.master_addr is not None or nodes.rdzv_endpoint is not None):
+        return [(f"launcher {engine} places the nodes itself (the rendezvous is on the first): give nnodes, "
+                "not master_addr or rdzv_endpoint")]
+    return []
+
+
+def run_job(job: WorkerJob, launch: LaunchSettings, nodes: NodeLayout, on_line: Callable[[str], None] = print,
+            env: dict[str, str] | None = None) -> None:
+    """Run ``job`` on ``nodes`` with ``launch``'s launcher, its output lines to ``on_line``; the
+    workers' environment adds ``env``. Raises ``WorkerError`` when they fail."""
+    problems = node_problems(launch, nodes)
+    if problems:
+        raise ValueError("; ".join(problems))
+    engine = launch.engine
+    if engine == "local":
+        run_workers(torchrun_command(job.module, list(job.args), job.nproc_per_node, nodes), on_line=on_line, env=env)
+    elif engine == "slurm":
+        run_slurm(job, nodes.nnodes, launch.slurm, on_line=on_line, env=env or {})
+    else:
+        run_kubernetes(job, nodes.nnodes, launch.kubernetes, on_line=on_line, env=env or {})

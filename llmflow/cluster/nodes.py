@@ -1,0 +1,66 @@
+"""How the nodes of a multi-node run find each other, as torchrun takes it: a static master
+(MindSpeed's ``NNODES``/``NODE_RANK``/``MASTER_ADDR``/``MASTER_PORT``) or a c10d rendezvous."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class NodeLayout(BaseModel):
+    """The nodes of a run and how their torchrun agents meet. One node (the default) runs
+    standalone; more, started by hand on each node, need either ``master_addr`` with
+    ``node_rank`` (a static master, every node started with its own rank) or ``rdzv_endpoint``
+    (c10d rendezvous: ranks assigned on arrival); a Slurm or Kubernetes job needs only
+    ``nnodes``. Every node must see the run's checkpoints, config and data at the same paths."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    nnodes: int = Field(default=1, ge=1)
+    """Nodes taking part; the world size is nnodes x nproc (processes per node)."""
+    node_rank: int | None = Field(default=None, ge=0)
+    """This node's rank (0 .. nnodes-1) with a static master; node 0 hosts the master."""
+    master_addr: str | None = None
+    """Address of node 0, which every node can reach (static master)."""
+    master_port: int = Field(default=29500, ge=1, le=65535)
+    """Port of the master (static) on node 0."""
+    rdzv_endpoint: str | None = None
+    """host:port of the c10d rendezvous (instead of a static master), on one of the nodes."""
+    rdzv_id: str = "llmflow"
+    """Rendezvous id: the same on every node of one run, different between concurrent runs."""
+
+    @model_validator(mode="after")
+    def _one_way_to_meet(self) -> NodeLayout:
+        static = self.master_addr is not None or self.node_rank is not None
+        if static and self.rdzv_endpoint is not None:
+            raise ValueError("give either master_addr with node_rank (static master) or rdzv_endpoint, not both")
+        if self.master_addr is not None and self.node_rank is None:
+            raise ValueError("master_addr needs node_rank (this node's rank, 0 on the master)")
+        if self.node_rank is not None and self.master_addr is None:
+            raise ValueError("node_rank needs master_addr (the address of node 0)")
+        if self.node_rank is not None and self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be below nnodes={self.nnodes}")
+        return self
+
+    @property
+    def standalone(self) -> bool:
+        """One node with no master or rendezvous given: torchrun --standalone."""
+        return self.nnodes == 1 and self.master_addr is None and self.rdzv_endpoint is None
+
+    @property
+    def leads(self) -> bool:
+        """Whether this node is the one that records the run (node 0 of a static master; every
+        node of a rendezvous, where ranks are only known once the agents meet)."""
+        return self.node_rank in (None, 0)
+
+    def torchrun_args(self, nproc_per_node: int) -> list[str]:
+        """torchrun's options for ``nproc_per_node`` processes on each node of this layout."""
+        if self.nnodes > 1 and self.master_addr is None and self.rdzv_endpoint is None:
+            raise ValueError(f"nnodes={self.nnodes} on torchrun needs master_addr and node_rank, or rdzv_endpoint")
+        args = [f"--nproc-per-node={nproc_per_node}"]
+        if self.standalone:
+            return [*args, "--standalone"]
+        args.append(f"--nnodes={self.nnodes}")
+        if self.rdzv_endpoint is not None:
+            return [*args, "--rdzv-backend=c10d", f"--rdzv-endpoint={self.rdzv_endpoint}", f"--rdzv-id={self.rdzv_id}"]
+        return [*args, f"--node-rank={self.node_rank}", f"--master-addr={self.master_addr}",
+                f"--master-port={self.master_port}"]
