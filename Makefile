@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION := $(shell sed -n 's/^torch==//p' constraints.txt)
 WORK ?= workspace
 
-.PHONY: venv browser test test-fast demo bench clean
+.PHONY: venv system-packages test test-fast demo bench clean
 
 venv: $(STAMP)
 
@@ -20,19 +20,23 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $@
 
-# The browser test drives Debian's Chromium through its chromedriver (never a downloaded one).
-browser:
-	@if ! command -v chromium >/dev/null || [ ! -x /usr/bin/chromedriver ]; then \
+# Real services the slow tests start for themselves, from Debian's packages (never downloaded
+# binaries or mocks): Chromium and its chromedriver for the browser test, Slurm (slurmctld,
+# slurmd, munge) for the Slurm launcher, PostgreSQL for the production stores.
+SYSTEM_PACKAGES := chromium chromium-driver slurm-wlm munge postgresql
+system-packages:
+	@if ! command -v chromium >/dev/null || [ ! -x /usr/bin/chromedriver ] || ! command -v slurmctld >/dev/null \
+			|| ! command -v munged >/dev/null || ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then \
 		if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
-			echo "make browser: the tests need Debian's chromium and chromium-driver packages; install them as root" >&2; \
+			echo "make system-packages: the tests need Debian's $(SYSTEM_PACKAGES); install them as root" >&2; \
 			exit 1; \
 		fi; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-			chromium chromium-driver >/dev/null; \
+			$(SYSTEM_PACKAGES) >/dev/null; \
 	fi
 
 # Everything, as CI runs it; the 25 slowest tests are listed at the end.
-test: $(STAMP) browser
+test: $(STAMP) system-packages
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest --durations=25
 
