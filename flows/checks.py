@@ -4,20 +4,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from llmflow.cluster.launcher import LaunchSettings, node_problems
+from llmflow.cluster.nodes import NodeLayout
 from llmflow.flows.params import TrainParams
 from llmflow.mesh import LayoutError, ParallelLayout, validate_layout
 from llmflow.model_loading import hf_config_of
 from llmflow.models import ModelConfig
-from llmflow.train.preflight import pipeline_problems
+from llmflow.train.preflight import device_problems, pipeline_problems
 
 
-def check_layout(model_dir: Path, train: TrainParams) -> None:
-    """Raise LayoutError when the model's heads or FFN width do not split ``train.tp`` ways or
-    its layers do not split into ``train``'s pipeline stages (the device count was checked
-    with the parameters)."""
+def check_layout(model_dir: Path, train: TrainParams, launch: LaunchSettings | None = None) -> None:
+    """Raise LayoutError when the model's heads or FFN width do not split ``train.tp`` ways, its
+    layers do not split into ``train``'s pipeline stages, or ``launch``'s launcher cannot place
+    the job (more nodes than torchrun here can run, or more workers than this machine's
+    devices when they run here)."""
+    launch = launch or LaunchSettings()
     config = ModelConfig.from_hf(hf_config_of(model_dir))
-    layout = ParallelLayout.of_world(train.nproc, train.pp, train.tp)
-    validate_layout(layout, train.nproc, config)
+    layout = ParallelLayout.of_world(train.world_size, train.pp, train.tp)
+    validate_layout(layout, train.world_size, config)
     problems = pipeline_problems(train, layout.dp, config.num_hidden_layers)
+    problems += node_problems(launch, NodeLayout(nnodes=train.nnodes))
+    if launch.on_this_machine:
+        problems += device_problems(train.nproc)
     if problems:
         raise LayoutError("impossible parallel layout: " + "; ".join(problems))

@@ -41,7 +41,7 @@ def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
     with stages.open_flow_run(FLOW, params) as run:
         workspace, refresh, sources = run.workspace, run.refresh, run.sources
         model_dir = sources.model(params.model, params.revision)
-        check_layout(model_dir, params.train)
+        check_layout(model_dir, params.train, params.launch)
         data = sources.instruction_data(params.data, params.data_files)
         mmlu_data = sources.mmlu(params.evaluation.data)
         name = stages.slug(params.model)
@@ -63,7 +63,7 @@ def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
         run_name = f"{name}-{run.version}-{inputs_tag}"
         trained = stages.run(train_task, params.train.train_config(
             Path(checkpoint.path), workspace / "runs" / run_name, DataConfig(kind="sft", paths=[tokenized.path]),
-        ), nproc=params.train.nproc, refresh=refresh)
+        ), nproc=params.train.nproc, nnodes=params.train.nnodes, launch=params.launch, refresh=refresh)
         exported = stages.run(export_task, ExportConfig(
             ckpt=Path(trained.path), out=workspace / "models" / run_name, merge_lora=params.train.lora is not None,
         ), refresh=refresh)

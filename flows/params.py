@@ -24,11 +24,12 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from pydantic.fields import FieldInfo
 
+from llmflow.cluster.launcher import LaunchSettings
 from llmflow.data.conversations import Format
 from llmflow.data.tokenize_instruction import TemplateName
 from llmflow.mesh import ParallelLayout
 from llmflow.train.config import DataConfig, OptimConfig, TrainConfig
-from llmflow.train.preflight import batch_problems, device_problems, parallel_problems, pipeline_problems
+from llmflow.train.preflight import batch_problems, parallel_problems, pipeline_problems
 
 SAMPLE = "sample"
 """Source value that means "the built-in sample assets" (written by the sample stage)."""
@@ -75,19 +76,27 @@ def flow_parameters(model: type[P]) -> Callable[[Callable[[P], R]], Callable[...
 
 class _TrainSettings(Params):
     nproc: int = Field(default=1, ge=1)
-    """Worker processes (one per accelerator; CPU runs use gloo)."""
+    """Worker processes per node (one per accelerator; CPU runs use gloo)."""
+    nnodes: int = Field(default=1, ge=1)
+    """Nodes of the training job; above 1 needs the slurm or kubernetes launcher (the flow's
+    launch parameter). The world size is nnodes x nproc."""
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the training job."""
+        return self.nproc * self.nnodes
 
     def train_config(self, model: Path, out: Path, data: DataConfig, seq_length: int | None = None) -> TrainConfig:
         """The training stage's config for these settings."""
-        settings = self.model_dump(exclude={"nproc"})
+        settings = self.model_dump(exclude={"nproc", "nnodes"})
         return TrainConfig.model_validate({**settings, "model": model, "out": out, "data": data,
                                            "seq_length": seq_length, "log_interval": 10})
 
     @model_validator(mode="after")
     def _layout_fits(self) -> _TrainSettings:
         pp, tp, micro, batch = self.pp, self.tp, self.micro_batch_size, self.global_batch_size  # type: ignore[attr-defined]
-        dp = ParallelLayout.of_world(self.nproc, pp, tp).dp
-        problems = parallel_problems(self.nproc, tp, pp=pp) + device_problems(self.nproc)
+        dp = ParallelLayout.of_world(self.world_size, pp, tp).dp
+        problems = parallel_problems(self.world_size, tp, pp=pp)
         problems += batch_problems(batch, micro, dp)
         problems += pipeline_problems(self, dp, None)
         if problems:
@@ -173,6 +182,9 @@ class FinetuneEvalParams(Params):
     """Pack several samples into each row (attention kept inside each sample)."""
     train: TrainParams = TrainParams()
     """Finetuning settings."""
+    launch: LaunchSettings = LaunchSettings()
+    """Where the training workers run: torchrun on the worker's machine, a Slurm job or a
+    Kubernetes job (auto: the work pool's LLMFLOW_LAUNCHER job variable, else local)."""
     evaluation: EvalParams = EvalParams()
     """MMLU settings (the same for the base and the finetuned model)."""
     version: str | None = None
@@ -218,6 +230,9 @@ class PretrainParams(Params):
     train: TrainParams = TrainParams(steps=200, micro_batch_size=8, global_batch_size=8,
                                      optim=OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=20))
     """Training settings."""
+    launch: LaunchSettings = LaunchSettings()
+    """Where the training workers run: torchrun on the worker's machine, a Slurm job or a
+    Kubernetes job (auto: the work pool's LLMFLOW_LAUNCHER job variable, else local)."""
     evaluation: EvalParams = EvalParams()
     """MMLU settings."""
     version: str | None = None

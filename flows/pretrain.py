@@ -32,7 +32,7 @@ def pretrain(params: PretrainParams) -> dict[str, Any]:
     with stages.open_flow_run(FLOW, params) as run:
         workspace, refresh, sources = run.workspace, run.refresh, run.sources
         model_dir = sources.model(params.model, params.revision)
-        check_layout(model_dir, params.train)
+        check_layout(model_dir, params.train, params.launch)
         texts = sources.pretraining_text(params.data, params.data_files)
         name = stages.slug(params.model)
 
@@ -45,7 +45,7 @@ def pretrain(params: PretrainParams) -> dict[str, Any]:
         trained = stages.run(train_task, params.train.train_config(
             Path(checkpoint.path), workspace / "runs" / run_name, DataConfig(kind="pretrain", paths=[tokenized.path]),
             seq_length=params.seq_length,
-        ), nproc=params.train.nproc, refresh=refresh)
+        ), nproc=params.train.nproc, nnodes=params.train.nnodes, launch=params.launch, refresh=refresh)
         exported = stages.run(export_task, ExportConfig(ckpt=Path(trained.path), out=workspace / "models" / run_name),
                               refresh=refresh)
         scored = stages.run_eval(workspace, params.evaluation, exported.path, sources.mmlu(params.evaluation.data),

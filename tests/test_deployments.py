@@ -114,7 +114,7 @@ def test_training_settings_are_train_configs_own():
     from llmflow.train.config import TrainConfig
 
     for name, field in TrainParams.model_fields.items():
-        if name == "nproc":  # how many workers to launch: not a setting of the training itself
+        if name in ("nproc", "nnodes"):  # where the workers run: not a setting of the training itself
             continue
         theirs = TrainConfig.model_fields[name]
         assert (field.description, field.annotation, field.metadata) == (theirs.description, theirs.annotation,
