@@ -15,6 +15,7 @@ from typing import TextIO
 from pydantic import ConfigDict, Field, model_validator
 
 from llmflow import runtime
+from llmflow.cluster.nodes import NodeLayout
 from llmflow.data.templates import ChatTemplate, Message, load_template
 from llmflow.infer.batch import read_prompts
 from llmflow.infer.generate import (
@@ -31,8 +32,10 @@ from llmflow.models import ModelConfig
 RESET, EXIT = "/reset", "/exit"
 
 
-class GenerateCommand(GenerateConfig):
-    """Continue prompts with a model: raw text, or a user message in a chat template."""
+class GenerateCommand(GenerateConfig, NodeLayout):
+    """Continue prompts with a model: raw text, or a user message in a chat template. On
+    several nodes, run the same command on each (with its own --node-rank, or the same
+    --rdzv-endpoint); node 0 (global rank 0) writes the output."""
 
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
@@ -51,10 +54,11 @@ class GenerateCommand(GenerateConfig):
     device: str = "cpu"
     """Device to run on (cpu, cuda, npu)."""
     nproc: int = Field(default=1, ge=1)
-    """Processes, one per device: above 1, generation runs on torchrun workers with the
-    model's attention heads and FFN split across them (tensor parallelism), for models that
-    do not fit one device (streamed text then arrives a line at a time). Must divide the
-    model's attention heads, key/value heads and FFN width."""
+    """Processes per node, one per device: above 1 (or on several nodes), generation runs on
+    torchrun workers with the model's attention heads and FFN split across all of them
+    (tensor parallelism), for models that do not fit one device (streamed text then arrives a
+    line at a time). nproc x nnodes must divide the model's attention heads, key/value heads
+    and FFN width."""
 
     @model_validator(mode="after")
     def _one_source(self) -> GenerateCommand:
@@ -63,7 +67,7 @@ class GenerateCommand(GenerateConfig):
         return self
 
     def cli_cmd(self) -> None:
-        if self.nproc > 1:
+        if self.nproc > 1 or not self.standalone:
             launch_generate(self)
         else:
             run_generate(self, sys.stdout)
@@ -99,24 +103,32 @@ def run_generate(command: GenerateCommand, out: TextIO, gen: Generator | None = 
 
 
 def check_nproc(command: GenerateCommand) -> None:
-    """Refuse an ``nproc`` the model cannot be split into or the machine cannot run."""
+    """Refuse an ``nproc`` (times ``nnodes``) the model cannot be split into or the machine cannot run."""
+    world = command.nproc * command.nnodes
     config = ModelConfig.from_hf(hf_config_of(Path(command.model)))
-    problems = layout_problems(ParallelLayout(tp=command.nproc), command.nproc, config)
+    problems = layout_problems(ParallelLayout(tp=world), world, config)
     available = runtime.device_count(command.device)
     if available is not None and command.nproc > available:
         problems.append(f"only {available} {command.device} devices are visible")
+    try:
+        command.torchrun_args(command.nproc)
+    except ValueError as error:
+        problems.append(str(error))
     if problems:
-        raise ValueError(f"--nproc {command.nproc} cannot run {command.model}: " + "; ".join(problems))
+        nodes = f" on {command.nnodes} nodes" if command.nnodes > 1 else ""
+        raise ValueError(f"--nproc {command.nproc}{nodes} cannot run {command.model}: " + "; ".join(problems))
 
 
 def launch_generate(command: GenerateCommand, on_line: Callable[[str], None] = print, env: dict[str, str] | None = None) -> None:
-    """Run ``command`` on ``command.nproc`` torchrun workers, each line of rank 0's output
-    going to ``on_line`` (streamed text therefore arrives a line at a time)."""
+    """Run ``command`` on ``command.nproc`` torchrun workers on this node of its node layout,
+    each line of rank 0's output going to ``on_line`` (streamed text therefore arrives a line
+    at a time)."""
     check_nproc(command)
     with tempfile.TemporaryDirectory(prefix="llmflow-generate-") as tmp:
         config_path = Path(tmp) / "generate_config.json"
         config_path.write_text(command.model_dump_json(), encoding="utf-8")
-        run_workers(torchrun_command("llmflow.infer", [str(config_path)], command.nproc), on_line=on_line, env=env)
+        nodes = NodeLayout.model_validate(command.model_dump(include=set(NodeLayout.model_fields)))
+        run_workers(torchrun_command("llmflow.infer", [str(config_path)], command.nproc, nodes), on_line=on_line, env=env)
 
 
 def _write(out: TextIO, text: str) -> None:
