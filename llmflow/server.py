@@ -2,7 +2,10 @@
 deployments of ``deployments/prefect.yaml`` and the MLflow UI, all on loopback, until Ctrl-C.
 
 Flow runs started from the UI or by the nightly schedule run in the worker, with the
-workspace's result storage and the MLflow server as their tracking store.
+workspace's result storage and the MLflow server as their tracking store. The servers keep
+their state in SQLite files in the workspace, or in PostgreSQL (``--database``), with MLflow's
+artifacts in the workspace, a shared directory or an object store (``--artifact-root``): see
+llmflow/stores.py.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmflow.launch import kill_group
+from llmflow.stores import prepare, resolve
 from llmflow.workspace import WORKSPACE_ENV, use_workspace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,7 +34,8 @@ class ServerCommand(BaseModel):
     model_config = ConfigDict(use_attribute_docstrings=True)
 
     workspace: Path = Path("workspace")
-    """Directory of the flows' outputs, the Prefect database and results, and the MLflow store."""
+    """Directory of the flows' outputs and Prefect's results, and (without --database) of the Prefect
+    and MLflow databases and (without --artifact-root) MLflow's artifacts."""
     host: str = "127.0.0.1"
     """Address the servers listen on (loopback by default: nothing is exposed)."""
     prefect_port: int = Field(default=4200, ge=1, le=65535)
@@ -39,6 +44,19 @@ class ServerCommand(BaseModel):
     """Port of the MLflow tracking server and UI."""
     timezone: str = "UTC"
     """Timezone of the nightly schedule (an IANA name such as Asia/Shanghai)."""
+    database: str | None = None
+    """PostgreSQL for both servers instead of SQLite files in the workspace:
+    postgresql://USER:PASSWORD@HOST:PORT/DATABASE (percent-encode special characters; TLS through
+    PGSSLMODE). Prefect uses DATABASE, MLflow DATABASE_mlflow on the same server, created when
+    missing if USER may create databases. Both must be usable by USER (its owner)."""
+    mlflow_database: str | None = None
+    """MLflow's PostgreSQL database, when not DATABASE_mlflow beside --database's:
+    postgresql://USER:PASSWORD@HOST:PORT/NAME (never Prefect's own database)."""
+    artifact_root: str | None = None
+    """Where MLflow keeps run artifacts (models, plots): a directory (on a cluster, one only the
+    MLflow server's machine needs), or s3://BUCKET/PREFIX or gs://BUCKET/PREFIX (credentials and
+    the client library where the MLflow server runs). Clients upload through the MLflow server.
+    Default: WORKSPACE/mlartifacts."""
 
     def cli_cmd(self) -> None:
         serve(self)
@@ -89,6 +107,10 @@ def _interrupt(_signum, _frame) -> None:
 
 def serve(command: ServerCommand) -> None:
     """Start everything, print the URLs, and stop everything on Ctrl-C (or SIGTERM)."""
+    # The stores first: a malformed or unreachable one is reported before anything starts.
+    stores = resolve(Path(command.workspace).expanduser().resolve(), command.database, command.mlflow_database,
+                     command.artifact_root)
+    prepared = prepare(stores)
     workspace = use_workspace(command.workspace)
     logs = workspace / "logs"
     logs.mkdir(exist_ok=True)
@@ -107,16 +129,21 @@ def serve(command: ServerCommand) -> None:
         WORKSPACE_ENV: str(workspace),
         "LLMFLOW_TIMEZONE": command.timezone,
     }
+    # Each server alone gets its database's URL (password included), in its environment: not
+    # on a command line that a process listing shows, not in the worker's and flow runs'.
+    prefect_env = {k: v for k, v in env.items() if not (stores.prefect and k.endswith("_DATABASE_CONNECTION_URL"))}
+    prefect_env |= stores.prefect_env()
+    mlflow_env = {**env, "MLFLOW_BACKEND_STORE_URI": stores.mlflow_backend()}
     procs: list[subprocess.Popen] = []
     # Both, explicitly: a shell starts background jobs with SIGINT ignored.
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
     try:
         procs.append(start([str(bin_dir / "prefect"), "server", "start", "--host", command.host,
-                            "--port", str(command.prefect_port)], env, logs / "prefect-server.log"))
+                            "--port", str(command.prefect_port)], prefect_env, logs / "prefect-server.log"))
         procs.append(start([str(bin_dir / "mlflow"), "server", "--host", command.host, "--port", str(command.mlflow_port),
-                            "--workers", "1", "--backend-store-uri", f"sqlite:///{workspace / 'mlflow.db'}",
-                            "--artifacts-destination", str(workspace / "mlartifacts")], env, logs / "mlflow.log"))
+                            "--workers", "1", "--artifacts-destination", stores.artifacts], mlflow_env,
+                           logs / "mlflow.log"))
         wait_until_up(f"{prefect_api}/health", "the Prefect server", procs)
         apply_deployments(env)
         procs.append(start([str(bin_dir / "prefect"), "--no-prompt", "worker", "start", "--pool", POOL, "--type", "process"],
@@ -125,6 +152,10 @@ def serve(command: ServerCommand) -> None:
         print(f"Prefect UI:  http://{command.host}:{command.prefect_port} (deployments: nightly and on-demand "
               f"finetune-eval, on-demand pretrain and evaluate)")
         print(f"MLflow UI:   {mlflow_url}")
+        for what, where in stores.describe():
+            print(f"{what + ':':<12} {where}")
+        for line in prepared:
+            print(f"             ({line})")
         print(f"workspace:   {workspace} (logs in {logs})")
         print("Ctrl-C stops the servers and the worker.", flush=True)
         while all(p.poll() is None for p in procs):
