@@ -21,6 +21,7 @@ from pydantic_settings import (
     SettingsError,
 )
 
+from llmflow.cluster.kubernetes import RenderCommand
 from llmflow.convert import ConvertCommand
 from llmflow.data.tokenize_instruction import InstructionCommand
 from llmflow.data.tokenize_pretrain import PretrainCommand
@@ -79,6 +80,18 @@ class ProbeCommands(BaseModel):
         CliApp.run_subcommand(self)
 
 
+class ClusterCommands(BaseModel):
+    """Run training workers on a cluster."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    render: CliSubCommand[RenderCommand]
+    """Print a Kubernetes training job's manifest (TrainJob, PyTorchJob or Volcano Job) without submitting it."""
+
+    def cli_cmd(self) -> None:
+        CliApp.run_subcommand(self)
+
+
 class LLMFlow(BaseSettings):
     """llmflow: download, convert, tokenize, train, generate, evaluate and debug LLMs as
     Prefect flows on Ascend NPU, CUDA and CPU."""
@@ -117,6 +130,8 @@ class LLMFlow(BaseSettings):
     """Evaluate a model on benchmarks (MMLU)."""
     probe: CliSubCommand[ProbeCommands]
     """Debug precision: compare msprobe-format dumps of two runs (a training config's probe: option makes them)."""
+    cluster: CliSubCommand[ClusterCommands]
+    """Run on a cluster: render a Kubernetes training job's manifest (llmflow cluster render)."""
 
     @classmethod
     def settings_customise_sources(
