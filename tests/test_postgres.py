@@ -261,7 +261,7 @@ def test_a_deployment_run_on_a_postgres_backed_server_is_recorded_in_postgres(po
     run = wait_for_flow_run(run_id, RUN_TIMEOUT_S)
     postmaster = [p.pid for p in psutil.process_iter(["cmdline"])
                   if str(postgres_server.root) in " ".join(p.info["cmdline"] or []) and "postgres" in p.name()]
-    print(f"flow run {run.state.name} in {time.monotonic() - started:.0f} s; resident memory (MB):",
+    print(f"flow run {run.state.name} in {time.monotonic() - started:.0f} s; proportional memory (MB):",
           {k: round(v) for k, v in _memory_mb([server["proc"].pid, *postmaster]).items()})
     assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{_log_tails(workspace)}"
     assert {name: set(states) for name, states in task_states(run_id).items()} == {
