@@ -61,8 +61,13 @@ def strict(schema):
 
 
 @cache
+def crd_file(name: str) -> dict:
+    return yaml.load((SCHEMAS / name).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
+@cache
 def crd_validator(api_version: str, kind: str) -> jsonschema.Draft7Validator:
-    crd = yaml.safe_load((SCHEMAS / CRDS[(api_version, kind)]).read_text())
+    crd = crd_file(CRDS[(api_version, kind)])
     group, version = api_version.split("/")
     assert crd["spec"]["group"] == group and crd["spec"]["names"]["kind"] == kind
     (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
@@ -83,9 +88,26 @@ def validate_core(resource: dict) -> None:
         raise AssertionError(f"{resource['kind']}: {path}: {error.message}") from None
 
 
+DNS1123_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+
+
 def validate_pod_template(template: dict) -> None:
-    """``template`` as a core PodTemplateSpec (inside a PodTemplate object, the kind that holds one)."""
+    """``template`` as a core PodTemplateSpec (inside a PodTemplate object, the kind that holds
+    one), and a few of the API server's semantic rules beyond the schema (Volcano's webhook
+    applies them to its tasks' templates too)."""
     validate_core({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template})
+    spec = template["spec"]
+    volumes = [v["name"] for v in spec.get("volumes", [])]
+    assert len(volumes) == len(set(volumes)) and all(re.fullmatch(DNS1123_LABEL, v) for v in volumes), volumes
+    for c in spec["containers"]:
+        assert re.fullmatch(DNS1123_LABEL, c["name"]), c["name"]
+        assert {m["name"] for m in c.get("volumeMounts", [])} <= set(volumes), "a mount without its volume"
+        env = [e["name"] for e in c.get("env", [])]
+        assert len(env) == len(set(env)) and all(re.fullmatch(r"[-._a-zA-Z][-._a-zA-Z0-9]*", e) for e in env), env
+        requests, limits = c.get("resources", {}).get("requests", {}), c.get("resources", {}).get("limits", {})
+        for name in {*requests, *limits} - {"cpu", "memory", "ephemeral-storage"}:
+            # Extended resources (accelerators) must be whole numbers with requests = limits.
+            assert requests.get(name) == limits.get(name) and isinstance(limits[name], int), name
 
 
 def job(**overrides) -> TrainingJob:
@@ -531,4 +553,4 @@ def test_vendored_schemas_say_where_they_come_from():
     readme = (SCHEMAS / "README.md").read_text()
     for file in set(CRDS.values()):
         assert file in readme
-        assert yaml.safe_load((SCHEMAS / file).read_text())["kind"] == "CustomResourceDefinition"
+        assert crd_file(file)["kind"] == "CustomResourceDefinition"
