@@ -300,6 +300,12 @@ def test_settings_take_image_namespace_and_volume_from_the_work_pools_environmen
         KubernetesSettings().training_job("j", "m", [], 1, 1)
 
 
+def test_every_setting_is_documented_for_the_cli_and_the_run_form():
+    for name, field in KubernetesSettings.model_fields.items():
+        assert field.description, name
+    assert LaunchSettings().kubernetes.kind == "trainjob"
+
+
 def test_cli_renders_a_job_without_submitting_it(capsys, monkeypatch):
     from llmflow.cli import main
 
@@ -422,8 +428,22 @@ def test_without_kubectl_or_a_cluster_the_error_says_so_in_one_line(kubectl, mon
     with pytest.raises(KubectlError, match="no cluster .*current-context is not set"):
         run_kubernetes(WORKER_JOB, 2, KubernetesSettings(), on_line=print, env={})
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    with pytest.raises(KubectlError, match="kubectl is not on PATH"):
+    with pytest.raises(KubectlError, match="kubectl is not on PATH") as missing:
         run_kubernetes(WORKER_JOB, 2, KubernetesSettings(), on_line=print, env={})
+    # The command line reports it as one line, not a traceback.
+    from llmflow.cli import USER_ERRORS, error_message
+
+    assert isinstance(missing.value, USER_ERRORS)
+    assert error_message(missing.value) == "launcher kubernetes: kubectl is not on PATH (the llmflow image has it)"
+
+
+def test_cli_render_without_an_image_says_so_in_one_line(monkeypatch):
+    from llmflow.cli import main
+
+    monkeypatch.delenv("LLMFLOW_IMAGE", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        main(["cluster", "render", "--kind", "volcano", "config.yaml"])
+    assert str(exit_.value.code).startswith("llmflow cluster render: launcher kubernetes needs the workers' image")
 
 
 # --- the work pool, the example manifests, the image ----------------------------------------
