@@ -452,6 +452,7 @@ def test_cli_render_without_an_image_says_so_in_one_line(monkeypatch):
 def rendered_flow_run_job(values: dict) -> dict:
     """The Job the Prefect Kubernetes worker would create for a flow run, from the work pool's
     base job template and a deployment's job variables (prefect-kubernetes' own code)."""
+    pytest.importorskip("prefect_kubernetes", reason="prefect-kubernetes (Python 3.11+) is not installed")
     from prefect.client.schemas.objects import FlowRun
     from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
 
@@ -483,6 +484,7 @@ def test_the_work_pools_flow_run_job_validates_and_carries_llmflows_settings():
 
 
 def test_the_base_job_template_keeps_the_workers_configuration_and_declares_every_variable():
+    pytest.importorskip("prefect_kubernetes", reason="prefect-kubernetes (Python 3.11+) is not installed")
     from prefect_kubernetes.worker import KubernetesWorker
 
     template = json.loads((DEPLOY / "base-job-template.json").read_text())
