@@ -43,3 +43,52 @@ def test_an_interrupted_launch_kills_a_worker_that_ignores_sigterm(tmp_path):
         time.sleep(0.1)
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
+
+
+# --- the node layout torchrun is given, and which launcher may run it --------------------------
+
+
+def test_node_layouts_become_torchrun_options():
+    from llmflow.cluster.nodes import NodeLayout
+
+    assert NodeLayout().torchrun_args(2) == ["--nproc-per-node=2", "--standalone"]
+    static = NodeLayout(nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=6000)
+    assert static.torchrun_args(8) == ["--nproc-per-node=8", "--nnodes=2", "--node-rank=1", "--master-addr=10.0.0.1",
+                                       "--master-port=6000"]
+    rdzv = NodeLayout(nnodes=4, rdzv_endpoint="head:29400", rdzv_id="job7", rdzv_host=True, local_addr="10.0.0.1")
+    assert rdzv.torchrun_args(8) == ["--nproc-per-node=8", "--nnodes=4", "--rdzv-backend=c10d",
+                                     "--rdzv-endpoint=head:29400", "--rdzv-id=job7", "--rdzv-conf=is_host=true",
+                                     "--local-addr=10.0.0.1"]
+    assert not static.leads and NodeLayout(nnodes=2, node_rank=0, master_addr="h").leads and rdzv.leads
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"nnodes": 2, "master_addr": "h"}, "master_addr needs node_rank"),
+    ({"nnodes": 2, "node_rank": 0}, "node_rank needs master_addr"),
+    ({"nnodes": 2, "node_rank": 2, "master_addr": "h"}, "node_rank=2 must be below nnodes=2"),
+    ({"nnodes": 2, "node_rank": 0, "master_addr": "h", "rdzv_endpoint": "h:1"}, "either master_addr"),
+    ({"rdzv_host": True}, "rdzv_host and local_addr go with rdzv_endpoint"),
+])
+def test_inconsistent_node_layouts_are_refused(settings, message):
+    from pydantic import ValidationError
+
+    from llmflow.cluster.nodes import NodeLayout
+
+    with pytest.raises(ValidationError, match=message):
+        NodeLayout(**settings)
+
+
+def test_a_launcher_refuses_nodes_it_cannot_place(monkeypatch):
+    from llmflow.cluster.launcher import LAUNCHER_ENV, LaunchSettings, node_problems
+    from llmflow.cluster.nodes import NodeLayout
+
+    (problem,) = node_problems(LaunchSettings(launcher="local"), NodeLayout(nnodes=2))
+    assert problem.startswith("nnodes=2 with the local launcher needs master_addr and node_rank (a static master)")
+    assert node_problems(LaunchSettings(launcher="slurm"), NodeLayout(nnodes=2)) == []
+    assert "places the nodes itself" in node_problems(LaunchSettings(launcher="slurm"),
+                                                      NodeLayout(nnodes=2, rdzv_endpoint="h:1"))[0]
+    monkeypatch.setenv(LAUNCHER_ENV, "slurm")
+    assert LaunchSettings().engine == "slurm" and not LaunchSettings().on_this_machine
+    monkeypatch.setenv(LAUNCHER_ENV, "lsf")
+    with pytest.raises(ValueError, match="LLMFLOW_LAUNCHER='lsf': expected one of local, slurm, kubernetes"):
+        _ = LaunchSettings().engine

@@ -27,12 +27,22 @@ class NodeLayout(BaseModel):
     """host:port of the c10d rendezvous (instead of a static master), on one of the nodes."""
     rdzv_id: str = "llmflow"
     """Rendezvous id: the same on every node of one run, different between concurrent runs."""
+    rdzv_host: bool | None = None
+    """Whether this node hosts the rendezvous store. Default: torchrun decides, by the node
+    whose hostname or addresses match the endpoint's host, which misses an address on a
+    secondary network interface; then say true on that node (and false on the others)."""
+    local_addr: str | None = None
+    """This node's address on the network the nodes share (rendezvous): the workers' master
+    is reached at the first node's. Default: the node's fully qualified hostname, which must
+    then resolve to that network's address on every node."""
 
     @model_validator(mode="after")
     def _one_way_to_meet(self) -> NodeLayout:
         static = self.master_addr is not None or self.node_rank is not None
         if static and self.rdzv_endpoint is not None:
             raise ValueError("give either master_addr with node_rank (static master) or rdzv_endpoint, not both")
+        if (self.rdzv_host is not None or self.local_addr is not None) and self.rdzv_endpoint is None:
+            raise ValueError("rdzv_host and local_addr go with rdzv_endpoint (a static master is master_addr)")
         if self.master_addr is not None and self.node_rank is None:
             raise ValueError("master_addr needs node_rank (this node's rank, 0 on the master)")
         if self.node_rank is not None and self.master_addr is None:
@@ -61,6 +71,9 @@ class NodeLayout(BaseModel):
             return [*args, "--standalone"]
         args.append(f"--nnodes={self.nnodes}")
         if self.rdzv_endpoint is not None:
-            return [*args, "--rdzv-backend=c10d", f"--rdzv-endpoint={self.rdzv_endpoint}", f"--rdzv-id={self.rdzv_id}"]
+            args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={self.rdzv_endpoint}", f"--rdzv-id={self.rdzv_id}"]
+            if self.rdzv_host is not None:
+                args.append(f"--rdzv-conf=is_host={str(self.rdzv_host).lower()}")
+            return args if self.local_addr is None else [*args, f"--local-addr={self.local_addr}"]
         return [*args, f"--node-rank={self.node_rank}", f"--master-addr={self.master_addr}",
                 f"--master-port={self.master_port}"]
