@@ -71,7 +71,8 @@ def finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[list[str
         try:
             out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            proc.kill()
+            for process in [*psutil.Process(proc.pid).children(recursive=True), proc]:
+                process.kill()  # torchrun and its workers too: a killed llmflow cannot stop them
             out, _ = proc.communicate()
         outputs.append(out.splitlines())
     return outputs
