@@ -270,6 +270,22 @@ def test_pipeline_layouts_are_checked_with_the_parameters_and_against_the_model(
         check_layout(model, TrainParams(nproc=2, pp=2, micro_batch_size=4, num_layer_list=[3, 3]))
 
 
+def test_nodes_are_counted_in_the_layout_and_only_an_engine_places_several(sample_assets):
+    from llmflow.cluster.launcher import LaunchSettings
+    from llmflow.flows.checks import check_layout
+    from llmflow.flows.params import TrainParams
+    from llmflow.mesh import LayoutError
+
+    model = sample_assets() / "model"
+    # 2 nodes x 1 worker: two pipeline stages, which one node of one worker cannot hold.
+    two_nodes = TrainParams(nproc=1, nnodes=2, pp=2, micro_batch_size=4)
+    check_layout(model, two_nodes, LaunchSettings(launcher="slurm"))
+    with pytest.raises(LayoutError, match="nnodes=2 with the local launcher needs master_addr"):
+        check_layout(model, two_nodes, LaunchSettings(launcher="local"))
+    with pytest.raises(ValueError, match="nproc=1 is not a multiple of pp\\*tp"):
+        TrainParams(nproc=1, pp=2, micro_batch_size=4)
+
+
 @pytest.mark.parametrize(
     ("target", "bench", "finding"),
     # tp=2 and pp=2 compute what one process does: their ranks' shards and stages, merged, match
