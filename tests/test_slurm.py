@@ -402,3 +402,16 @@ def test_finetune_eval_flow_trains_as_a_slurm_job(on_cluster, prefect_env, tmp_p
     assert on_cluster.job(job_id)["JobState"] == "COMPLETED"
     assert 4 in losses(logs)  # the flow logs every 10th step, and the last
     assert on_cluster.job(job_id)["JobName"] == "llmflow-train-" + Path(state.result()["checkpoint"]).name
+
+
+@pytest.mark.slow
+def test_a_job_whose_output_never_appears_says_where_it_looked(on_cluster, tmp_path):
+    # The output file where no node can write it: what a run directory that is not shared does.
+    job, env = ticker_job(tmp_path, 3)
+    settings = FAST.model_copy(update={"sbatch_options": [f"--output={tmp_path / 'missing' / 'x-%j.out'}"]})
+    with pytest.raises(SlurmJobError) as failed:
+        run_slurm(job, 1, settings, on_line=print, env=env)
+    assert failed.value.state == "FAILED"
+    assert str(failed.value).endswith(f"the job's output file {tmp_path / 'work' / f'slurm-{failed.value.job_id}.out'} "
+                                      f"never appeared: is {tmp_path / 'work'} on storage every node shares, at the "
+                                      "same path?")

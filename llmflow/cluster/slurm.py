@@ -164,11 +164,12 @@ def job_script(job: WorkerJob, nnodes: int, settings: SlurmSettings, env: dict[s
         *(f"#SBATCH {option}" for option in sbatch),
         f"# {job.name}: torchrun on each of the job's nodes, {job.nproc_per_node} worker(s) per node,",
         "# meeting at a c10d rendezvous on the first node. Written by llmflow's Slurm launcher.",
-        "set -eo pipefail",
+        "set -e",
         "export PYTHONUNBUFFERED=1",
         *(f"export {name}={q(value)}" for name, value in env.items()),
         *settings.setup,
         'first_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+        '[ -n "$first_node" ] || { echo "no first node in SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST" >&2; exit 1; }',
         f"rdzv_port={port}",
         'echo "job $SLURM_JOB_ID: $SLURM_NNODES node(s) $SLURM_JOB_NODELIST, rendezvous at $first_node:$rdzv_port"',
         'srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 --export=ALL \\',
@@ -233,8 +234,11 @@ def run_slurm(job: WorkerJob, nnodes: int, settings: SlurmSettings, on_line: Cal
 
 def submit(script: Path) -> str:
     """Submit ``script`` with ``sbatch --parsable``; returns the job id."""
-    done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=False,
-                          timeout=120)
+    try:
+        done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=False,
+                              timeout=120)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"sbatch {script} did not answer in 120 s: is slurmctld reachable (scontrol ping)?") from None
     if done.returncode != 0:
         message = (done.stderr or done.stdout).strip() or f"exit code {done.returncode}"
         raise RuntimeError(f"sbatch refused {script}: {message}")
@@ -300,6 +304,8 @@ class _OutputReader:
         self.tail = tail
         self.offset = 0
         self.partial = b""
+        self.seen = False
+        """Whether the file was ever there."""
 
     def read(self) -> bool:
         """Hand on the lines written since the last read; whether the file grew."""
@@ -311,6 +317,7 @@ class _OutputReader:
                 data = f.read()
         except FileNotFoundError:
             return False
+        self.seen = True
         if not data:
             return False
         self.offset += len(data)
@@ -370,6 +377,9 @@ def follow(job_id: str, output: Path, poll_s: float, on_line: Callable[[str], No
         time.sleep(0.2)
     reader.finish()
     on_line(f"Slurm job {job_id} {state}, exit code {exit_code}")
+    if not reader.seen:
+        tail.append(f"the job's output file {output} never appeared: is {output.parent} on storage every node "
+                    "shares, at the same path?")
     return state, reason, exit_status(exit_code), list(tail)
 
 
