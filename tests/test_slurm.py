@@ -28,7 +28,15 @@ from train_helpers import assert_close, config, losses, run, training_assets
 
 from llmflow.checkpoint import latest_step_dir, read_meta
 from llmflow.cluster.launcher import LaunchSettings, WorkerJob
-from llmflow.cluster.slurm import SCRIPT_NAME, SlurmJobError, SlurmSettings, exit_status, job_script, run_slurm
+from llmflow.cluster.slurm import (
+    SCRIPT_NAME,
+    SlurmJobError,
+    SlurmSettings,
+    exit_status,
+    job_script,
+    job_state,
+    run_slurm,
+)
 from llmflow.data.indexed import IndexedDatasetWriter
 from llmflow.launch import WorkerError
 from llmflow.tasks.train import train_task
@@ -323,6 +331,8 @@ def test_a_job_sbatch_refuses_is_an_error_naming_sbatch_and_its_reason(on_cluste
     with pytest.raises(RuntimeError, match=r"sbatch refused .*invalid partition"):
         run_slurm(job, 1, FAST.model_copy(update={"partition": "nosuch"}), on_line=print, env={})
     assert on_cluster.queue() == []
+    # A job the controller does not know, on a cluster without accounting (sacct answers nothing).
+    assert job_state("999999") is None
 
 
 TICKER = """
