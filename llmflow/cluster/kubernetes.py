@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import CliPositionalArg
 
 from llmflow.cluster import manifests
+from llmflow.cluster.job import WorkerJob
 from llmflow.cluster.manifests import RESOURCES, TrainingJob
 from llmflow.launch import WorkerError, run_workers
 
@@ -152,7 +153,7 @@ class Kubectl:
         return json.loads(self.run(*args, "-o", "json"))
 
 
-def run_kubernetes(job, nnodes: int, settings: KubernetesSettings, on_line: Callable[[str], None],
+def run_kubernetes(job: WorkerJob, nnodes: int, settings: KubernetesSettings, on_line: Callable[[str], None],
                    env: dict[str, str]) -> None:
     """Run ``job`` (a ``WorkerJob``) as a ``settings.kind`` job of ``nnodes`` pods; node rank 0's
     output goes to ``on_line``. Raises ``WorkerError`` when the job fails; deletes the job

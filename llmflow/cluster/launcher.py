@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from llmflow.cluster.job import WorkerJob
 from llmflow.cluster.kubernetes import KubernetesSettings, run_kubernetes
 from llmflow.cluster.nodes import NodeLayout
 from llmflow.cluster.slurm import SlurmSettings, run_slurm
@@ -20,20 +19,6 @@ from llmflow.launch import run_workers, torchrun_command
 
 LAUNCHER_ENV = "LLMFLOW_LAUNCHER"
 LAUNCHERS = ("local", "slurm", "kubernetes")
-
-
-@dataclass(frozen=True)
-class WorkerJob:
-    """One stage's workers: ``python -m module *args`` on ``nproc_per_node`` processes per node."""
-
-    name: str
-    """Job name shown by the engine (the stage and its run)."""
-    module: str
-    args: tuple[str, ...]
-    nproc_per_node: int
-    workdir: Path
-    """A directory on the storage every node shares (the run's output directory), where a batch
-    launcher writes its job script and output."""
 
 
 class LaunchSettings(BaseModel):

@@ -26,14 +26,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from llmflow.cluster.job import WorkerJob
 from llmflow.launch import WorkerError
-
-if TYPE_CHECKING:
-    from llmflow.cluster.launcher import WorkerJob
 
 COMMANDS = ("sbatch", "scontrol", "scancel")
 """The Slurm client commands the launcher runs (sacct too, when it is there)."""
