@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
+from server_process import free_port
 
 ROLE = "llmflow"
 # Characters a URL must percent-encode, so that the tests prove they are handled.
@@ -34,12 +34,6 @@ def postgres_bin() -> Path | None:
              if all((d / tool).is_file() for tool in ("initdb", "pg_ctl", "postgres", "psql"))]
     found.sort(key=lambda d: int(d.parent.name) if d.parent.name.isdigit() else 0)
     return found[-1] if found else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
+from server_process import free_ports
 
 DAEMONS = {"munged": "/usr/sbin/munged", "mungekey": "/usr/sbin/mungekey", "slurmctld": "/usr/sbin/slurmctld",
            "slurmd": "/usr/sbin/slurmd", "slurmstepd": "/usr/sbin/slurmstepd"}
@@ -37,17 +38,6 @@ def missing_binaries() -> list[str]:
     """The Slurm and munge programs this machine lacks (``make system-packages`` installs them)."""
     missing = [name for name, path in DAEMONS.items() if not (shutil.which(name) or Path(path).exists())]
     return missing + [name for name in CLIENTS if shutil.which(name) is None]
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _binary(name: str) -> str:
@@ -190,7 +180,7 @@ def start_cluster(root: Path, nnodes: int = 2, timeout_s: float = 60) -> Iterato
     munge_socket = socket_dir / "munge.sock"
     subprocess.run([_binary("mungekey"), "--create", f"--keyfile={key}"], check=True, capture_output=True)
     key.chmod(0o400)
-    ctld_port, *node_ports = _free_ports(1 + nnodes)
+    ctld_port, *node_ports = free_ports(1 + nnodes)
     conf = write_config(root, dict(zip(names, node_ports, strict=True)), ctld_port, munge_socket)
     cluster = SlurmCluster(root, names)
     env = {**os.environ, **cluster.env}

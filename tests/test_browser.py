@@ -11,21 +11,13 @@ downloads anything. Without a browser the test fails: it is never skipped.
 from __future__ import annotations
 
 import contextlib
-import os
-import queue
-import re
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
-from prefect_helpers import attempt_task_states, flow_run_logs, output_lines, task_states, wait_for_flow_run
+from prefect_helpers import attempt_task_states, flow_run_logs, task_states, wait_for_flow_run
 from selenium import webdriver
 from selenium.common.exceptions import (
     ElementClickInterceptedException,
@@ -39,12 +31,12 @@ from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support import expected_conditions as EC
 from selenium.webdriver.support.ui import WebDriverWait
+from server_process import Server, log_tails, running_server
 
 pytestmark = pytest.mark.slow
 
 CHROMIUM = "chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
-STARTUP_TIMEOUT_S = 240
 RUN_TIMEOUT_S = 240
 # Small enough for a few seconds of training on one CPU worker, with a checkpoint half-way.
 TRAIN = {"Steps": 8, "Save Interval": 4, "Micro Batch Size": 8, "Global Batch Size": 8}
@@ -102,83 +94,12 @@ def screenshots_on_failure(driver, out: Path):
 # --- llmflow server ----------------------------------------------------------------------------
 
 
-class Server:
-    def __init__(self, proc: subprocess.Popen, url: str, workspace: Path):
-        self.proc = proc
-        self.url = url
-        """The Prefect UI (its API is url + /api)."""
-        self.workspace = workspace
-
-
-UNIGNORE_SIGINT_AND_EXEC = (
-    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
-)
-
-
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def _log_tails(workspace: Path) -> str:
-    return "\n".join(f"--- {log.name}:\n{log.read_text(errors='replace')[-2000:]}"
-                     for log in sorted((workspace / "logs").glob("*.log")))
-
-
 @pytest.fixture(scope="module")
 def llmflow_server(tmp_path_factory):
-    """``llmflow server`` with a workspace of its own and free loopback ports, up until its
-    "Prefect UI:" line; stopped with SIGINT (Ctrl-C) at the end, leaving no process behind."""
-    workspace = tmp_path_factory.mktemp("browser") / "ws"
-    prefect_port, mlflow_port = _free_ports(2)
-    llmflow = Path(sys.executable).parent / "llmflow"
-    # The command points Prefect and MLflow at its workspace itself; nothing of ours may win over it.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
-    env |= {"OMP_NUM_THREADS": "1", "LLMFLOW_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"}
-    command = [str(llmflow), "server", "--workspace", str(workspace), "--prefect-port", str(prefect_port),
-               "--mlflow-port", str(mlflow_port)]
-    proc = subprocess.Popen(
-        # SIGINT (Ctrl-C) must reach the command even when pytest runs with SIGINT ignored (as a
-        # background job does, and its children with it): un-ignore it, then exec the command.
-        [sys.executable, "-c", UNIGNORE_SIGINT_AND_EXEC, *command],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
-    )
-    lines = output_lines(proc)
-    seen: list[str] = []
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not any(line.startswith("Prefect UI:") for line in seen):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                time.sleep(0.5)
-                while not lines.empty():
-                    seen.append(lines.get())
-                why = f"exited with {proc.returncode}" if proc.poll() is not None else f"not up in {STARTUP_TIMEOUT_S}s"
-                pytest.fail(f"llmflow server {why}:\n" + "\n".join(seen) + "\n" + _log_tails(workspace), pytrace=False)
-            with contextlib.suppress(queue.Empty):
-                seen.append(lines.get(timeout=1))
-        (url,) = re.findall(r"http://\S+", next(line for line in seen if line.startswith("Prefect UI:")))
-        assert url == f"http://127.0.0.1:{prefect_port}"
-        yield Server(proc, url, workspace)
-    finally:
-        # Everything it started: the servers, the worker and any flow run still going.
-        family = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        survivors = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        for p in survivors:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-        assert proc.returncode == 0, f"llmflow server exited with {proc.returncode} on SIGINT"
-        assert survivors == [], f"left running after SIGINT: {[' '.join(p.cmdline()) for p in survivors]}"
+    """``llmflow server`` with a workspace of its own on free loopback ports."""
+    with running_server(tmp_path_factory.mktemp("browser") / "ws") as server:
+        assert any(line.startswith(f"Prefect UI:  {server.url} ") for line in server.lines)
+        yield server
 
 
 @pytest.fixture
@@ -350,7 +271,7 @@ def test_ui_runs_finetune_eval_and_its_retry_skips_finished_stages(llmflow_serve
         open_deployment(browser, server.url, "finetune-eval", "on-demand")
         run_id = custom_run(browser, server, "browser-e2e-first", small_run("browser-1"))
         run = wait_for_flow_run(run_id, RUN_TIMEOUT_S)
-        assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{_log_tails(server.workspace)}"
+        assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{log_tails(server.workspace)}"
         assert run.parameters["train"]["steps"] == 8 and run.parameters["version"] == "browser-1"
         assert run.parameters["evaluation"]["limit"] == 8 and run.parameters["workspace"] == str(server.workspace)
         stages = task_states(run_id)
@@ -402,7 +323,7 @@ def test_ui_runs_finetune_eval_and_its_retry_skips_finished_stages(llmflow_serve
         click(browser, "Retry", 30, within="//header[contains(@class, 'page-heading')]")
         click(browser, "Retry", 10, within="//div[@role='dialog']")
         run = wait_for_flow_run(run_id, RUN_TIMEOUT_S, not_state_id=failed_state)
-        assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{_log_tails(server.workspace)}"
+        assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{log_tails(server.workspace)}"
         assert run.run_count == 2
         retry = attempt_task_states(run_id, 2)
         assert retry == {

@@ -6,12 +6,7 @@ its flow run in Prefect's database and its MLflow runs in MLflow's, nothing in S
 from __future__ import annotations
 
 import contextlib
-import os
-import queue
 import re
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from urllib.parse import quote
@@ -19,8 +14,9 @@ from urllib.parse import quote
 import postgres
 import psutil
 import pytest
-from postgres import DATABASE, PASSWORD, ROLE, free_port
-from prefect_helpers import output_lines, task_states, wait_for_flow_run
+from postgres import DATABASE, PASSWORD, ROLE
+from prefect_helpers import task_states, wait_for_flow_run
+from server_process import free_port, log_tails, running_server
 
 from llmflow.cli import main
 from llmflow.stores import MLFLOW_DRIVER, PREFECT_DRIVER, Postgres, artifact_root, prepare, resolve
@@ -168,20 +164,11 @@ def test_the_password_may_come_from_pgpassword_instead_of_the_command_line(postg
 
 # --- llmflow server on PostgreSQL, a deployment run end to end ----------------------------------
 
-STARTUP_TIMEOUT_S = 300
 RUN_TIMEOUT_S = 400
-UNIGNORE_SIGINT_AND_EXEC = (
-    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
-)
 # Seconds of training on one CPU worker, with a checkpoint half-way; a few MMLU questions.
 PARAMETERS = {"train": {"steps": 8, "save_interval": 4, "micro_batch_size": 8, "global_batch_size": 8},
               "evaluation": {"limit": 8}, "version": "postgres-1", "register_min_gain": None}
 STAGES = ("sample", "convert", "tokenize-instruction", "eval-mmlu", "train", "export", "infer", "register")
-
-
-def _log_tails(workspace: Path) -> str:
-    return "\n".join(f"--- {log.name}:\n{log.read_text(errors='replace')[-3000:]}"
-                     for log in sorted((workspace / "logs").glob("*.log")))
 
 
 def _memory_mb(pids: list[int]) -> dict[str, float]:
@@ -199,47 +186,17 @@ def _memory_mb(pids: list[int]) -> dict[str, float]:
 @pytest.fixture
 def server_on_postgres(postgres_server, tmp_path):
     """``llmflow server --database ... --artifact-root ...`` with a workspace of its own on free
-    loopback ports, up until its "Prefect UI:" line; stopped with SIGINT at the end."""
-    workspace, artifacts = tmp_path / "ws", tmp_path / "shared" / "mlartifacts"
-    prefect_port, mlflow_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "PG"))}
-    env |= {"OMP_NUM_THREADS": "1", "LLMFLOW_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"}
-    command = [str(Path(sys.executable).parent / "llmflow"), "server", "--workspace", str(workspace),
-               "--prefect-port", str(prefect_port), "--mlflow-port", str(mlflow_port),
-               "--database", postgres_server.url(), "--artifact-root", str(artifacts)]
-    started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-c", UNIGNORE_SIGINT_AND_EXEC, *command], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-    lines = output_lines(proc)
-    seen: list[str] = []
-    try:
-        while not any(line.startswith("Ctrl-C") for line in seen):
-            if proc.poll() is not None or time.monotonic() - started > STARTUP_TIMEOUT_S:
-                time.sleep(0.5)
-                while not lines.empty():
-                    seen.append(lines.get())
-                pytest.fail("llmflow server did not start:\n" + "\n".join(seen) + "\n" + _log_tails(workspace),
-                            pytrace=False)
-            with contextlib.suppress(queue.Empty):
-                seen.append(lines.get(timeout=1))
-        print(f"llmflow server on PostgreSQL up in {time.monotonic() - started:.0f} s:", *seen, sep="\n")
-        from prefect.settings import PREFECT_API_URL, temporary_settings
+    loopback ports; this process's Prefect client talks to it."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-        with temporary_settings(updates={PREFECT_API_URL: f"http://127.0.0.1:{prefect_port}/api"}):
-            yield {"proc": proc, "lines": seen, "workspace": workspace, "artifacts": artifacts,
-                   "mlflow": f"http://127.0.0.1:{mlflow_port}"}
-    finally:
-        family = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        for p in family:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                    p.kill()
-        assert proc.returncode == 0, f"llmflow server exited with {proc.returncode} on SIGINT"
+    workspace, artifacts = tmp_path / "ws", tmp_path / "shared" / "mlartifacts"
+    started = time.monotonic()
+    with running_server(workspace, "--database", postgres_server.url(), "--artifact-root", str(artifacts),
+                        unset=("PREFECT_", "MLFLOW_", "PG")) as server:
+        print(f"llmflow server on PostgreSQL up in {time.monotonic() - started:.0f} s:", *server.lines, sep="\n")
+        with temporary_settings(updates={PREFECT_API_URL: f"{server.url}/api"}):
+            yield {"proc": server.proc, "lines": server.lines, "workspace": workspace, "artifacts": artifacts,
+                   "mlflow": server.mlflow_url}
 
 
 @pytest.mark.slow
@@ -263,7 +220,7 @@ def test_a_deployment_run_on_a_postgres_backed_server_is_recorded_in_postgres(po
                   if str(postgres_server.root) in " ".join(p.info["cmdline"] or []) and "postgres" in p.name()]
     print(f"flow run {run.state.name} in {time.monotonic() - started:.0f} s; proportional memory (MB):",
           {k: round(v) for k, v in _memory_mb([server["proc"].pid, *postmaster]).items()})
-    assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{_log_tails(workspace)}"
+    assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{log_tails(workspace)}"
     assert {name: set(states) for name, states in task_states(run_id).items()} == {
         stage: {"Completed"} for stage in STAGES}
 

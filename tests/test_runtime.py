@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
+from server_process import free_port
 
 from llmflow import runtime
 from llmflow.mesh import LayoutError, ParallelLayout, build_mesh, layout_problems, validate_layout
@@ -134,18 +133,12 @@ def test_init_distributed_without_torchrun_creates_no_group(clean_env):
     assert not dist.is_initialized()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_one_process_gloo_group_and_mesh(clean_env):
     clean_env.setenv("RANK", "0")
     clean_env.setenv("WORLD_SIZE", "1")
     clean_env.setenv("LOCAL_RANK", "0")
     clean_env.setenv("MASTER_ADDR", "127.0.0.1")
-    clean_env.setenv("MASTER_PORT", str(_free_port()))
+    clean_env.setenv("MASTER_PORT", str(free_port()))
     assert not dist.is_initialized()
     try:
         env = runtime.init_distributed("cpu", timeout_s=60)
