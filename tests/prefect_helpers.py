@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -130,6 +131,53 @@ class FlowProcess:
         for worker in self.workers:
             with contextlib.suppress(psutil.NoSuchProcess):
                 worker.kill()
+
+
+TRAIN_FLOW_SCRIPT = """
+import sys
+
+from prefect import flow
+from prefect.runtime import flow_run
+
+from llmflow.cluster.launcher import LaunchSettings
+from llmflow.tasks.train import train_task
+from llmflow.train.config import TrainConfig
+
+
+@flow(name="test-train-cancelled")
+def train_flow(config: TrainConfig, nproc: int, launch: LaunchSettings) -> None:
+    print("flow run id", flow_run.id, flush=True)
+    train_task(config, nproc=nproc, launch=launch)
+
+
+if __name__ == "__main__":
+    train_flow(TrainConfig.model_validate_json(open(sys.argv[1]).read()), int(sys.argv[2]),
+               LaunchSettings.model_validate_json(sys.argv[3]))
+"""
+
+
+def train_flow_process(config, nproc: int, launch, settings: dict, workdir: Path) -> FlowProcess:
+    """The train task of ``config`` on ``nproc`` workers per node, launched by ``launch``, in a
+    flow run of its own process (which prints its flow run id first)."""
+    config_path = workdir / "config.json"
+    config_path.write_text(config.model_dump_json())
+    script = workdir / "cancelled_flow.py"
+    script.write_text(TRAIN_FLOW_SCRIPT)
+    return FlowProcess([str(script), str(config_path), str(nproc), launch.model_dump_json()], settings)
+
+
+def checkpoint_after_cancel(env: dict, flow_run_id: str, out: Path, steps: int) -> int:
+    """The step of the last checkpoint a cancelled train flow run left in ``out``, after
+    checking that the flow run crashed and the stage's MLflow run failed, mid-training."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(flow_run_id).state.name == "Crashed"
+    (cancelled,) = mlflow_runs(env, "train")
+    assert cancelled.info.status == "FAILED"
+    saved = int((out / "latest").read_text().strip().removeprefix("step_"))
+    assert 4 <= saved < steps
+    return saved
 
 
 def attempt_task_states(flow_run_id, attempt: int) -> dict[str, list[str]]:

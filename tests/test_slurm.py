@@ -21,7 +21,7 @@ import psutil
 import pytest
 from mlflow import MlflowClient
 from prefect import flow
-from prefect_helpers import FlowProcess, flow_run_logs, mlflow_runs, outcome, wait_for
+from prefect_helpers import checkpoint_after_cancel, flow_run_logs, mlflow_runs, outcome, train_flow_process, wait_for
 from pydantic import ValidationError
 from slurm_cluster import SlurmCluster, missing_binaries, start_cluster
 from train_helpers import assert_close, config, losses, run, training_assets
@@ -224,27 +224,6 @@ def test_train_command_runs_on_two_slurm_nodes_with_the_local_losses(on_cluster,
     assert mlflow_run.data.params["nproc"] == "1" and mlflow_run.data.params["nnodes"] == "2"
 
 
-CANCELLED_FLOW = """
-import sys
-
-from prefect import flow
-from prefect.runtime import flow_run
-
-from llmflow.cluster.launcher import LaunchSettings
-from llmflow.tasks.train import train_task
-from llmflow.train.config import TrainConfig
-
-
-@flow(name="test-slurm-train-cancelled")
-def train_flow(config: TrainConfig, launch: LaunchSettings) -> None:
-    print("flow run id", flow_run.id, flush=True)
-    train_task(config, nproc=2, launch=launch)
-
-
-if __name__ == "__main__":
-    train_flow(TrainConfig.model_validate_json(open(sys.argv[1]).read()),
-               LaunchSettings.model_validate_json(sys.argv[2]))
-"""
 
 
 @flow(name="test-slurm-train")
@@ -262,13 +241,7 @@ def test_cancelled_flow_run_scancels_its_job_and_the_retry_resumes(on_cluster, p
                                                                    tmp_path):
     out = tmp_path / "run"
     cfg = config(assets, out, steps=24, save_interval=4)
-    config_path = tmp_path / "config.json"
-    config_path.write_text(cfg.model_dump_json())
-    script = tmp_path / "cancelled_flow.py"
-    script.write_text(CANCELLED_FLOW)
-
-    flow_process = FlowProcess([str(script), str(config_path), slurm_launch().model_dump_json()],
-                               prefect_server.settings)
+    flow_process = train_flow_process(cfg, 2, slurm_launch(), prefect_server.settings, tmp_path)
     try:
         flow_run_id = wait_for(flow_process.lines, "flow run id").split()[-1]
         job_id = SUBMITTED.search(wait_for(flow_process.lines, "Slurm job")).group(1)
@@ -283,14 +256,7 @@ def test_cancelled_flow_run_scancels_its_job_and_the_retry_resumes(on_cluster, p
     assert job_id not in on_cluster.queue()
     assert on_cluster.job(job_id)["JobState"] == "CANCELLED"
     assert run_workers_of(out) == []
-    from prefect.client.orchestration import get_client
-
-    with get_client(sync_client=True) as client:
-        assert client.read_flow_run(flow_run_id).state.name == "Crashed"
-    (cancelled,) = mlflow_runs(prefect_env, "train")
-    assert cancelled.info.status == "FAILED"
-    saved = int((out / "latest").read_text().strip().removeprefix("step_"))
-    assert 4 <= saved < 24
+    saved = checkpoint_after_cancel(prefect_env, flow_run_id, out, 24)
 
     # The retry submits a new job, which resumes from the last checkpoint and finishes.
     result, logs = run_train_flow(cfg, slurm_launch())

@@ -24,16 +24,18 @@ import torch
 from mlflow import MlflowClient
 from prefect import flow
 from prefect_helpers import (
-    FlowProcess,
+    checkpoint_after_cancel,
     flow_run_logs,
     metric_history,
     mlflow_runs,
     outcome,
+    train_flow_process,
     wait_for,
 )
 
 from llmflow.artifacts import read_manifest
 from llmflow.checkpoint import read_meta
+from llmflow.cluster.launcher import LaunchSettings
 from llmflow.convert import ConvertConfig
 from llmflow.data.indexed import IndexedDatasetWriter
 from llmflow.export import ExportConfig
@@ -62,25 +64,6 @@ HF_CONFIG = {
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) \| loss ([0-9.]+)")
 
 # A flow run in its own process, as a worker or serve() runs it: cancelling it sends SIGTERM.
-CANCELLED_FLOW = """
-import sys
-
-from prefect import flow
-from prefect.runtime import flow_run
-
-from llmflow.tasks.train import train_task
-from llmflow.train.config import TrainConfig
-
-
-@flow(name="test-train-cancelled")
-def train_flow(config: TrainConfig, nproc: int) -> None:
-    print("flow run id", flow_run.id, flush=True)
-    train_task(config, nproc=nproc)
-
-
-if __name__ == "__main__":
-    train_flow(TrainConfig.model_validate_json(open(sys.argv[1]).read()), int(sys.argv[2]))
-"""
 
 pytestmark = pytest.mark.usefixtures("prefect_env")
 
@@ -263,12 +246,7 @@ def test_cancelled_flow_kills_every_worker_and_the_rerun_resumes(prefect_env, pr
     out = tmp_path / "run"
     # Enough steps after the first checkpoint that workers left running would still be training.
     config = train_config(assets, out, steps=24, save_interval=4)
-    config_path = tmp_path / "config.json"
-    config_path.write_text(config.model_dump_json())
-    script = tmp_path / "cancelled_flow.py"
-    script.write_text(CANCELLED_FLOW)
-
-    flow_process = FlowProcess([str(script), str(config_path), "2"], prefect_server.settings)
+    flow_process = train_flow_process(config, 2, LaunchSettings(launcher="local"), prefect_server.settings, tmp_path)
     try:
         flow_run_id = wait_for(flow_process.lines, "flow run id").split()[-1]
         wait_for(flow_process.lines, f"saved checkpoint {out / 'step_00000004'}")
@@ -276,15 +254,7 @@ def test_cancelled_flow_kills_every_worker_and_the_rerun_resumes(prefect_env, pr
         assert flow_process.terminate() == []
     finally:
         flow_process.close()
-
-    from prefect.client.orchestration import get_client
-
-    with get_client(sync_client=True) as client:
-        assert client.read_flow_run(flow_run_id).state.name == "Crashed"
-    (cancelled,) = mlflow_runs(prefect_env, "train")
-    assert cancelled.info.status == "FAILED"
-    saved = int((out / "latest").read_text().strip().removeprefix("step_"))
-    assert 4 <= saved < 24
+    saved = checkpoint_after_cancel(prefect_env, flow_run_id, out, 24)
 
     # The same config again (same cache key): nothing was cached, the workers resume.
     result, logs = run_train_flow(config, nproc=2)
