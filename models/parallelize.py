@@ -20,6 +20,8 @@ Training calls one entry point, ``parallelize_decoder``, which applies them in t
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -133,13 +135,37 @@ def apply_tp_inference(model: CausalLM, mesh: DeviceMesh) -> None:
         parallelize_module(layer, mesh, inference_layer_tp_plan())
 
 
-def apply_ac(model: CausalLM) -> None:
-    """Recompute each decoder layer's activations in the backward pass."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+# What selective checkpointing keeps from the forward pass: the outputs of the ops whose
+# recomputation costs most (matrix multiplications and attention, as torchtitan's op-level
+# policy); everything else in a layer is recomputed in backward.
+SAVED_OPS = frozenset(
+    op
+    for name in ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention")
+    if (op := getattr(getattr(torch.ops.aten, name, None), "default", None)) is not None
+)
 
+
+def _keep_heavy_ops(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_ac(model: CausalLM, mode: str = "full") -> None:
+    """Activation checkpointing of every decoder layer: ``full`` recomputes the whole layer in
+    the backward pass from its input; ``selective`` keeps the outputs of ``SAVED_OPS`` and
+    recomputes the rest."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    if mode not in ("full", "selective"):
+        raise ValueError(f"activation checkpointing {mode!r}: expected full or selective")
+    options = {} if mode == "full" else {"context_fn": partial(create_selective_checkpoint_contexts, _keep_heavy_ops)}
     layers = model.model.layers
     for name, layer in list(layers.items()):
-        layers[name] = checkpoint_wrapper(layer, preserve_rng_state=True)
+        layers[name] = checkpoint_wrapper(layer, preserve_rng_state=True, **options)
 
 
 def apply_fsdp(model: CausalLM, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32,
@@ -168,7 +194,7 @@ def parallelize_decoder(
     mesh: DeviceMesh | None,
     *,
     lora: bool = False,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: str = "none",
     compile: bool = False,
     fsdp_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
@@ -183,8 +209,8 @@ def parallelize_decoder(
         if lora:  # SequenceParallel makes fresh, trainable norm weights
             for name, param in model.named_parameters():
                 param.requires_grad_(is_lora_param(name))
-    if activation_checkpointing:
-        apply_ac(model)
+    if activation_checkpointing != "none":
+        apply_ac(model, activation_checkpointing)
     if compile:
         apply_compile(model)
     if fsdp_dtype is not None:

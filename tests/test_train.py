@@ -237,8 +237,9 @@ def test_a_checkpoint_with_nested_optimizer_state_still_resumes(assets, tmp_path
     assert "optimizer.param_groups.model.norm.weight.lr" in metadata
 
 
-def test_activation_checkpointing_keeps_the_loss(assets, tmp_path):
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_keeps_the_loss(assets, tmp_path, mode):
     plain = train(config(assets, tmp_path / "plain", steps=2, lora={"rank": 4}))
-    recomputed = train(config(assets, tmp_path / "ac", steps=2, lora={"rank": 4}, activation_checkpointing=True))
+    recomputed = train(config(assets, tmp_path / "ac", steps=2, lora={"rank": 4}, activation_checkpointing=mode))
     assert recomputed["loss"] == pytest.approx(plain["loss"], abs=1e-6)
     assert stored_tensors(latest_step_dir(tmp_path / "ac")).keys() == stored_tensors(latest_step_dir(tmp_path / "plain")).keys()

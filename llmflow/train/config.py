@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llmflow.models.lora import LoraConfig
 
@@ -125,8 +125,12 @@ class TrainConfig(BaseModel):
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """Compute dtype: auto = bf16 on accelerators, fp32 on CPU. Master weights, optimizer
     state and gradient reduction stay fp32."""
-    activation_checkpointing: bool = False
-    """Recompute each layer's activations in backward (less memory, ~30% more compute)."""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward to save memory. full: keep only each layer's input
+    and recompute the whole layer (least memory, about one more forward of compute);
+    selective: keep the outputs of the matrix multiplications and attention, recompute the
+    cheap rest (norms, activations, rotary, element-wise ops). true and false, as older
+    configs say, mean full and none."""
     compile: bool = False
     """torch.compile each decoder layer (slow to start on CPU)."""
     seed: int = 1234
@@ -147,6 +151,11 @@ class TrainConfig(BaseModel):
     """Print and log metrics every this many steps."""
     mlflow_run_id: str | None = None
     """MLflow run to log metrics to (rank 0); default: the LLMFLOW_MLFLOW_RUN_ID variable."""
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _boolean_checkpointing(cls, value: Any) -> Any:
+        return {True: "full", False: "none"}[value] if isinstance(value, bool) else value
 
 
 def _set(tree: dict[str, Any], dotted: str, value: str) -> None:
