@@ -245,6 +245,5 @@ class RenderCommand(KubernetesSettings):
     """Module the workers run (python -m module args)."""
 
     def cli_cmd(self) -> None:
-        settings = KubernetesSettings.model_validate(self.model_dump(include=set(KubernetesSettings.model_fields)))
-        job = settings.training_job(self.name, self.module, self.args, self.nnodes, self.nproc)
+        job = self.training_job(self.name, self.module, self.args, self.nnodes, self.nproc)
         print(yaml.safe_dump(manifests.render(self.kind, job), sort_keys=False), end="")

@@ -54,10 +54,9 @@ class LaunchSettings(BaseModel):
 def node_problems(launch: LaunchSettings, nodes: NodeLayout) -> list[str]:
     """Why ``launch``'s launcher cannot run ``nodes``, if it cannot."""
     engine = launch.engine
-    if engine == "local" and nodes.nnodes > 1 and nodes.master_addr is None and nodes.rdzv_endpoint is None:
-        return [(f"nnodes={nodes.nnodes} with the local launcher needs master_addr and node_rank (a static "
-                "master) or rdzv_endpoint, with the same command started on every node")]
-    if engine != "local" and (nodes.master_addr is not None or nodes.rdzv_endpoint is not None):
+    if engine == "local":
+        return nodes.torchrun_problems()
+    if (nodes.master_addr is not None or nodes.rdzv_endpoint is not None):
         return [(f"launcher {engine} places the nodes itself (the rendezvous is on the first): give nnodes, "
                 "not master_addr or rdzv_endpoint")]
     return []

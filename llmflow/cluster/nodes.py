@@ -62,10 +62,19 @@ class NodeLayout(BaseModel):
         node of a rendezvous, where ranks are only known once the agents meet)."""
         return self.node_rank in (None, 0)
 
+    def torchrun_problems(self) -> list[str]:
+        """Why torchrun started by hand (the local launcher) cannot run this layout, if it cannot:
+        several nodes need a place to meet."""
+        if self.nnodes > 1 and self.master_addr is None and self.rdzv_endpoint is None:
+            return [(f"nnodes={self.nnodes} with the local launcher needs master_addr and node_rank (a static "
+                    "master) or rdzv_endpoint, with the same command started on every node")]
+        return []
+
     def torchrun_args(self, nproc_per_node: int) -> list[str]:
         """torchrun's options for ``nproc_per_node`` processes on each node of this layout."""
-        if self.nnodes > 1 and self.master_addr is None and self.rdzv_endpoint is None:
-            raise ValueError(f"nnodes={self.nnodes} on torchrun needs master_addr and node_rank, or rdzv_endpoint")
+        problems = self.torchrun_problems()
+        if problems:
+            raise ValueError("; ".join(problems))
         args = [f"--nproc-per-node={nproc_per_node}"]
         if self.standalone:
             return [*args, "--standalone"]

@@ -110,10 +110,7 @@ def check_nproc(command: GenerateCommand) -> None:
     available = runtime.device_count(command.device)
     if available is not None and command.nproc > available:
         problems.append(f"only {available} {command.device} devices are visible")
-    try:
-        command.torchrun_args(command.nproc)
-    except ValueError as error:
-        problems.append(str(error))
+    problems += command.torchrun_problems()
     if problems:
         nodes = f" on {command.nnodes} nodes" if command.nnodes > 1 else ""
         raise ValueError(f"--nproc {command.nproc}{nodes} cannot run {command.model}: " + "; ".join(problems))
@@ -127,8 +124,9 @@ def launch_generate(command: GenerateCommand, on_line: Callable[[str], None] = p
     with tempfile.TemporaryDirectory(prefix="llmflow-generate-") as tmp:
         config_path = Path(tmp) / "generate_config.json"
         config_path.write_text(command.model_dump_json(), encoding="utf-8")
-        nodes = NodeLayout.model_validate(command.model_dump(include=set(NodeLayout.model_fields)))
-        run_workers(torchrun_command("llmflow.infer", [str(config_path)], command.nproc, nodes), on_line=on_line, env=env)
+        # The command is its own node layout.
+        run_workers(torchrun_command("llmflow.infer", [str(config_path)], command.nproc, command), on_line=on_line,
+                    env=env)
 
 
 def _write(out: TextIO, text: str) -> None:

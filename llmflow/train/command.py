@@ -62,7 +62,7 @@ class TrainCommand(NodeLayout):
     def cli_cmd(self) -> None:
         config = load_train_config(self.config, self.overrides)
         launch = LaunchSettings(launcher=self.launcher, slurm=self.slurm, kubernetes=self.kubernetes)
-        nodes = NodeLayout.model_validate(self.model_dump(include=set(NodeLayout.model_fields)))
+        nodes: NodeLayout = self  # the command is its own node layout
         problems = node_problems(launch, nodes)
         if problems:
             raise SystemExit("; ".join(problems))
