@@ -48,8 +48,12 @@ def start_node(node: Node, cfg_path: Path, workspace: Path, meeting: list[str]) 
     return subprocess.Popen(node.command(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
-def static_master(nodes: tuple[Node, Node], rank: int, port: int) -> list[str]:
-    return ["--node-rank", str(rank), "--master-addr", nodes[0].addr, "--master-port", str(port)]
+def start_with_static_master(nodes: tuple[Node, Node], cfg_path: Path, root: Path) -> list[subprocess.Popen]:
+    """Both nodes, node 0 the master (on a port free now), each recording into ``root/ws{rank}``."""
+    port = free_port()
+    return [start_node(node, cfg_path, root / f"ws{rank}",
+                       ["--node-rank", str(rank), "--master-addr", nodes[0].addr, "--master-port", str(port)])
+            for rank, node in enumerate(nodes)]
 
 
 def write_config(cfg: TrainConfig, path: Path) -> Path:
@@ -72,14 +76,17 @@ def finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[list[str
     return outputs
 
 
+def finish_both(procs: list[subprocess.Popen], timeout: float = 300) -> list[list[str]]:
+    """``finish``, asserting that both nodes succeeded (their last lines shown when not)."""
+    outputs = finish(procs, timeout)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(outputs[0][-20:] + outputs[1][-20:])
+    return outputs
+
+
 def test_two_nodes_with_a_static_master_train_as_one_process_and_only_node_0_records(assets, nodes, reference,
                                                                                        tmp_path):
     cfg = write_config(config(assets, tmp_path / "run"), tmp_path / "run.json")
-    port = free_port()
-    procs = [start_node(node, cfg, tmp_path / f"ws{rank}", static_master(nodes, rank, port))
-             for rank, node in enumerate(nodes)]
-    outputs = finish(procs)
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(outputs[0][-20:] + outputs[1][-20:])
+    outputs = finish_both(start_with_static_master(nodes, cfg, tmp_path))
     got = losses(outputs[0])
     assert sorted(got) == list(range(1, 11))
     assert_close(got, reference)
@@ -103,8 +110,7 @@ def test_two_nodes_meet_at_a_c10d_rendezvous(assets, nodes, reference, tmp_path)
     procs = [start_node(node, cfg, tmp_path / f"ws{rank}",
                         [*meeting, "--rdzv-host", str(rank == 0).lower(), "--local-addr", node.addr])
              for rank, node in enumerate(nodes)]
-    outputs = finish(procs, timeout=150)
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(outputs[0][-20:] + outputs[1][-20:])
+    outputs = finish_both(procs, timeout=150)
     got = losses(outputs[0] + outputs[1])  # global rank 0 is on whichever node the rendezvous made it
     assert sorted(got) == list(range(1, 11))
     assert_close(got, reference)
@@ -113,27 +119,19 @@ def test_two_nodes_meet_at_a_c10d_rendezvous(assets, nodes, reference, tmp_path)
 def test_a_killed_node_stops_the_run_and_the_rerun_resumes_from_the_last_checkpoint(assets, nodes, reference,
                                                                                       tmp_path):
     cfg = write_config(config(assets, tmp_path / "run", save_interval=3), tmp_path / "run.json")
-    port = free_port()
-    procs = [start_node(node, cfg, tmp_path / f"ws{rank}", static_master(nodes, rank, port))
-             for rank, node in enumerate(nodes)]
-    before = []
+    procs = start_with_static_master(nodes, cfg, tmp_path)
     for line in procs[0].stdout:
-        before.append(line)
         if line.startswith("step 7/"):
             workers = [p for p in psutil.Process(procs[1].pid).children(recursive=True) if "llmflow.train" in p.cmdline()]
             assert workers, "node 1 runs no training worker"
             for worker in workers:
                 worker.kill()
             break
-    outputs = finish(procs, timeout=180)
+    finish(procs, timeout=180)
     assert procs[0].returncode != 0 and procs[1].returncode != 0, "a node whose peer died must fail, not hang"
     assert (tmp_path / "run" / "latest").read_text().strip() == "step_00000006"
 
-    port = free_port()
-    procs = [start_node(node, cfg, tmp_path / f"ws{rank}", static_master(nodes, rank, port))
-             for rank, node in enumerate(nodes)]
-    outputs = finish(procs)
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(outputs[0][-20:] + outputs[1][-20:])
+    outputs = finish_both(start_with_static_master(nodes, cfg, tmp_path))
     resumed = losses(outputs[0])
     assert sorted(resumed) == list(range(7, 11))
     assert_close(resumed, reference)
