@@ -66,6 +66,18 @@ class KVCache:
         self._values[layer][:, :, self.filled : end] = v
         return self._keys[layer][:, :, :end], self._values[layer][:, :, :end]
 
+    def repeat(self, batch: int, max_len: int) -> KVCache:
+        """A cache of ``batch`` rows with room for ``max_len`` positions, each row starting
+        with this one-row cache's positions (a prompt prefix computed once, shared by a batch)."""
+        out = KVCache(max_len)
+        for layer in self._keys:
+            keys, values = self._keys[layer][:, :, : self.filled], self._values[layer][:, :, : self.filled]
+            out.update(layer, keys.expand(batch, -1, -1, -1), values.expand(batch, -1, -1, -1))
+        if self._documents is not None:
+            out.documents(self._documents[:, : self.filled].expand(batch, -1))
+        out.filled = self.filled
+        return out
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
