@@ -21,7 +21,6 @@ from llmflow.evaluate.scoring import (
     model_requests,
     score_loglikelihood,
     score_requests,
-    score_single_token,
 )
 from llmflow.model_loading import load_model
 
@@ -141,7 +140,8 @@ def test_single_pass_scores_equal_loglikelihood(sample, model):
     requests = sample_requests(sample, shots=1)
     assert all(r.single_token for r in requests)
     expected = reference_scores(model, requests)
-    fast = score_single_token(model, requests, batch_size=5, max_length=1024)
+    fast, one_pass = score_requests(model, requests, batch_size=5, max_length=1024)
+    assert all(one_pass)
     full = score_loglikelihood(model, requests, batch_size=7, max_length=1024)
     torch.testing.assert_close(fast, expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(full, expected, atol=1e-4, rtol=1e-4)
@@ -172,7 +172,7 @@ def test_multi_token_continuations_fall_back_to_loglikelihood(sample, model):
 
 def test_truncation_keeps_the_end_of_the_context(sample, model):
     requests = sample_requests(sample, shots=5, limit=1)
-    fast = score_single_token(model, requests, batch_size=2, max_length=40)
+    fast, _ = score_requests(model, requests, batch_size=2, max_length=40)
     full = score_loglikelihood(model, requests, batch_size=2, max_length=40)
     torch.testing.assert_close(fast, full, atol=1e-4, rtol=1e-4)
 

@@ -62,6 +62,10 @@ class EvalConfig(BaseModel):
     named template; the prompt becomes the user message, followed by the assistant's turn header."""
     padding_side: Literal["right", "left"] = "right"
     """Where batches are padded (the scores do not depend on it)."""
+    shared_prefix: bool = True
+    """Run the prompt prefix a subject's questions share (description and few-shot examples)
+    once, into a KV cache, and each question's own tokens on top of it; false runs every
+    prompt in full. The scores are the same within fp32 rounding."""
     device: str = "auto"
     """cpu, cuda or npu; auto picks npu, then cuda, then cpu."""
     dtype: str = "auto"
@@ -149,7 +153,8 @@ def evaluate(benchmark: Benchmark, config: EvalConfig) -> Path:
         prompts = [template.prompt(p) for p in prompts]
     start = time.monotonic()
     requests = model_requests(tok_dir, prompts, CONTINUATIONS)
-    scores, fast = score_requests(model, requests, config.batch_size, max_length, config.padding_side)
+    groups = [q.subject for q in questions] if config.shared_prefix else None
+    scores, fast = score_requests(model, requests, config.batch_size, max_length, config.padding_side, groups)
     seconds = time.monotonic() - start
     results = {"benchmark": benchmark.name, **summarize(benchmark, questions, scores.argmax(dim=1).tolist())}
     results["settings"] = {**config.model_dump(mode="json"), "layout": data.layout, "data_dir": str(data_dir),

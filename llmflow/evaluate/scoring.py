@@ -10,16 +10,25 @@ log-probability of its continuation tokens.
 When every continuation of a question is one token, all four scores come from one forward
 pass over the context (the next-token distribution at its last position); otherwise each
 continuation is run in full. Both give the same numbers; the first is four times cheaper.
+
+The questions of one subject share their few-shot examples, so their token sequences share
+a long prefix (most of a 5-shot prompt). That prefix runs once, into a KV cache, and only each
+question's own tokens run on top of it (``prefix_forward.py``): the same numbers within fp32
+rounding. The prefix is found on the tokens, after each context was encoded whole, so the
+tokenization stays lm-evaluation-harness's.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from llmflow.data.tokenizer import load_tokenizer, tokenizer_info
+from llmflow.evaluate.prefix_forward import Row, run_rows
 from llmflow.models import CausalLM
 
 
@@ -83,85 +92,82 @@ def model_requests(tokenizer_dir: str | Path, contexts: list[str], continuations
     return encode_requests(tokenizer, contexts, continuations, prefix_text(tokenizer, info.bos_token_id, info.eos_token_id))
 
 
-def _batches(lengths: list[int], batch_size: int) -> list[list[int]]:
-    """Indices grouped into batches of similar length (longest first)."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+def _fits(request: Request, max_length: int) -> bool:
+    """Whether every context + continuation of ``request`` runs without left truncation."""
+    return len(request.context) + max(len(c) for c in request.continuations) - 1 <= max_length
 
 
-def _pad(sequences: list[list[int]], padding_side: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token ids [B, S] padded with 0, and (left padding) document ids that keep the padding apart."""
-    width = max(len(s) for s in sequences)
-    ids = torch.zeros(len(sequences), width, dtype=torch.long)
-    documents = torch.ones(len(sequences), width, dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        if padding_side == "left":
-            ids[row, width - len(seq) :] = torch.tensor(seq)
-            documents[row, : width - len(seq)] = 0
-        else:
-            ids[row, : len(seq)] = torch.tensor(seq)
-    return ids.to(device), documents.to(device) if padding_side == "left" else None
+def _shared_length(contexts: list[list[int]]) -> int:
+    """Length of the longest common token prefix of ``contexts``, short of the shortest one's
+    last token (whose next-token distribution every score needs)."""
+    if len(contexts) < 2:
+        return 0
+    return min(len(os.path.commonprefix(contexts)), min(len(c) for c in contexts) - 1)
 
 
-def _hidden(model: CausalLM, sequences: list[list[int]], padding_side: str) -> tuple[torch.Tensor, list[int]]:
-    """Final hidden states [B, S, H] and, per row, the index of its first real position."""
-    device = next(model.parameters()).device
-    ids, documents = _pad(sequences, padding_side, device)
-    width = ids.shape[1]
-    offsets = [width - len(s) if padding_side == "left" else 0 for s in sequences]
-    return model.model(ids, document_ids=documents), offsets
-
-
-def _log_probs(model: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(model.lm_head(hidden).float(), dim=-1)
-
-
-@torch.no_grad()
-def score_single_token(
-    model: CausalLM, requests: list[Request], batch_size: int, max_length: int, padding_side: str = "right"
-) -> torch.Tensor:
-    """Scores [N, choices] of requests whose continuations are one token each, one forward
-    pass per question over its context (the last ``max_length`` tokens)."""
-    scores = torch.empty(len(requests), len(requests[0].continuations)) if requests else torch.empty(0, 4)
-    contexts = [r.context[-max_length:] for r in requests]
-    for batch in _batches([len(c) for c in contexts], batch_size):
-        hidden, offsets = _hidden(model, [contexts[i] for i in batch], padding_side)
-        last = torch.tensor([offsets[j] + len(contexts[i]) - 1 for j, i in enumerate(batch)], device=hidden.device)
-        log_probs = _log_probs(model, hidden[torch.arange(len(batch), device=hidden.device), last])
-        targets = torch.tensor([[c[0] for c in requests[i].continuations] for i in batch], device=hidden.device)
-        scores[batch] = log_probs.gather(1, targets).cpu()
-    return scores
-
-
-@torch.no_grad()
-def score_loglikelihood(model: CausalLM, requests: list[Request], batch_size: int, max_length: int) -> torch.Tensor:
-    """Scores [N, choices]: the summed log-probability of each continuation after its
-    context, every (context, continuation) pair its own sequence of at most ``max_length``
-    tokens (truncated on the left)."""
-    choices = len(requests[0].continuations) if requests else 4
-    pairs = [(r.context, c) for r in requests for c in r.continuations]
-    inputs = [(ctx + cont)[-(max_length + 1) :][:-1] for ctx, cont in pairs]
-    flat = torch.empty(len(pairs))
-    for batch in _batches([len(x) for x in inputs], batch_size):
-        hidden, _ = _hidden(model, [inputs[i] for i in batch], "right")
-        for j, i in enumerate(batch):
-            cont = pairs[i][1]
-            end = len(inputs[i])
-            log_probs = _log_probs(model, hidden[j, end - len(cont) : end])
-            flat[i] = log_probs.gather(1, torch.tensor(cont, device=hidden.device)[:, None]).sum().cpu()
-    return flat.view(len(requests), choices)
+def _rows(request: Request, one_pass: bool, start: int, max_length: int) -> list[Row]:
+    """The rows of ``request`` after its first ``start`` context tokens (run before, shared):
+    one row reading the four letters at the context's last position, or one row per
+    continuation (context + continuation without its last token, the last ``max_length``)."""
+    if one_pass:
+        tokens = request.context[-max_length:][start:]
+        return [Row(tokens, [[(len(tokens) - 1, c[0])] for c in request.continuations])]
+    rows = []
+    for cont in request.continuations:
+        tokens = (request.context + cont)[-(max_length + 1) :][:-1][start:]
+        rows.append(Row(tokens, [[(len(tokens) - len(cont) + j, token) for j, token in enumerate(cont)]]))
+    return rows
 
 
 def score_requests(
-    model: CausalLM, requests: list[Request], batch_size: int, max_length: int, padding_side: str = "right"
+    model: CausalLM,
+    requests: list[Request],
+    batch_size: int,
+    max_length: int,
+    padding_side: str = "right",
+    groups: Sequence[Hashable] | None = None,
+    one_pass: bool = True,
 ) -> tuple[torch.Tensor, list[bool]]:
-    """Scores [N, choices] of every request, and whether each took the one-pass path."""
-    fast = [r.single_token for r in requests]
-    fast_idx = [i for i, f in enumerate(fast) if f]
-    slow_idx = [i for i, f in enumerate(fast) if not f]
-    scores = torch.empty(len(requests), len(requests[0].continuations) if requests else 4)
-    if fast_idx:
-        scores[fast_idx] = score_single_token(model, [requests[i] for i in fast_idx], batch_size, max_length, padding_side)
-    if slow_idx:
-        scores[slow_idx] = score_loglikelihood(model, [requests[i] for i in slow_idx], batch_size, max_length)
+    """Scores [N, choices] of every request, and whether each took the one-pass path (all its
+    continuations one token, and ``one_pass``; the others run each continuation in full).
+
+    Requests with the same ``groups`` label (a subject's questions, which share their few-shot
+    examples) run on top of their contexts' longest common token prefix, computed once; a
+    request whose context + continuation exceeds ``max_length`` (truncated on the left, so it
+    no longer starts with that prefix) and every request without a group run in full."""
+    choices = len(requests[0].continuations) if requests else 4
+    fast = [one_pass and r.single_token for r in requests]
+    members: dict[Hashable, list[int]] = {}
+    for i, label in enumerate(groups if groups is not None else range(len(requests))):
+        members.setdefault(label, []).append(i)
+    jobs: list[tuple[list[int], list[int]]] = []
+    alone: list[int] = []
+    for indices in members.values():
+        fitting = [i for i in indices if _fits(requests[i], max_length)]
+        shared = _shared_length([requests[i].context for i in fitting])
+        if shared:
+            jobs.append((requests[fitting[0]].context[:shared], fitting))
+            alone += sorted(set(indices) - set(fitting))
+        else:
+            alone += indices
+    jobs.append(([], sorted(alone)))
+    scores = torch.empty(len(requests), choices)
+    for prefix, indices in jobs:
+        rows, owners = [], []
+        for i in indices:
+            made = _rows(requests[i], fast[i], len(prefix), max_length)
+            rows += made
+            owners += [i] * len(made)
+        found: dict[int, list[float]] = {}
+        for i, row_scores in zip(owners, run_rows(model, rows, batch_size, padding_side, prefix)):
+            found.setdefault(i, []).extend(row_scores)
+        for i, values in found.items():
+            scores[i] = torch.tensor(values)
     return scores, fast
+
+
+def score_loglikelihood(model: CausalLM, requests: list[Request], batch_size: int, max_length: int) -> torch.Tensor:
+    """Scores [N, choices]: the summed log-probability of each continuation after its
+    context, every (context, continuation) pair its own sequence of at most ``max_length``
+    tokens (truncated on the left), nothing shared."""
+    return score_requests(model, requests, batch_size, max_length, one_pass=False)[0]
