@@ -143,6 +143,26 @@ def test_idx_bytes_match_megatron_layout(tmp_path, tokenizer_dir, hf_tok, vocab_
     assert flat == [t for x in want for t in x]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("vocab_size", [None, 70000])
+def test_bytes_equal_megatron_core_builder(tmp_path, tokenizer_dir, hf_tok, vocab_size):
+    """The same ids through megatron-core's own IndexedDatasetBuilder (as Megatron-LM's
+    preprocess_data.py writes them: one sequence per document) give the same .bin and .idx."""
+    indexed_dataset = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    out = run(tokenizer_dir, [write_jsonl(tmp_path / "c.jsonl", DOCS)], tmp_path / "ours", vocab_size=vocab_size,
+              append_eod=True, batch_size=64)
+    prefix = tmp_path / "megatron_text_document"
+    builder = indexed_dataset.IndexedDatasetBuilder(
+        f"{prefix}.bin", dtype=indexed_dataset.DType.optimal_dtype(vocab_size or len(hf_tok)))
+    for ids in expected(hf_tok, DOCS, eod=True):
+        builder.add_document(ids, [len(ids)])
+    builder.finalize(f"{prefix}.idx")
+    for key in ("bin", "idx"):
+        assert output_paths(out)[key].read_bytes() == Path(f"{prefix}.{key}").read_bytes(), key
+    theirs = indexed_dataset.IndexedDataset(str(output_paths(out)["prefix"]))
+    assert [theirs[i].tolist() for i in range(len(theirs))] == expected(hf_tok, DOCS, eod=True)
+
+
 def test_workers_give_identical_bytes(tmp_path, tokenizer_dir):
     src = write_parquet(tmp_path / "c.parquet", DOCS)
     src2 = write_jsonl(tmp_path / "d.jsonl", DOCS[::-1])
