@@ -438,7 +438,8 @@ def train(config: TrainConfig) -> dict[str, float]:
     for step in range(run.start_step + 1, config.steps + 1):
         loss_value, norm_value, lr = train_step(run, step)
         seconds = timer.lap()
-        if step % config.log_interval == 0 or step == config.steps:
+        # Step 1 always: a fresh run's first loss is its sanity check (about ln(vocabulary) from random weights).
+        if step == 1 or step % config.log_interval == 0 or step == config.steps:
             tokens = config.global_batch_size * seq_length
             metrics = {
                 "loss": loss_value,
