@@ -13,6 +13,10 @@ from llmflow.models import ModelConfig
 PEAK_FLOPS: dict[str, float] = {
     "Ascend910B": 313e12,
     "A100": 312e12,
+    # Matched in order: the PCIe and NVL cards before the SXM parts that share their name.
+    "H100PCIe": 756e12,
+    "H100NVL": 835e12,
+    "H200NVL": 835e12,
     "H100": 989e12,
     "H200": 989e12,
 }

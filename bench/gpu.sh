@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One-shot benchmark of one CUDA device (bench/gpu.py says what each section measures).
+#
+# Run from the repository root on the GPU machine, with the repository's .venv (`make venv`)
+# carried along. The GPU machine has no internet, so the .venv must already hold:
+#   - a CUDA build of torch at the version constraints.txt pins, in place of the CPU build
+#     `make venv` installs (the wheel for the machine's driver from https://download.pytorch.org/whl/,
+#     with the nvidia-* and triton wheels it depends on, installed with pip --no-index --find-links);
+#   - optionally liger-kernel (in the bench extra: pip install -c constraints.txt -e ".[bench]"):
+#     without it the transformers side runs without Liger-Kernel and the report says so.
+#
+#   bench/gpu.sh                    # every section, 5 rounds; --record appends the report to bench/RESULTS.md
+#   bench/gpu.sh --only train       # one section (kernels, decode, precision, train)
+#
+# Each section runs as its own command, so none outlives a 10-minute slot and a failure in
+# one leaves the others' reports.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+
+if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    "$PY" -c 'import torch; print(f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device")' || true
+    echo "bench/gpu.sh needs a CUDA build of torch in $PY's environment and a visible GPU (see the top of this file)" >&2
+    exit 2
+fi
+"$PY" -c 'import liger_kernel' 2>/dev/null || echo "liger_kernel is not installed: the transformers side runs without Liger-Kernel" >&2
+nvidia-smi --query-gpu=name,memory.total,driver_version,power.limit --format=csv || true
+
+if [[ " $* " == *" --only "* ]]; then
+    exec "$PY" -m bench.gpu --device cuda "$@"
+fi
+for section in kernels decode precision train; do
+    "$PY" -m bench.gpu --device cuda --only "$section" "$@"
+done
