@@ -50,7 +50,7 @@ def train_task(config: TrainConfig, nproc: int = 1, device: str | None = None, n
     logger = get_run_logger()
     launch = launch or LaunchSettings()
     device_env = {runtime.DEVICE_ENV: device} if device is not None else {}
-    check_training(config, nproc, device_env, nnodes=nnodes, local=launch.on_this_machine)
+    check_training(config, nproc, device_env, nnodes=nnodes, local=launch.on_this_machine, report=logger.info)
     with tracking.stage_run(STAGE, config.model_dump(mode="json") | {"nproc": nproc, "nnodes": nnodes}) as run_id:
         env = tracking.worker_env(run_id) | device_env
         start = time.monotonic()

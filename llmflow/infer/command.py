@@ -15,8 +15,10 @@ from typing import TextIO
 from pydantic import ConfigDict, Field, model_validator
 
 from llmflow import runtime
+from llmflow.checkpoint import read_meta, resolve_step_dir
 from llmflow.cluster.nodes import NodeLayout
 from llmflow.data.templates import ChatTemplate, Message, load_template
+from llmflow.data.tokenizer import load_tokenizer
 from llmflow.infer.batch import read_prompts
 from llmflow.infer.generate import (
     GenerateConfig,
@@ -26,8 +28,9 @@ from llmflow.infer.generate import (
 from llmflow.infer.generator import Generator, load_generator
 from llmflow.launch import run_workers, torchrun_command
 from llmflow.mesh import ParallelLayout, layout_problems
-from llmflow.model_loading import hf_config_of
+from llmflow.model_loading import hf_config_of, is_checkpoint, tokenizer_dir
 from llmflow.models import ModelConfig
+from llmflow.train.memory import MemoryPlan, device_memory, generation_plan, generation_suggestions, refusal
 
 RESET, EXIT = "/reset", "/exit"
 
@@ -67,6 +70,7 @@ class GenerateCommand(GenerateConfig, NodeLayout):
         return self
 
     def cli_cmd(self) -> None:
+        check_memory(self)
         if self.nproc > 1 or not self.standalone:
             launch_generate(self)
         else:
@@ -74,10 +78,43 @@ class GenerateCommand(GenerateConfig, NodeLayout):
 
 
 def _encoded(gen: Generator, texts: list[str], template: str | None) -> list[list[int]]:
+    return _encode(gen.tokenizer, gen.tokenizer_dir, texts, template)
+
+
+def _encode(tokenizer, tok_dir: Path, texts: list[str], template: str | None) -> list[list[int]]:
     if template is None:
-        return encode_prompts(gen.tokenizer, texts)
-    chat = load_template(gen.tokenizer_dir, template)
-    return encode_prompts(gen.tokenizer, [chat.prompt(t) for t in texts], add_special_tokens=False)
+        return encode_prompts(tokenizer, texts)
+    chat = load_template(tok_dir, template)
+    return encode_prompts(tokenizer, [chat.prompt(t) for t in texts], add_special_tokens=False)
+
+
+def check_memory(command: GenerateCommand, report: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> None:
+    """Report the per-device memory plan of ``command`` (weights, KV cache, the prompt's
+    forward pass, logits; ``llmflow.train.memory``) and refuse, before loading anything, one
+    that does not fit a device, naming its largest term and the changes that fit."""
+    tok_dir = tokenizer_dir(command.model)
+    if tok_dir is None:
+        return  # loading the model names what is missing
+    texts = [command.prompt] if command.prompt is not None else read_prompts(command.prompts)
+    lengths = [len(ids) for ids in _encode(load_tokenizer(tok_dir), tok_dir, texts, command.template)] or [1]
+    config = ModelConfig.from_hf(hf_config_of(Path(command.model)))
+    device_type = command.device.partition(":")[0]
+    device_bytes, label = device_memory(device_type, command.nproc)
+    model = Path(command.model)
+    # Every worker loads a Hugging Face directory or a LoRA checkpoint whole before taking its shard.
+    whole_on_host = device_type == "cpu" and (not is_checkpoint(model) or read_meta(resolve_step_dir(model)).lora is not None)
+    batch, width = (1, max(lengths)) if command.stream else (len(lengths), max(lengths))
+
+    def plan_of(tp: int, rows: int, new: int) -> MemoryPlan:
+        return generation_plan(config, tp, rows, width, new, padded=rows > 1 and min(lengths) < width,
+                               device_bytes=device_bytes, device_label=label, name=Path(command.model).name,
+                               whole_on_host=whole_on_host)
+
+    tp = command.nproc * command.nnodes
+    plan = plan_of(tp, batch, command.max_new_tokens)
+    report(plan.table())
+    if not plan.fits:
+        raise ValueError(refusal(plan, generation_suggestions(plan_of, config, tp, batch, command.max_new_tokens)))
 
 
 def run_generate(command: GenerateCommand, out: TextIO, gen: Generator | None = None) -> list[GenerationResult]:

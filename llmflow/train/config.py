@@ -149,6 +149,11 @@ class TrainConfig(BaseModel):
     """Checkpoints to keep (older ones are deleted); null keeps all."""
     log_interval: int = Field(default=1, ge=1)
     """Print and log metrics every this many steps."""
+    device_memory_gb: float | None = Field(default=None, gt=0)
+    """Memory of one device in GB (10^9 bytes) for the memory plan checked before launch;
+    default: the LLMFLOW_DEVICE_MEMORY_GB variable, else what the device reports (CPU: the
+    available system memory divided among this node's workers). Set it to plan for another
+    machine."""
     mlflow_run_id: str | None = None
     """MLflow run to log metrics to (rank 0); default: the LLMFLOW_MLFLOW_RUN_ID variable."""
 

@@ -11,6 +11,9 @@ Every problem is collected and reported at once, one line each, in a ``Preflight
 - the model and the data exist; the data's vocabulary (from its tokenize manifest) fits
   the model's embedding;
 - enough devices of the type the workers will use;
+- the per-device memory plan (``llmflow.train.memory``) against the device's memory: printed
+  before every launch, and a plan that does not fit is refused with its largest term and the
+  single changes of layout or settings that would make it fit;
 - a run directory that already holds checkpoints is resumed only with the settings its
   weights depend on (``WEIGHT_SETTINGS``); the layout and a larger ``steps`` may change.
 """
@@ -19,7 +22,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -35,6 +39,15 @@ from llmflow.model_loading import hf_config_of, is_checkpoint
 from llmflow.models import ModelConfig
 from llmflow.train.config import TrainConfig
 from llmflow.train.data import pretrain_prefix
+from llmflow.train.memory import (
+    DEVICE_MEMORY_ENV,
+    MemoryPlan,
+    device_memory,
+    refusal,
+    suggestions,
+    train_plan,
+    train_shape,
+)
 
 CONFIG_NAME = "train_config.json"
 """The resolved config of the run, in its run directory (written at every launch)."""
@@ -319,20 +332,77 @@ def resume_problems(config: TrainConfig, model: ModelConfig | None) -> list[str]
     return problems
 
 
-def check_training(config: TrainConfig, nproc: int, env: Mapping[str, str] | None = None, nnodes: int = 1,
-                   local: bool = True) -> None:
-    """Raise PreflightError listing every reason ``config`` cannot run on ``nproc`` workers on
-    each of ``nnodes`` nodes (whose environment adds ``env``: its LLMFLOW_DEVICE forces the
-    device type); ``local``: the workers run on this machine, whose devices are then counted."""
-    model, problems = model_problems(Path(config.model))
-    world = nproc * nnodes
-    problems += parallel_problems(world, config.tp, config.dp, model, config.pp)
+def layout_fits(config: TrainConfig, world: int, model: ModelConfig | None) -> list[str]:
+    """Every reason ``config``'s layout, batch sizes and pipeline settings cannot run on
+    ``world`` ranks for ``model``."""
+    problems = parallel_problems(world, config.tp, config.dp, model, config.pp)
     dp = ParallelLayout.of_world(world, config.pp, config.tp, config.dp).dp
     problems += batch_problems(config.global_batch_size, config.micro_batch_size, dp)
-    problems += pipeline_problems(config, dp, model.num_hidden_layers if model is not None else None)
-    problems += data_problems(config, model)
+    return problems + pipeline_problems(config, dp, model.num_hidden_layers if model is not None else None)
+
+
+def training_seq_length(config: TrainConfig) -> int | None:
+    """Tokens per sample: ``seq_length`` for pretraining, the instruction dataset's (its
+    tokenize manifest) for sft; None when unknown."""
+    if config.data.kind == "pretrain":
+        return config.seq_length
+    manifest, _ = _data_manifest(config.data.paths[0], "sft")
+    return (manifest or {}).get("seq_length") or config.seq_length
+
+
+def memory_check(config: TrainConfig, model: ModelConfig, world: int, nproc: int, device_type: str,
+                 seq_length: int, measure: bool = True, name: str | None = None) -> tuple[MemoryPlan, list[str]]:
+    """The memory plan of ``config`` on ``world`` ranks (``nproc`` per node) of
+    ``device_type`` and, when it does not fit one device, the line refusing it (naming the
+    largest term and the single changes that fit). ``measure``: read the device's memory
+    from this machine when neither ``device_memory_gb`` nor LLMFLOW_DEVICE_MEMORY_GB gives it."""
+    if config.device_memory_gb is not None or measure or os.environ.get(DEVICE_MEMORY_ENV):
+        device_bytes, label = device_memory(device_type, nproc, config.device_memory_gb)
+    else:
+        device_bytes, label = None, ""
+    name = name or Path(config.model).name
+
+    def plan_of(change: dict[str, Any]) -> MemoryPlan | None:
+        changed = config.model_copy(update=change)
+        if layout_fits(changed, world, model):
+            return None
+        return train_plan(model, train_shape(changed, world, seq_length, device_type), device_bytes, label, name)
+
+    plan = plan_of({})
+    if plan is None or plan.fits:
+        return plan, []
+    current = {"tp": config.tp, "pp": config.pp, "micro_batch_size": config.micro_batch_size,
+               "activation_checkpointing": config.activation_checkpointing, "lora": config.lora}
+    return plan, [refusal(plan, suggestions(plan_of, current, model, world))]
+
+
+def check_training(config: TrainConfig, nproc: int, env: Mapping[str, str] | None = None, nnodes: int = 1,
+                   local: bool = True, report: Callable[[str], None] = print) -> MemoryPlan | None:
+    """Raise PreflightError listing every reason ``config`` cannot run on ``nproc`` workers on
+    each of ``nnodes`` nodes (whose environment adds ``env``: its LLMFLOW_DEVICE forces the
+    device type); ``local``: the workers run on this machine, whose devices are then counted
+    and whose device memory the memory plan is checked against (elsewhere only against
+    ``device_memory_gb`` or LLMFLOW_DEVICE_MEMORY_GB). The memory plan goes to ``report``
+    (when the layout can run at all) and is returned."""
+    model, problems = model_problems(Path(config.model))
+    world = nproc * nnodes
+    layout = layout_fits(config, world, model)
+    problems += layout + data_problems(config, model)
+    device_type = (env or {}).get(runtime.DEVICE_ENV)
     if local:
-        problems += device_problems(nproc, (env or {}).get(runtime.DEVICE_ENV))
+        problems += device_problems(nproc, device_type)
+    plan = None
+    seq_length = training_seq_length(config)
+    if model is not None and not layout and seq_length:
+        try:
+            device_type = runtime.device_spec(device_type).type
+            plan, memory = memory_check(config, model, world, nproc, device_type, seq_length, measure=local)
+        except ValueError as error:  # an unknown device type, a bad LLMFLOW_DEVICE_MEMORY_GB
+            memory = [str(error)]
+        if plan is not None:
+            report(plan.table())
+        problems += memory
     problems += resume_problems(config, model)
     if problems:
         raise PreflightError(problems)
+    return plan
