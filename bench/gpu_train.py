@@ -11,8 +11,9 @@
   importable, fused AdamW and clipping at 1.0, on the same samples (``shift_labels``: the
   same targets as llmflow's).
 
-Each round builds each side afresh (the order alternating), trains ``warmup`` steps
-(compilation happens there) and times ``steps`` more, synchronising the device before
+Each round builds each side afresh (the order alternating; compiled code is reset in
+between, so each round compiles again, from Inductor's warm cache after the first), trains
+``warmup`` steps (compilation happens there) and times ``steps`` more, synchronising the device before
 every clock read; device memory is ``max_memory_allocated`` per side (peak RSS of the whole
 process on CPU).
 """
@@ -93,6 +94,8 @@ def _memory_gib(device: torch.device) -> float:
 
 
 def _free(device: torch.device) -> None:
+    """Drop the previous side's model: compiled code holds references to it until reset."""
+    torch._dynamo.reset()
     gc.collect()
     if device.type != "cpu":
         module = torch.get_device_module(device.type)

@@ -13,9 +13,10 @@ is measured per side):
   ``torch.compile`` of every decoder layer).
 
 A round runs every side once (the order reversed every other round), each side timing
-``--steps`` steps after ``--warmup`` warm-up steps; compilation happens in the first warm-up
-step and its time (that step less a timed step) is reported, not counted. Inductor's cache
-starts empty in each run, so the first round compiles cold and later rounds reuse the cache.
+``--steps`` steps after ``--warmup`` warm-up steps (``--eager-warmup`` for the eager sides);
+compilation happens in the first warm-up step and its time (that step less a timed step) is
+reported, not counted. Inductor's cache starts empty in each run, so the first round
+compiles cold and later rounds reuse the cache.
 Per round, each llmflow side's tokens/s is divided by each transformers side's; the median
 and spread (min-max) of each ratio over the rounds are printed. The first-step losses of
 every side must agree with transformers eager within ``LOSS_TOLERANCE``.
@@ -24,7 +25,7 @@ Achieved FLOP/s = model FLOPs per token (bench/flops.py: 6N + 12 x layers x hidd
 tokens/s, shown as a fraction of the machine's measured peak: the best fp32 2048^3 matmul
 on the same threads, measured between the rounds.
 
-    python -m bench.train_step [--configs 50m large-vocab] [--rounds 5] [--steps 3] [--warmup 2] [--record]
+    python -m bench.train_step [--configs 50m large-vocab] [--rounds 5] [--steps 3] [--warmup 2] [--eager-warmup 1] [--record]
 """
 
 from __future__ import annotations
@@ -125,8 +126,9 @@ def make_model(name: str, directory: str) -> ModelConfig:
 
 
 def run_child(side: str, model_dir: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
+    warmup = args.warmup if side.endswith("+compile") else args.eager_warmup or args.warmup
     cmd = [sys.executable, "-m", "bench.train_step", "--child", side, model_dir, "--batch", str(args.batch),
-           "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+           "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(warmup)]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, cwd=REPO)
     if proc.returncode != 0:
         sys.exit(f"bench.train_step: the {side} side failed:\n{proc.stderr[-4000:]}")
@@ -183,10 +185,11 @@ def report(rows: list[dict], args: argparse.Namespace, peak: float, load_before:
          f"{torch.__version__}, {torch.get_num_threads()} threads, load average {load} before, "
          f"{load_after[0]:.1f} after)"),
         "",
-        (f"`python -m bench.train_step --rounds {args.rounds} --steps {args.steps} --warmup {args.warmup}`: batch "
+        (f"`python -m bench.train_step --configs {' '.join(args.configs)} --rounds {args.rounds} --steps {args.steps} "
+         f"--warmup {args.warmup} --eager-warmup {args.eager_warmup or args.warmup}`: batch "
          f"{args.batch} x seq {args.seq}, fp32, forward+backward+AdamW (fused), each side in its own process; "
          f"{args.rounds} rounds, sides alternating; tokens/s = median of {args.steps} steps after {args.warmup} "
-         f"warm-up steps. Peak = best fp32 2048^3 matmul on the same threads over all rounds: "
+         f"warm-up steps ({args.eager_warmup or args.warmup} on the eager sides). Peak = best fp32 2048^3 matmul on the same threads over all rounds: "
          f"{peak / 1e9:.1f} GFLOP/s."),
         "",
     ]
@@ -247,15 +250,16 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--rounds", type=int, default=5, help="rounds of every side, alternating (at least 1)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per side and round")
-    parser.add_argument("--warmup", type=int, default=2, help="warm-up steps (compilation happens in the first)")
+    parser.add_argument("--warmup", type=int, default=2, help="warm-up steps of the compiled sides (compilation happens in the first)")
+    parser.add_argument("--eager-warmup", type=int, help="warm-up steps of the eager sides (default: --warmup)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--record", action="store_true", help="record the result in bench/RESULTS.md")
     parser.add_argument("--child", nargs=2, metavar=("SIDE", "MODEL_DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    for flag in ("rounds", "steps", "warmup", "batch", "seq"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    for flag in ("rounds", "steps", "warmup", "eager_warmup", "batch", "seq"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if args.child:
         print(json.dumps(run_side(args.child[0], args.child[1], args.batch, args.seq, args.steps, args.warmup)))
         return

@@ -69,7 +69,8 @@ def test_every_section_runs_on_a_tiny_model(tmp_path):
     assert "18 of 18 within tolerance" in out
     decode = re.findall(r"^\| (1|8) \| ([\d,.]+) \| ([\d,.]+) \| ", out, re.MULTILINE)
     assert [b for b, *_ in decode] == ["1", "8"] and all(float(x.replace(",", "")) > 0 for _, *r in decode for x in r)
-    # Both training sides took the same samples and targets: bf16 losses of a random model agree closely.
+    # Both training sides took the same samples and targets: their bf16 losses agree far more
+    # closely than the ~1e-2 by which the loss of other targets of the same random tokens differs.
     diff = float(re.search(r"first-step losses differ by (\S+) \(bf16", out).group(1))
-    assert diff < 1e-2
+    assert diff < 1e-3
     assert "Suspect Nodes:" in out  # bf16 against fp32: the advisor names where they diverge
