@@ -213,7 +213,7 @@ def report(rows: list[dict], args: argparse.Namespace, peak: float, load_before:
     return lines
 
 
-def record(rows: list[dict], args: argparse.Namespace, entry: list[str], load_before: tuple) -> None:
+def record(rows: list[dict], args: argparse.Namespace, entry: list[str], load_before: tuple, peak: float) -> None:
     """Append ``entry`` to History and replace this benchmark's rows of the Current table."""
     day = time.strftime("%Y-%m-%d")
     load = ", ".join(f"{x:.1f}" for x in load_before)
@@ -223,10 +223,12 @@ def record(rows: list[dict], args: argparse.Namespace, entry: list[str], load_be
         eager, compiled = r["llmflow / transformers"], r["llmflow+compile / transformers+compile"]
         best = r["best llmflow / best transformers"]
         memory = s["llmflow"]["peak_rss_mib"] / s["transformers"]["peak_rss_mib"]
+        best_side = max(s, key=lambda side: s[side]["flops_per_s"])
         current.append(
             f"| `bench.train_step` {row['config']} | transformers train step, eager and `torch.compile` (fp32, batch "
             f"{args.batch} x {args.seq}, same first-step loss) | {best['median']:.2f}x speed, best against best; "
-            f"eager {eager['median']:.2f}x, compiled {compiled['median']:.2f}x; {memory:.2f}x memory (eager) "
+            f"eager {eager['median']:.2f}x, compiled {compiled['median']:.2f}x; {memory:.2f}x memory (eager); fastest "
+            f"side {best_side} at {s[best_side]['flops_per_s'] / peak:.0%} of the measured fp32 matmul peak "
             f"| best {best['min']:.2f}x-{best['max']:.2f}x over {args.rounds} rounds | {torch.get_num_threads()} "
             f"| {load} | {day} |")
     text = RESULTS.read_text()
@@ -270,7 +272,7 @@ def main() -> None:
     entry = report(rows, args, max(peaks), load_before, os.getloadavg())
     print("\n".join(entry))
     if args.record:
-        record(rows, args, entry, load_before)
+        record(rows, args, entry, load_before, max(peaks))
 
 
 if __name__ == "__main__":
