@@ -75,14 +75,14 @@ def encode_requests(tokenizer, contexts: list[str], continuations: tuple[str, ..
     """The requests of ``contexts`` x ``continuations`` (``tokenizer`` is a ``tokenizers.Tokenizer``),
     each context and context + continuation encoded as ``encode_texts`` does."""
     pairs = [split_whitespace(ctx, cont) for ctx in contexts for cont in continuations]
-    context_ids = encode_texts(tokenizer, [ctx for ctx, _ in pairs], prefix)
-    whole_ids = encode_texts(tokenizer, [ctx + cont for ctx, cont in pairs], prefix)
     n = len(continuations)
+    # The context loses the same trailing whitespace whatever the continuation: encoded once.
+    context_ids = encode_texts(tokenizer, [pairs[i * n][0] for i in range(len(contexts))], prefix)
+    whole_ids = encode_texts(tokenizer, [ctx + cont for ctx, cont in pairs], prefix)
     requests = []
-    for i in range(len(contexts)):
-        rows = range(i * n, (i + 1) * n)
-        conts = [whole_ids[r][len(context_ids[r]) :] for r in rows]
-        requests.append(Request(context_ids[i * n], conts))
+    for i, context in enumerate(context_ids):
+        conts = [whole_ids[r][len(context) :] for r in range(i * n, (i + 1) * n)]
+        requests.append(Request(context, conts))
     return requests
 
 
