@@ -248,8 +248,9 @@ class TrainShape:
 
     @property
     def sharded(self) -> bool:
-        """Whether FSDP2 wraps the model (as ``llmflow.train.loop.setup`` decides)."""
-        return self.pp * self.dp * self.tp > 1 and (self.dp > 1 or self.dtype_bytes != 4)
+        """Whether FSDP2 wraps the model (as ``llmflow.train.loop.setup`` decides for a torchrun
+        launch, which ``llmflow train`` always is)."""
+        return self.dp > 1 or self.dtype_bytes != 4
 
 
 def in_flight(shape: TrainShape, pp_rank: int) -> int:

@@ -1,0 +1,385 @@
+"""The per-device memory plan (llmflow/train/memory.py): parameter counts against the real
+modules, the activation term against the bytes a real decoder layer keeps, the sharding
+arithmetic of tp, dp and pp, the refusal line and its computed fixes, the generation plan's
+KV cache against the real cache, and the whole plan against the measured peak memory of a
+real training step of a ~20M and a ~120M parameter model.
+
+Measurements on CPU run in a subprocess with ``MALLOC_MMAP_THRESHOLD_`` fixed at 64 KiB, so
+glibc returns every freed tensor to the system and resident memory follows the live tensors
+(its default threshold grows up to 32 MiB and then keeps freed tensors in the heap)."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from llmflow.models import CausalLM, LoraConfig, ModelConfig, apply_lora
+from llmflow.models.decoder import KVCache
+from llmflow.models.parallelize import apply_ac
+from llmflow.train.config import TrainConfig
+from llmflow.train.memory import (
+    DEVICE_MEMORY_ENV,
+    GIB,
+    LOAD,
+    TrainShape,
+    device_memory,
+    generation_plan,
+    in_flight,
+    layer_activation_bytes,
+    layer_params,
+    lora_layer_params,
+    model_params,
+    train_plan,
+    train_shape,
+)
+from llmflow.train.preflight import PreflightError, check_training, memory_check
+
+MEASURE_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "LLMFLOW_DEVICE": "cpu"}
+
+
+def qwen2(**changes) -> ModelConfig:
+    values = {"model_type": "qwen2", "vocab_size": 1000, "hidden_size": 512, "intermediate_size": 1536,
+              "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "tie_word_embeddings": False}
+    return ModelConfig.from_hf({**values, **changes})
+
+
+LLAMA2_7B = ModelConfig.from_hf({"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+                                 "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32})
+QWEN25_7B = qwen2(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                  num_attention_heads=28, num_key_value_heads=4)
+
+
+def shape(**changes) -> TrainShape:
+    values = {"pp": 1, "dp": 1, "tp": 1, "micro_batch_size": 1, "seq_length": 4096, "dtype_bytes": 2, "accumulation": 8}
+    return TrainShape(**{**values, **changes})
+
+
+def term(plan, prefix: str) -> int:
+    found = [t.bytes for t in plan.terms if t.name.startswith(prefix)]
+    assert len(found) == 1, (prefix, [t.name for t in plan.terms])
+    return found[0]
+
+
+# --- parameter counts --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", [qwen2(), qwen2(tie_word_embeddings=True), LLAMA2_7B, QWEN25_7B,
+                                    qwen2(model_type="llama", attention_bias=True, mlp_bias=True)])
+def test_parameter_counts_equal_the_modules(config):
+    with torch.device("meta"):
+        model = CausalLM(config)
+    assert model_params(config) == sum(p.numel() for p in model.parameters())
+    assert layer_params(config) == sum(p.numel() for p in model.model.layers["0"].parameters())
+
+
+def test_published_parameter_counts():
+    assert model_params(LLAMA2_7B) == 6_738_415_616  # Llama-2-7b-hf
+    assert model_params(QWEN25_7B) == 7_615_616_512  # Qwen2.5-7B
+
+
+def test_tensor_parallel_splits_the_layer_matrices_and_column_biases():
+    config = qwen2()
+    h, f, q, kv = 512, 1536, 512, 128
+    matrices = h * (q + 2 * kv) + q * h + 3 * h * f
+    assert layer_params(config, tp=4) == matrices // 4 + (q + 2 * kv) // 4 + 2 * h
+
+
+@pytest.mark.parametrize("targets", [None, ["q_proj", "v_proj"], ["self_attn.o_proj", "down_proj"]])
+def test_lora_adapter_counts_equal_the_adapters(targets):
+    config = qwen2()
+    lora = LoraConfig(rank=8) if targets is None else LoraConfig(rank=8, target_modules=targets)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    apply_lora(model, lora)
+    adapters = sum(p.numel() for n, p in model.model.layers["0"].named_parameters() if "lora_" in n)
+    assert lora_layer_params(config, lora) == adapters
+
+
+# --- activations -------------------------------------------------------------------------
+
+
+def _live_bytes() -> int:
+    """Bytes glibc's malloc has handed out (heap and mmapped chunks)."""
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in
+                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    return info.hblkhd + info.uordblks
+
+
+def measure_layer(dtype: str, mode: str, lora: bool, documents: bool) -> float:
+    """Bytes per token one decoder layer keeps after its forward pass: the growth of live
+    memory over the forward of 4 layers less that of 2, halved (batch 2 x 256 tokens)."""
+    batch, seq = 2, 256
+    kept = {}
+    for layers in (1, 2, 4):  # the first run warms up the kernels
+        model = CausalLM(qwen2(num_hidden_layers=layers)).to(getattr(torch, dtype))
+        if lora:
+            apply_lora(model, LoraConfig(rank=8))
+        if mode != "none":
+            apply_ac(model, mode)
+        hidden = torch.randn(batch, seq, 512, dtype=model.lm_head.weight.dtype, requires_grad=True)
+        docs = torch.arange(seq).div(100, rounding_mode="floor").expand(batch, seq) if documents else None
+        gc.collect()
+        before = _live_bytes()
+        out = model.model(hidden, position_ids=torch.arange(seq).expand(batch, seq), document_ids=docs)
+        gc.collect()
+        kept[layers] = _live_bytes() - before - out.numel() * out.element_size()
+        del out, model
+    return (kept[4] - kept[2]) / 2 / (batch * seq)
+
+
+@pytest.mark.slow
+def test_activation_term_equals_what_a_real_layer_keeps():
+    cases = [(d, m, False, False) for d in ("float32", "bfloat16") for m in ("none", "selective", "full")]
+    cases += [("bfloat16", "none", True, False), ("bfloat16", "selective", True, False), ("bfloat16", "none", False, True)]
+    proc = subprocess.run([sys.executable, __file__, "layers", json.dumps(cases)], capture_output=True, text=True,
+                          env={**os.environ, **MEASURE_ENV}, timeout=600, check=True)
+    measured = json.loads(proc.stdout)
+    for (dtype, mode, lora, documents), got in zip(cases, measured, strict=True):
+        planned = layer_activation_bytes(qwen2(), 4 if dtype == "float32" else 2, mode, 1,
+                                         LoraConfig(rank=8) if lora else None, 256, documents)
+        # Within 2% plus 64 KiB per layer (the allocator's granularity at the fixed mmap threshold),
+        # here 128 bytes per token of the 512.
+        assert abs(planned - got) <= 0.02 * got + 128, (dtype, mode, lora, documents, planned, got)
+
+
+def test_checkpointing_keeps_less():
+    config = QWEN25_7B
+    none, selective, full = (layer_activation_bytes(config, 2, m) for m in ("none", "selective", "full"))
+    assert full == 2 * 3584
+    assert full < selective < none
+    # Sequence parallel splits the residual stream's share, not the all-gathered inputs.
+    assert layer_activation_bytes(config, 2, "full", tp=4) == full / 4
+    assert layer_activation_bytes(config, 2, "none", tp=4) > none / 4
+
+
+# --- sharding and schedules --------------------------------------------------------------
+
+
+def test_fsdp_shards_weights_gradients_and_optimizer_over_dp():
+    one, eight = train_plan(LLAMA2_7B, shape()), train_plan(LLAMA2_7B, shape(dp=8, accumulation=1))
+    for prefix in ("weights: fp32", "gradients: fp32", "optimizer"):
+        assert abs(term(one, prefix) / 8 - term(eight, prefix)) <= 1
+    assert term(one, "optimizer") == 8 * model_params(LLAMA2_7B)
+    assert term(one, "model load") == 4 * model_params(LLAMA2_7B)
+
+
+def test_tensor_parallel_keeps_embedding_and_output_projection_whole():
+    plan = train_plan(QWEN25_7B, shape(tp=4))
+    whole = 2 * 152064 * 3584 + 3584
+    assert term(plan, "weights: fp32") == 4 * (28 * layer_params(QWEN25_7B, 4) + whole)
+
+
+def test_pipeline_stages_hold_their_layers_and_the_tied_embedding_on_both_ends():
+    config = qwen2(num_hidden_layers=6, tie_word_embeddings=True, vocab_size=50000)
+    sh = shape(pp=2, num_layer_list=[2, 4], dtype_bytes=4, accumulation=4)
+    from llmflow.train.memory import _stage_plan
+
+    weights = [term(_stage_plan_as_plan(_stage_plan, config, sh, r), "weights: fp32") for r in (0, 1)]
+    vh = 50000 * 512
+    assert weights == [4 * (2 * layer_params(config) + vh), 4 * (4 * layer_params(config) + vh + 512)]
+    # The busiest rank is the one the plan reports.
+    assert train_plan(config, sh).peak == max(_stage_plan_as_plan(_stage_plan, config, sh, r).peak for r in (0, 1))
+
+
+def _stage_plan_as_plan(stage_plan, config, sh, rank):
+    from llmflow.train.memory import MemoryPlan
+
+    return MemoryPlan("", stage_plan(config, sh, rank)[0])
+
+
+def test_micro_batches_in_flight_per_schedule():
+    assert [in_flight(shape(pp=4, accumulation=8), r) for r in range(4)] == [4, 3, 2, 1]
+    assert [in_flight(shape(pp=4, accumulation=2), r) for r in range(4)] == [2, 2, 2, 1]
+    assert [in_flight(shape(pp=4, accumulation=8, pp_schedule="GPipe"), r) for r in range(4)] == [8] * 4
+    # torch's Interleaved1F1B warm-up: (v - 1) * pp + 2 * (pp - 1 - rank) chunk forwards, plus one.
+    interleaved = shape(pp=2, accumulation=4, pp_schedule="Interleaved1F1B", virtual_stages=2)
+    assert [in_flight(interleaved, r) for r in range(2)] == [5, 3]
+
+
+def test_gpipe_holds_every_micro_batch_loss_buffer_on_the_last_stage():
+    one_f_one_b = train_plan(QWEN25_7B, shape(pp=2, tp=4, accumulation=8))
+    gpipe = train_plan(QWEN25_7B, shape(pp=2, tp=4, accumulation=8, pp_schedule="GPipe"))
+    assert term(gpipe, "loss") > 7 * 4 * 152064 * 3584 > term(one_f_one_b, "loss")
+
+
+def test_lora_trains_only_the_adapters():
+    lora = LoraConfig(rank=8)
+    plan = train_plan(QWEN25_7B, shape(dp=8, lora=lora))
+    adapters = 28 * lora_layer_params(QWEN25_7B, lora)
+    assert term(plan, "optimizer") == 8 * adapters // 8
+    assert term(plan, "loss") < 4 * 152064 * 3584  # the frozen output projection gets no gradient buffer
+
+
+# --- the check before launch -------------------------------------------------------------
+
+
+def train_config(**changes) -> TrainConfig:
+    values = {"model": "m", "out": "o", "data": {"paths": ["d"]}, "steps": 1, "seq_length": 4096,
+              "micro_batch_size": 1, "global_batch_size": 64}
+    return TrainConfig.model_validate({**values, **changes})
+
+
+def test_a_plan_that_does_not_fit_is_refused_with_the_changes_that_fit():
+    config = train_config(device_memory_gb=64)
+    plan, problems = memory_check(config, QWEN25_7B, 8, 8, "cuda", 4096, name="Qwen2.5-7B")
+    assert not plan.fits and len(problems) == 1
+    line = problems[0]
+    assert line.startswith("memory: the plan needs ") and "largest term: " in line and "fits with tp=" in line
+    assert "\n" not in line
+    # Every change it names fits, and checkpointing alone (not named) does not.
+    fixes = re.findall(r"(tp=\d+|pp=\d+|activation_checkpointing=\w+|micro_batch_size=\d+|LoRA)", line.split("fits with")[1])
+    assert fixes
+    for fix in fixes:
+        change = {"lora": {"rank": 8}} if fix == "LoRA" else {fix.split("=")[0]: fix.split("=")[1]}
+        fixed = train_config(device_memory_gb=64, **change)
+        assert memory_check(fixed, QWEN25_7B, 8, 8, "cuda", 4096)[0].fits, fix
+    if "activation_checkpointing=full" not in fixes:
+        assert not memory_check(train_config(device_memory_gb=64, activation_checkpointing="full"), QWEN25_7B, 8, 8,
+                                "cuda", 4096)[0].fits
+
+
+def test_check_training_prints_the_plan_and_refuses_before_launch(sample_assets, tmp_path):
+    model = sample_assets(instruct_rows=10, documents=20) / "model"
+    from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig, tokenize_pretrain
+
+    tokenize_pretrain(PretrainTokenizeConfig(input=[model.parent / "pretrain" / "corpus.parquet"], tokenizer=model,
+                                             out=tmp_path / "wiki", append_eod=True))
+    values = {"model": str(model), "out": str(tmp_path / "run"), "data": {"paths": [str(tmp_path / "wiki")]},
+              "steps": 1, "seq_length": 32, "micro_batch_size": 2, "global_batch_size": 4}
+    lines: list[str] = []
+    plan = check_training(TrainConfig.model_validate(values), 1, {"LLMFLOW_DEVICE": "cpu"}, report=lines.append)
+    assert plan is not None and lines == [plan.table()] and "peak (" in lines[0]
+    with pytest.raises(PreflightError) as refused:
+        check_training(TrainConfig.model_validate({**values, "device_memory_gb": 1e-4}), 1, {"LLMFLOW_DEVICE": "cpu"},
+                       report=lines.append)
+    assert [p for p in refused.value.problems if p.startswith("memory: ")]
+    assert not (tmp_path / "run").exists()
+
+
+def test_device_memory_override_and_cpu(monkeypatch):
+    import psutil
+
+    monkeypatch.delenv(DEVICE_MEMORY_ENV, raising=False)
+    assert device_memory("cuda", 8, 64) == (64_000_000_000, "device_memory_gb=64 GB")
+    monkeypatch.setenv(DEVICE_MEMORY_ENV, "80")
+    assert device_memory("npu", 8) == (80_000_000_000, f"{DEVICE_MEMORY_ENV}=80 GB")
+    assert device_memory("npu", 8, 64)[0] == 64_000_000_000  # the config's field first
+    monkeypatch.setenv(DEVICE_MEMORY_ENV, "lots")
+    with pytest.raises(ValueError, match=f"{DEVICE_MEMORY_ENV}='lots': expected a number of GB"):
+        device_memory("cuda", 8)
+    monkeypatch.delenv(DEVICE_MEMORY_ENV)
+    cpu, label = device_memory("cpu", 4)
+    assert abs(cpu - psutil.virtual_memory().available // 4) < 0.05 * cpu and "4 worker" in label
+
+
+def test_train_shape_resolves_dtype_accumulation_and_documents():
+    sh = train_shape(train_config(tp=2, data={"kind": "sft", "paths": ["d"]}), 8, 2048, "cpu")
+    assert (sh.dp, sh.dtype_bytes, sh.accumulation, sh.documents, sh.sharded) == (4, 4, 16, True, True)
+    assert train_shape(train_config(dtype="bf16"), 1, 2048, "cpu").sharded
+    assert not train_shape(train_config(tp=2), 2, 2048, "cpu").sharded  # fp32, dp=1: no FSDP2
+
+
+# --- generation --------------------------------------------------------------------------
+
+
+def test_generation_kv_cache_term_equals_the_real_cache():
+    config = qwen2(num_hidden_layers=3)
+    model = CausalLM(config).eval()
+    batch, prompt, new = 3, 10, 6
+    cache = KVCache(prompt + new)
+    with torch.no_grad():
+        model.model(torch.randint(0, 1000, (batch, prompt)), kv_cache=cache)
+    real = sum(t.numel() * t.element_size() for t in [*cache._keys.values(), *cache._values.values()])
+    plan = generation_plan(config, 1, batch, prompt, new)
+    assert term(plan, "KV cache") == real
+    assert term(plan, "weights") == 4 * sum(p.numel() for p in model.parameters())
+    sharded = generation_plan(config, 2, batch, prompt, new, whole_on_host=True)
+    assert term(sharded, "KV cache") == real // 2
+    assert sharded.moment(LOAD) == 4 * model_params(config) + term(sharded, "weights")
+
+
+# --- against measured peak memory --------------------------------------------------------
+
+
+def _status(key: str) -> int:
+    return int(re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)[1]) * 1024
+
+
+def measure_training(root: str, hidden: int, layers: int, ffn: int, heads: int, kv_heads: int, vocab: int, seq: int,
+                     checkpointing: str) -> dict[str, int]:
+    """Peak resident memory of two real training steps (micro batch 2, 2 micro-batches per
+    step) above the resident memory after the imports and a warm-up step of a tiny model;
+    and the plan of the same run."""
+    from llmflow.data.indexed import IndexedDatasetWriter
+    from llmflow.models.hf_checkpoint import save_hf_model
+    from llmflow.train.loop import setup, train_step
+
+    root_dir = Path(root)
+    config = ModelConfig(model_type="qwen2", vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         head_dim=hidden // heads, qkv_bias=True)
+    model = CausalLM(config)
+    model.init_weights(generator=torch.Generator().manual_seed(0))
+    save_hf_model(model, root_dir / "model")
+    del model
+    rng = np.random.default_rng(0)
+    with IndexedDatasetWriter(root_dir / "data_text_document", np.uint16) as writer:
+        for _ in range(16):
+            writer.add_document(rng.integers(0, vocab, 1000))
+    train = TrainConfig.model_validate({
+        "model": str(root_dir / "model"), "out": str(root_dir / "run"), "data": {"paths": [str(root_dir / "data")]},
+        "steps": 2, "seq_length": seq, "micro_batch_size": 2, "global_batch_size": 4,
+        "activation_checkpointing": checkpointing})
+    tiny = CausalLM(ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
+                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    ids, optimizer = torch.randint(0, 64, (2, 16)), torch.optim.AdamW(tiny.parameters())
+    tiny(ids, labels=ids).backward()
+    optimizer.step()
+    del tiny, optimizer, ids
+    gc.collect()
+    baseline = _status("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # restart the peak (VmHWM) from here
+    run = setup(train)
+    for step in (1, 2):  # step 2 holds the optimizer state the first step created
+        train_step(run, step)
+    plan = train_plan(config, train_shape(train, 1, seq, "cpu"))
+    return {"measured": _status("VmHWM") - baseline, "planned": plan.peak}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("hidden", "layers", "ffn", "heads", "kv_heads", "checkpointing"), [
+    (256, 4, 1024, 4, 2, "none"),        # 20.4M parameters
+    (768, 12, 2048, 12, 4, "selective"),  # 124.8M parameters
+], ids=["20M", "120M"])
+def test_plan_within_15_percent_of_the_measured_peak(tmp_path, hidden, layers, ffn, heads, kv_heads, checkpointing):
+    args = [str(tmp_path), hidden, layers, ffn, heads, kv_heads, 32000, 256, checkpointing]
+    proc = subprocess.run([sys.executable, __file__, "train", json.dumps(args)], capture_output=True, text=True,
+                          env={**os.environ, **MEASURE_ENV}, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result["measured"] > 0.1 * GIB
+    assert abs(result["planned"] - result["measured"]) <= 0.15 * result["measured"], result
+
+
+if __name__ == "__main__":
+    what, arguments = sys.argv[1], json.loads(sys.argv[2])
+    if what == "layers":
+        print(json.dumps([measure_layer(*case) for case in arguments]))
+    else:
+        print(json.dumps(measure_training(*arguments)))
