@@ -238,23 +238,33 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def row_key(mb: float, workers: int) -> str:
+    return f"{ROW} {mb:.0f} MB, {workers} worker{'s' if workers > 1 else ''} |"
+
+
 def record(rows: list[dict], entry: list[str], args: argparse.Namespace, mb: float, load: str) -> None:
-    """Append ``entry`` to History and replace this benchmark's rows of the Current table."""
+    """Append ``entry`` to History and put this run's rows in the Current table, in place of
+    the rows of the same corpus size and worker count and of any row of an earlier peer."""
     day = time.strftime("%Y-%m-%d")
-    current = [
-        f"{ROW} {r['workers']} worker{'s' if r['workers'] > 1 else ''} | Megatron-LM `tools/preprocess_data.py` "
-        f"({importlib.metadata.version('megatron-core')}), {mb:.0f} MB of JSONL, byte-identical .bin/.idx "
-        f"| {r['ratio']['median']:.2f}x MB/s, whole process; llmflow at {r['llmflow_of_ceiling']['median']:.0%} "
-        f"of the encoder ceiling | {r['ratio']['min']:.2f}x-{r['ratio']['max']:.2f}x over {args.rounds} rounds "
-        f"| {r['workers']} workers | {load} | {day} |"
+    peer = "Megatron-LM `tools/preprocess_data.py`"
+    current = {
+        row_key(mb, r["workers"]): (
+            f"{row_key(mb, r['workers'])} {peer} ({importlib.metadata.version('megatron-core')}), text as JSONL, "
+            f"byte-identical .bin/.idx | {r['ratio']['median']:.2f}x MB/s, whole process; llmflow at "
+            f"{r['llmflow_of_ceiling']['median']:.0%} of the encoder ceiling | {r['ratio']['min']:.2f}x-"
+            f"{r['ratio']['max']:.2f}x over {args.rounds} rounds | {r['workers']} worker "
+            f"process{'es' if r['workers'] > 1 else ''} | {load} | {day} |")
         for r in rows
-    ]
+    }
     text = RESULTS.read_text()
     head, sep, history = text.partition("\n## History\n")
-    lines = [line for line in head.split("\n") if not line.startswith(ROW)]
-    old = [i for i, line in enumerate(head.split("\n")) if line.startswith(ROW)]
-    at = old[0] if old else min(i for i, line in enumerate(lines) if line.startswith("|---")) + 1
-    lines[at:at] = current
+    lines = head.split("\n")
+    ours = [i for i, line in enumerate(lines) if line.startswith(ROW)]
+    at = ours[-1] + 1 if ours else min(i for i, line in enumerate(lines) if line.startswith("|---")) + 1
+    lines[at:at] = list(current.values())
+    new = set(current.values())
+    lines = [line for line in lines if not line.startswith(ROW) or line in new
+             or (peer in line and not line.startswith(tuple(current)))]
     tmp = RESULTS.with_suffix(".md.tmp")
     tmp.write_text("\n".join(lines) + sep + history.rstrip("\n") + "\n\n" + "\n".join(entry).rstrip("\n") + "\n")
     tmp.replace(RESULTS)
