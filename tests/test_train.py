@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from train_helpers import assert_close, config, run, train_in_subprocess, training_assets
+from train_helpers import assert_close, config, losses, run, train_in_subprocess, training_assets
 
 from llmflow.checkpoint import latest_step_dir, load_checkpoint, read_meta, stored_tensors
 from llmflow.data.indexed import IndexedDatasetWriter
@@ -243,3 +243,10 @@ def test_activation_checkpointing_keeps_the_loss(assets, tmp_path, mode):
     recomputed = train(config(assets, tmp_path / "ac", steps=2, lora={"rank": 4}, activation_checkpointing=mode))
     assert recomputed["loss"] == pytest.approx(plain["loss"], abs=1e-6)
     assert stored_tensors(latest_step_dir(tmp_path / "ac")).keys() == stored_tensors(latest_step_dir(tmp_path / "plain")).keys()
+
+
+def test_the_first_and_last_steps_are_reported_whatever_the_interval(assets, tmp_path, capsys):
+    """Step 1 is the sanity check of a fresh run (ln(vocabulary) from random weights): a run
+    shorter than its log interval still shows it."""
+    train(config(assets, tmp_path / "run", steps=5, log_interval=2))
+    assert sorted(losses(capsys.readouterr().out.splitlines())) == [1, 2, 4, 5]
