@@ -108,9 +108,9 @@ def child(side: str, model_dir: str, threads: int) -> None:
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         tokens = run(prompts(request["batch"]), request["new_tokens"])
-        print(json.dumps({"s": time.perf_counter() - t0, "tokens": tokens}), flush=True)
+        print(json.dumps({"s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, "tokens": tokens}), flush=True)
 
 
 class Side:
@@ -168,13 +168,13 @@ def spread(values: list[float]) -> dict:
 
 def bench(args: argparse.Namespace) -> tuple[list[dict], dict]:
     """Every round, every side and batch; the rows of the report and the warm-up seconds."""
-    runs: dict[str, dict[int, list[dict]]] = {s: {b: [] for b in args.batches} for s in SIDES}
+    runs: dict[str, dict[int, list[dict]]] = {s: {b: [] for b in args.batches} for s in args.sides}
     bandwidths, warmup = [], {}
     with tempfile.TemporaryDirectory() as model_dir, tempfile.TemporaryDirectory() as cache:
         make_model(model_dir)
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
         sides = {}
-        for side in SIDES:
+        for side in args.sides:
             t0 = time.perf_counter()
             sides[side] = Side(side, model_dir, args.threads, env)
             warmup[side] = {"load": time.perf_counter() - t0}
@@ -187,12 +187,13 @@ def bench(args: argparse.Namespace) -> tuple[list[dict], dict]:
         torch.set_num_threads(args.threads)
         for r in range(args.rounds):
             bandwidths.append(memory_bandwidth())
-            for side in SIDES if r % 2 == 0 else reversed(SIDES):
+            for side in args.sides if r % 2 == 0 else reversed(args.sides):
                 for batch in args.batches:
                     full, prefill = sides[side].run(batch, args.new_tokens), sides[side].run(batch, 1)
                     step = (full["s"] - prefill["s"]) / (args.new_tokens - 1)
+                    cpu_step = (full["cpu_s"] - prefill["cpu_s"]) / (args.new_tokens - 1)
                     runs[side][batch].append({"s": full["s"], "prefill_s": prefill["s"], "step_s": step,
-                                              "tokens": full["tokens"]})
+                                              "cpu_step_s": cpu_step, "tokens": full["tokens"]})
                     print(f"round {r + 1}/{args.rounds} {side} batch {batch}: {batch * args.new_tokens / full['s']:.1f} "
                           f"tok/s, decode {step * 1e3:.1f} ms/step, prefill {prefill['s'] * 1e3:.0f} ms", flush=True)
         for s in sides.values():
@@ -201,22 +202,23 @@ def bench(args: argparse.Namespace) -> tuple[list[dict], dict]:
     rows = []
     for batch in args.batches:
         reference = runs["llmflow"][batch][0]["tokens"]
-        for side in SIDES:
+        for side in args.sides:
             for run in runs[side][batch]:
                 if run["tokens"] != reference:
                     sys.exit(f"bench.generate: {side} generated other tokens than llmflow at batch {batch}")
         width = max(len(p) for p in prompts(batch))
         roofline_s = decode_step_bytes(batch, width + args.new_tokens / 2) / bandwidth
         row = {"batch": batch, "roofline_ms": roofline_s * 1e3, "sides": {}, "ratios": {}}
-        for side in SIDES:
+        for side in args.sides:
             rs = runs[side][batch]
             row["sides"][side] = {
                 "tokens_per_s": spread([batch * args.new_tokens / r["s"] for r in rs]),
                 "step_ms": spread([r["step_s"] * 1e3 for r in rs]),
+                "cpu_step_ms": statistics.median(r["cpu_step_s"] * 1e3 for r in rs),
                 "prefill_ms": statistics.median(r["prefill_s"] * 1e3 for r in rs),
                 "of_roofline": spread([roofline_s / r["step_s"] for r in rs]),
             }
-        for base in BASELINES:
+        for base in (b for b in BASELINES if b in args.sides):
             ours, theirs = runs["llmflow"][batch], runs[base][batch]
             row["ratios"][f"llmflow / {base}"] = spread([t["s"] / o["s"] for o, t in zip(ours, theirs)])
             row["ratios"][f"llmflow / {base}, decode"] = spread([t["step_s"] / o["step_s"] for o, t in zip(ours, theirs)])
@@ -251,21 +253,22 @@ def report(rows: list[dict], extra: dict, args: argparse.Namespace, load_before:
          "(weights + cached keys and values at the mean context) / that bandwidth. Warm-up (first call of each batch "
          "size, not timed): " + "; ".join(
              f"{side} " + ", ".join(f"batch {b} {extra['warmup'][side][b]:.1f} s" for b in args.batches)
-             for side in SIDES) + "."),
+             for side in args.sides) + "."),
         "",
     ]
     for row in rows:
         lines += [
             f"Batch {row['batch']}: roofline {row['roofline_ms']:.2f} ms/step ({row['batch'] / row['roofline_ms'] * 1e3:.0f} tok/s).",
             "",
-            "| side | tokens/s median (min-max) | decode ms/step median (min-max) | decode tok/s | of roofline median (min-max) | prefill ms |",
-            "|---|---|---|---|---|---|",
+            ("| side | tokens/s median (min-max) | decode ms/step median (min-max) | decode tok/s | of roofline median "
+             "(min-max) | decode CPU ms/step (all threads) | prefill ms |"),
+            "|---|---|---|---|---|---|---|",
         ]
         for side, s in row["sides"].items():
             t, m, f = s["tokens_per_s"], s["step_ms"], s["of_roofline"]
             lines.append(f"| {side} | {t['median']:.1f} ({t['min']:.1f}-{t['max']:.1f}) | {m['median']:.2f} "
                          f"({m['min']:.2f}-{m['max']:.2f}) | {row['batch'] / m['median'] * 1e3:.1f} | {f['median']:.0%} "
-                         f"({f['min']:.0%}-{f['max']:.0%}) | {s['prefill_ms']:.0f} |")
+                         f"({f['min']:.0%}-{f['max']:.0%}) | {s['cpu_step_ms']:.2f} | {s['prefill_ms']:.0f} |")
         lines += ["", "| speed ratio | median | min | max |", "|---|---|---|---|"]
         lines += [f"| {k} | {v['median']:.2f}x | {v['min']:.2f}x | {v['max']:.2f}x |" for k, v in row["ratios"].items()]
         lines.append("")
@@ -309,6 +312,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES,
+                        help="the sides to run (all of them for --record)")
     parser.add_argument("--record", action="store_true", help="record the result in bench/RESULTS.md")
     parser.add_argument("--child", nargs=2, metavar=("SIDE", "MODEL_DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -320,6 +325,8 @@ def main() -> None:
             parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     if args.new_tokens < 2:
         parser.error(f"--new-tokens must be at least 2 (decode time = N tokens - 1 token), got {args.new_tokens}")
+    if "llmflow" not in args.sides or (args.record and len(args.sides) < len(SIDES)):
+        parser.error(f"--sides must include llmflow, and all of {' '.join(SIDES)} with --record; got {args.sides}")
     if any(b < 1 for b in args.batches):
         parser.error(f"--batches must be at least 1, got {args.batches}")
     load_before = os.getloadavg()
