@@ -110,6 +110,8 @@ class MemoryWatch:
         self.interval_s = interval_s
         self.peaks: dict[str, float] = {}
         self.peak_total = 0.0
+        self.at_peak: dict[str, float] = {}
+        """Each process's share of ``peak_total``."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
@@ -134,7 +136,7 @@ class MemoryWatch:
     def _watch(self) -> None:
         me = psutil.Process()
         while not self._stop.wait(self.interval_s):
-            total = 0.0
+            now: dict[str, float] = {}
             for process in [me, *me.children(recursive=True)]:
                 try:
                     role = self._role(process, me)
@@ -144,12 +146,14 @@ class MemoryWatch:
                 except psutil.Error:
                     continue  # ended between listing and reading
                 self.peaks[role] = max(self.peaks.get(role, 0.0), gib)
-                total += gib
-            self.peak_total = max(self.peak_total, total)
+                now[role] = gib
+            if sum(now.values()) > self.peak_total:
+                self.peak_total, self.at_peak = sum(now.values()), now
 
     def report(self) -> str:
         rows = [f"  {role}: {gib:.2f} GiB" for role, gib in sorted(self.peaks.items())]
-        return "\n".join(["peak RSS:", *rows, f"  at once (sum): {self.peak_total:.2f} GiB"])
+        shares = ", ".join(f"{role} {gib:.2f}" for role, gib in sorted(self.at_peak.items()))
+        return "\n".join(["peak RSS:", *rows, f"  at once (sum): {self.peak_total:.2f} GiB ({shares})"])
 
 
 def manifest_files_present(root: Path) -> dict:
@@ -203,8 +207,8 @@ def test_a_qwen2_5_0_5b_shaped_model_runs_the_finetune_eval_flow(prefect_env, re
 
     # Training: finite losses, the first one that of random weights over the whole vocabulary.
     # Weights of std 0.02 against the final norm's unit-RMS output give logits of std ~0.6, so
-    # the loss starts a little above ln(vocab); a wrong vocabulary (the tokenizer's 1.5k
-    # entries, or the padded rows in the softmax of a padded one) would miss by far more.
+    # the loss starts a little above ln(vocab) (12.27 and 12.48 seen); a softmax over the wrong
+    # vocabulary (the tokenizer's 1.5k entries: ln 1539 = 7.3) would miss by far more.
     steps = losses(flow_run_logs(state.state_details.flow_run_id))
     print(f"losses: {steps}")
     assert sorted(steps) == [1, 2] and all(math.isfinite(loss) for loss in steps.values())
@@ -223,6 +227,7 @@ def test_a_qwen2_5_0_5b_shaped_model_runs_the_finetune_eval_flow(prefect_env, re
     exported = Path(result["model"])
     manifest_files_present(exported)
     config = json.loads((exported / "config.json").read_text())
+    assert config["torch_dtype"] == "float32"  # the dtype the weights were written in: the fp32 master weights
     assert {k: config[k] for k in QWEN2_5_0_5B if k != "torch_dtype"} == {
         k: v for k, v in QWEN2_5_0_5B.items() if k != "torch_dtype"}
     assert_transformers_logits(exported)
