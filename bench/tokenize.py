@@ -117,7 +117,7 @@ def megatron_checkout(source: str, cache: Path) -> tuple[Path, dict[str, str]]:
     installed = Path(importlib.util.find_spec("megatron.core").submodule_search_locations[0])
     ours = (installed / "datasets" / "indexed_dataset.py").read_bytes()
     if (checkout / "megatron" / "core" / "datasets" / "indexed_dataset.py").read_bytes() != ours:
-        sys.exit(f"{checkout}: its megatron/core differs from the installed megatron-core {version}")
+        sys.exit(f"{checkout}: megatron/core/datasets/indexed_dataset.py differs from the installed megatron-core {version}'s")
     env = {}
     if importlib.util.find_spec("triton") is None:
         deps = cache / "megatron-deps"
