@@ -249,9 +249,13 @@ def test_a_plan_that_does_not_fit_is_refused_with_the_changes_that_fit():
         change = {"lora": {"rank": 8}} if fix == "LoRA" else {fix.split("=")[0]: fix.split("=")[1]}
         fixed = train_config(device_memory_gb=64, **change)
         assert memory_check(fixed, QWEN25_7B, 8, 8, "cuda", 4096)[0].fits, fix
-    if "activation_checkpointing=full" not in fixes:
-        assert not memory_check(train_config(device_memory_gb=64, activation_checkpointing="full"), QWEN25_7B, 8, 8,
-                                "cuda", 4096)[0].fits
+    # Each is the smallest change of its setting that fits.
+    smaller = {"tp=4": {"tp": 2}, "tp=8": {"tp": 4}, "pp=4": {"pp": 2}, "activation_checkpointing=full":
+               {"activation_checkpointing": "selective"}}
+    for fix in fixes:
+        if fix in smaller:
+            assert not memory_check(train_config(device_memory_gb=64, **smaller[fix]), QWEN25_7B, 8, 8, "cuda",
+                                    4096)[0].fits, fix
 
 
 def test_check_training_prints_the_plan_and_refuses_before_launch(sample_assets, tmp_path):

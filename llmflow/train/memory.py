@@ -433,30 +433,28 @@ def device_memory(device_type: str, local_ranks: int = 1, override_gb: float | N
 
 def suggestions(plan_of: Callable[[dict], MemoryPlan | None], current: dict, model: ModelConfig,
                 world_size: int) -> list[str]:
-    """Changes of one setting that make the plan fit, each with its peak: ``plan_of(settings)``
-    plans ``current`` updated with the settings (None where the layout cannot run)."""
-    tried: list[tuple[str, dict]] = []
-    for tp in (2, 4, 8, 16, 32, 64):
-        if tp > current["tp"] and world_size % (tp * current["pp"]) == 0:
-            tried.append((f"tp={tp}", {"tp": tp}))
-    for pp in (2, 4, 8, 16):
-        if pp > current["pp"] and world_size % (pp * current["tp"]) == 0 and pp <= model.num_hidden_layers:
-            tried.append((f"pp={pp}", {"pp": pp, "num_layer_list": None}))
-    for mode in ("selective", "full"):
-        if ("none", "selective", "full").index(mode) > ("none", "selective", "full").index(current["activation_checkpointing"]):
-            tried.append((f"activation_checkpointing={mode}", {"activation_checkpointing": mode}))
-    micro = current["micro_batch_size"] // 2
-    while micro >= 1:
-        tried.append((f"micro_batch_size={micro}", {"micro_batch_size": micro}))
-        micro //= 2
-    if current["lora"] is None:
-        tried.append(("LoRA (lora: {rank: 8})", {"lora": LoraConfig()}))
+    """The smallest change of each setting that makes the plan fit (a larger tp, a larger pp,
+    activation checkpointing, a smaller micro batch, LoRA), each with its peak:
+    ``plan_of(settings)`` plans ``current`` updated with the settings (None where the layout
+    cannot run)."""
+    modes = ("none", "selective", "full")
+    groups: list[list[tuple[str, dict]]] = [
+        [(f"tp={tp}", {"tp": tp}) for tp in (2, 4, 8, 16, 32, 64)
+         if tp > current["tp"] and world_size % (tp * current["pp"]) == 0],
+        [(f"pp={pp}", {"pp": pp, "num_layer_list": None}) for pp in (2, 4, 8, 16)
+         if pp > current["pp"] and world_size % (pp * current["tp"]) == 0 and pp <= model.num_hidden_layers],
+        [(f"activation_checkpointing={mode}", {"activation_checkpointing": mode}) for mode in modes
+         if modes.index(mode) > modes.index(current["activation_checkpointing"])],
+        [(f"micro_batch_size={micro}", {"micro_batch_size": micro})
+         for micro in range(current["micro_batch_size"] - 1, 0, -1) if current["micro_batch_size"] % micro == 0],
+        [("LoRA (lora: {rank: 8})", {"lora": LoraConfig()})] if current["lora"] is None else [],
+    ]
     found = []
-    for label, change in tried:
-        plan = plan_of(change)
-        if plan is not None and plan.fits:
-            found.append(f"{label} ({size(plan.peak)})")
-            if label.startswith("micro_batch_size"):
+    for group in groups:
+        for label, change in group:
+            plan = plan_of(change)
+            if plan is not None and plan.fits:
+                found.append(f"{label} ({size(plan.peak)})")
                 break
     return found
 
