@@ -318,6 +318,21 @@ def test_generation_kv_cache_term_equals_the_real_cache():
     assert sharded.moment(LOAD) == 4 * model_params(config) + term(sharded, "weights")
 
 
+def test_generate_reports_the_plan_of_a_worker_launch_and_refuses_one_that_does_not_fit(sample_assets, monkeypatch):
+    from llmflow.infer.command import GenerateCommand, check_memory
+
+    model = sample_assets(instruct_rows=10, documents=20) / "model"
+    lines: list[str] = []
+    check_memory(GenerateCommand(model=model, prompt="hi", nproc=2, max_new_tokens=8), lines.append)
+    assert len(lines) == 1 and "tp=2, 1 prompt(s)" in lines[0] and "KV cache" in lines[0]
+    check_memory(GenerateCommand(model=model, prompt="hi", max_new_tokens=8), lines.append)
+    assert len(lines) == 1  # one process: nothing reported (its errors stay one line)
+    monkeypatch.setenv(DEVICE_MEMORY_ENV, "0.001")
+    with pytest.raises(ValueError, match=r"^memory: the plan needs .* largest term: weights") as refused:
+        check_memory(GenerateCommand(model=model, prompt="hi", max_new_tokens=8), lines.append)
+    assert "\n" not in str(refused.value)
+
+
 # --- against measured peak memory --------------------------------------------------------
 
 

@@ -89,9 +89,11 @@ def _encode(tokenizer, tok_dir: Path, texts: list[str], template: str | None) ->
 
 
 def check_memory(command: GenerateCommand, report: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> None:
-    """Report the per-device memory plan of ``command`` (weights, KV cache, the prompt's
-    forward pass, logits; ``llmflow.train.memory``) and refuse, before loading anything, one
-    that does not fit a device, naming its largest term and the changes that fit."""
+    """Refuse, before loading anything, a ``command`` whose per-device memory plan (weights, KV
+    cache, the prompt's forward pass, logits; ``llmflow.train.memory``) does not fit a device,
+    naming its largest term and the changes that fit; a launch of torchrun workers (``--nproc``
+    above 1, several nodes) reports the plan first. One process reports nothing: a failing
+    command there prints its one line."""
     tok_dir = tokenizer_dir(command.model)
     if tok_dir is None:
         return  # loading the model names what is missing
@@ -112,7 +114,8 @@ def check_memory(command: GenerateCommand, report: Callable[[str], None] = lambd
 
     tp = command.nproc * command.nnodes
     plan = plan_of(tp, batch, command.max_new_tokens)
-    report(plan.table())
+    if command.nproc > 1 or not command.standalone:
+        report(plan.table())
     if not plan.fits:
         raise ValueError(refusal(plan, generation_suggestions(plan_of, config, tp, batch, command.max_new_tokens)))
 
