@@ -332,7 +332,7 @@ def resume_problems(config: TrainConfig, model: ModelConfig | None) -> list[str]
     return problems
 
 
-def layout_fits(config: TrainConfig, world: int, model: ModelConfig | None) -> list[str]:
+def settings_problems(config: TrainConfig, world: int, model: ModelConfig | None) -> list[str]:
     """Every reason ``config``'s layout, batch sizes and pipeline settings cannot run on
     ``world`` ranks for ``model``."""
     problems = parallel_problems(world, config.tp, config.dp, model, config.pp)
@@ -364,7 +364,7 @@ def memory_check(config: TrainConfig, model: ModelConfig, world: int, nproc: int
 
     def plan_of(change: dict[str, Any]) -> MemoryPlan | None:
         changed = config.model_copy(update=change)
-        if layout_fits(changed, world, model):
+        if settings_problems(changed, world, model):
             return None
         return train_plan(model, train_shape(changed, world, seq_length, device_type), device_bytes, label, name)
 
@@ -386,7 +386,7 @@ def check_training(config: TrainConfig, nproc: int, env: Mapping[str, str] | Non
     (when the layout can run at all) and is returned."""
     model, problems = model_problems(Path(config.model))
     world = nproc * nnodes
-    layout = layout_fits(config, world, model)
+    layout = settings_problems(config, world, model)
     problems += layout + data_problems(config, model)
     device_type = (env or {}).get(runtime.DEVICE_ENV)
     if local:
@@ -396,9 +396,13 @@ def check_training(config: TrainConfig, nproc: int, env: Mapping[str, str] | Non
     if model is not None and not layout and seq_length:
         try:
             device_type = runtime.device_spec(device_type).type
-            plan, memory = memory_check(config, model, world, nproc, device_type, seq_length, measure=local)
-        except ValueError as error:  # an unknown device type, a bad LLMFLOW_DEVICE_MEMORY_GB
-            memory = [str(error)]
+        except ValueError as error:  # an unknown device type (device_problems names it when local)
+            device_type, memory = None, [] if local else [str(error)]
+        if device_type is not None:
+            try:
+                plan, memory = memory_check(config, model, world, nproc, device_type, seq_length, measure=local)
+            except ValueError as error:  # a bad LLMFLOW_DEVICE_MEMORY_GB
+                memory = [str(error)]
         if plan is not None:
             report(plan.table())
         problems += memory
