@@ -8,10 +8,11 @@ same thing.
 from __future__ import annotations
 
 import errno
+import importlib
 import os
 import sys
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, Field, create_model
 from pydantic_settings import (
     BaseSettings,
     CliApp,
@@ -21,117 +22,53 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from llmflow.cluster.kubernetes import RenderCommand
-from llmflow.convert import ConvertCommand
-from llmflow.data.tokenize_instruction import InstructionCommand
-from llmflow.data.tokenize_pretrain import PretrainCommand
-from llmflow.demo import DemoCommand
-from llmflow.download import DownloadCommand, DownloadError
-from llmflow.envinfo import EnvCommand
-from llmflow.evaluate.commands import CEvalCommand, CMMLUCommand, MMLUCommand
-from llmflow.export import ExportCommand
-from llmflow.infer.command import ChatCommand, GenerateCommand
+from llmflow.download import DownloadError
 from llmflow.launch import WorkerError
-from llmflow.probe.compare.command import CompareCommand
-from llmflow.sample import SampleCommand
-from llmflow.server import ServerCommand
-from llmflow.train.command import TrainCommand
+
+# Each subcommand's model is imported only when that subcommand runs (every one of them for
+# ``llmflow --help``): the models' modules import torch, torch.distributed.checkpoint or
+# transformers, seconds of start-up that ``llmflow tokenize`` or ``llmflow eval`` need not pay.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "env": ("llmflow.envinfo:EnvCommand",
+            "Show the devices, backends, dtypes and kernels llmflow would use here."),
+    "demo": ("llmflow.demo:DemoCommand",
+             "Run the finetune-and-eval flow on the built-in sample assets (offline, CPU-friendly)."),
+    "server": ("llmflow.server:ServerCommand",
+               ("Start the Prefect server and UI, a worker, llmflow's deployments and the MLflow UI "
+                "(loopback; Ctrl-C stops).")),
+    "sample": ("llmflow.sample:SampleCommand",
+               "Write the built-in sample assets: tokenizer, tiny model, corpus, instructions, MMLU-style set."),
+    "tokenize": ("llmflow.data.commands:TokenizeCommands",
+                 "Tokenize text into training datasets (pretrain text, instruction data)."),
+    "download": ("llmflow.download:DownloadCommand",
+                 "Download a model or data set (Hugging Face Hub, ModelScope, local directory) with a manifest."),
+    "convert": ("llmflow.convert:ConvertCommand",
+                "Hugging Face model directory -> training checkpoint (DCP, vocabulary padded for tensor parallelism)."),
+    "export": ("llmflow.export:ExportCommand",
+               "Training checkpoint -> Hugging Face model directory (or PEFT adapter / merged LoRA model)."),
+    "train": ("llmflow.train.command:TrainCommand",
+              "Pretrain or finetune (full or LoRA) on torchrun workers; resumes from the run's last checkpoint."),
+    "generate": ("llmflow.infer.command:GenerateCommand",
+                 "Continue prompts with a model (greedy or sampled, streamed, optionally in a chat template)."),
+    "chat": ("llmflow.infer.command:ChatCommand", "Chat with a model on the terminal (streamed replies; /reset, /exit)."),
+    "eval": ("llmflow.evaluate.commands:EvalCommands", "Evaluate a model on benchmarks (MMLU)."),
+    "probe": ("llmflow.probe.compare.command:ProbeCommands",
+              "Debug precision: compare msprobe-format dumps of two runs (a training config's probe: option makes them)."),
+    "cluster": ("llmflow.cluster.kubernetes:ClusterCommands",
+                "Run on a cluster: render a Kubernetes training job's manifest (llmflow cluster render)."),
+}
 
 
-class TokenizeCommands(BaseModel):
-    """Tokenize text into training datasets."""
-
-    model_config = ConfigDict(use_attribute_docstrings=True)
-
-    pretrain: CliSubCommand[PretrainCommand]
-    """Pretraining text -> Megatron indexed dataset ({out}_text_document.bin/.idx)."""
-    instruction: CliSubCommand[InstructionCommand]
-    """Instruction data -> input_ids/labels indexed datasets ({out}_packed_*_document)."""
-
-    def cli_cmd(self) -> None:
-        CliApp.run_subcommand(self)
-
-
-class EvalCommands(BaseModel):
-    """Evaluate models on benchmarks."""
-
-    model_config = ConfigDict(use_attribute_docstrings=True)
-
-    mmlu: CliSubCommand[MMLUCommand]
-    """MMLU accuracy with lm-evaluation-harness's prompts and scoring (results.json, predictions.jsonl)."""
-    ceval: CliSubCommand[CEvalCommand]
-    """C-Eval (val split) accuracy with lm-evaluation-harness's ceval-valid prompts and scoring."""
-    cmmlu: CliSubCommand[CMMLUCommand]
-    """CMMLU accuracy with lm-evaluation-harness's cmmlu prompts and scoring."""
-
-    def cli_cmd(self) -> None:
-        CliApp.run_subcommand(self)
-
-
-class ProbeCommands(BaseModel):
-    """Debug precision with msprobe-format dumps."""
-
-    model_config = ConfigDict(use_attribute_docstrings=True)
-
-    compare: CliSubCommand[CompareCommand]
-    """Compare a dump against a benchmark dump (msprobe's metrics and results) and name the first divergence."""
-
-    def cli_cmd(self) -> None:
-        CliApp.run_subcommand(self)
-
-
-class ClusterCommands(BaseModel):
-    """Run training workers on a cluster."""
-
-    model_config = ConfigDict(use_attribute_docstrings=True)
-
-    render: CliSubCommand[RenderCommand]
-    """Print a Kubernetes training job's manifest (TrainJob, PyTorchJob or Volcano Job) without submitting it."""
-
-    def cli_cmd(self) -> None:
-        CliApp.run_subcommand(self)
-
-
-class LLMFlow(BaseSettings):
+class _Root(BaseSettings):
     """llmflow: download, convert, tokenize, train, generate, evaluate and debug LLMs as
     Prefect flows on Ascend NPU, CUDA and CPU."""
 
     model_config = SettingsConfigDict(
-        use_attribute_docstrings=True,
         cli_prog_name="llmflow",
         cli_kebab_case=True,
         cli_implicit_flags=True,
         cli_enforce_required=True,
     )
-
-    env: CliSubCommand[EnvCommand]
-    """Show the devices, backends, dtypes and kernels llmflow would use here."""
-    demo: CliSubCommand[DemoCommand]
-    """Run the finetune-and-eval flow on the built-in sample assets (offline, CPU-friendly)."""
-    server: CliSubCommand[ServerCommand]
-    """Start the Prefect server and UI, a worker, llmflow's deployments and the MLflow UI (loopback; Ctrl-C stops)."""
-    sample: CliSubCommand[SampleCommand]
-    """Write the built-in sample assets: tokenizer, tiny model, corpus, instructions, MMLU-style set."""
-    tokenize: CliSubCommand[TokenizeCommands]
-    """Tokenize text into training datasets (pretrain text, instruction data)."""
-    download: CliSubCommand[DownloadCommand]
-    """Download a model or data set (Hugging Face Hub, ModelScope, local directory) with a manifest."""
-    convert: CliSubCommand[ConvertCommand]
-    """Hugging Face model directory -> training checkpoint (DCP, vocabulary padded for tensor parallelism)."""
-    export: CliSubCommand[ExportCommand]
-    """Training checkpoint -> Hugging Face model directory (or PEFT adapter / merged LoRA model)."""
-    train: CliSubCommand[TrainCommand]
-    """Pretrain or finetune (full or LoRA) on torchrun workers; resumes from the run's last checkpoint."""
-    generate: CliSubCommand[GenerateCommand]
-    """Continue prompts with a model (greedy or sampled, streamed, optionally in a chat template)."""
-    chat: CliSubCommand[ChatCommand]
-    """Chat with a model on the terminal (streamed replies; /reset, /exit)."""
-    eval: CliSubCommand[EvalCommands]
-    """Evaluate a model on benchmarks (MMLU)."""
-    probe: CliSubCommand[ProbeCommands]
-    """Debug precision: compare msprobe-format dumps of two runs (a training config's probe: option makes them)."""
-    cluster: CliSubCommand[ClusterCommands]
-    """Run on a cluster: render a Kubernetes training job's manifest (llmflow cluster render)."""
 
     @classmethod
     def settings_customise_sources(
@@ -142,6 +79,20 @@ class LLMFlow(BaseSettings):
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)
+
+
+def _command_model(name: str) -> type[BaseModel]:
+    module, _, attribute = SUBCOMMANDS[name][0].partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def root_command(names: list[str] | None = None) -> type[BaseSettings]:
+    """The ``llmflow`` command with the subcommands ``names`` (default: all of them)."""
+    fields = {name.replace("-", "_"): (CliSubCommand[_command_model(name)], Field(description=SUBCOMMANDS[name][1]))
+              for name in names or SUBCOMMANDS}
+    root = create_model("LLMFlow", __base__=_Root, **fields)
+    root.__doc__ = _Root.__doc__
+    return root
 
 
 # Bad input (a missing file, an invalid option or config value, an impossible layout, a
@@ -169,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     command = " ".join(a for a in args[:2] if not a.startswith("-"))
     try:
-        CliApp.run(LLMFlow, cli_args=args or ["--help"])
+        names = [args[0]] if args and args[0] in SUBCOMMANDS else None
+        CliApp.run(root_command(names), cli_args=args or ["--help"])
     except USER_ERRORS as error:
         if os.environ.get("LLMFLOW_DEBUG"):
             raise

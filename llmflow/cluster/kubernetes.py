@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
-from pydantic_settings import CliPositionalArg
+from pydantic_settings import CliApp, CliPositionalArg, CliSubCommand
 
 from llmflow.cluster import manifests
 from llmflow.cluster.job import WorkerJob
@@ -247,3 +247,15 @@ class RenderCommand(KubernetesSettings):
     def cli_cmd(self) -> None:
         job = self.training_job(self.name, self.module, self.args, self.nnodes, self.nproc)
         print(yaml.safe_dump(manifests.render(self.kind, job), sort_keys=False), end="")
+
+
+class ClusterCommands(BaseModel):
+    """Run training workers on a cluster."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    render: CliSubCommand[RenderCommand]
+    """Print a Kubernetes training job's manifest (TrainJob, PyTorchJob or Volcano Job) without submitting it."""
+
+    def cli_cmd(self) -> None:
+        CliApp.run_subcommand(self)

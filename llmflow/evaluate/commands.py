@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 from typing import ClassVar
 
+from pydantic import BaseModel, ConfigDict
+from pydantic_settings import CliApp, CliSubCommand
+
 from llmflow.evaluate.benchmarks import CEVAL, CMMLU, MMLU, Benchmark
 from llmflow.evaluate.engine import EvalConfig, evaluate, format_table
 
@@ -41,3 +44,19 @@ class CMMLUCommand(EvalCommand):
     writes results.json and predictions.jsonl into --out and prints the accuracy table."""
 
     benchmark = CMMLU
+
+
+class EvalCommands(BaseModel):
+    """Evaluate models on benchmarks."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    mmlu: CliSubCommand[MMLUCommand]
+    """MMLU accuracy with lm-evaluation-harness's prompts and scoring (results.json, predictions.jsonl)."""
+    ceval: CliSubCommand[CEvalCommand]
+    """C-Eval (val split) accuracy with lm-evaluation-harness's ceval-valid prompts and scoring."""
+    cmmlu: CliSubCommand[CMMLUCommand]
+    """CMMLU accuracy with lm-evaluation-harness's cmmlu prompts and scoring."""
+
+    def cli_cmd(self) -> None:
+        CliApp.run_subcommand(self)
