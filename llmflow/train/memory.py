@@ -27,11 +27,20 @@ It counts what llmflow really keeps, term by term, on the busiest device:
   projection's gradient during the forward pass into an fp32 [vocab, hidden] buffer and the
   hidden states' gradient, and holds both until backward; logits exist one chunk of rows at
   a time.
+- The end of the backward pass: the embedding's backward (the last op of the pass) makes a
+  dense [vocab, hidden] gradient while the output projection's gradient (in the same buffer
+  with tied embeddings) and every layer's gradient (reduce-scattered by then under FSDP2)
+  are held, and under FSDP2 the root unit is still gathered; then FSDP2 reduce-scatters the
+  root unit's gradients through an fp32 input and output buffer.
+- The optimizer step: weights, gradients and optimizer state; on CPU (AdamW's for-loop
+  implementation) also two temporaries the size of the largest parameter (shard), which the
+  fused kernels of CUDA and Ascend do not make.
 
-The peak is the largest of three moments: loading, the end of the forward pass (weights,
+The peak is the largest of four moments: loading, the end of the forward pass (weights,
 optimizer state, gathered copies, activations, the loss's buffers, one layer's backward
-working set), and the optimizer step (weights, gradients, optimizer state). Sizes are in
-bytes; the table prints GiB.
+working set), the end of the backward pass and the optimizer step. The optimizer state is
+held at every moment after loading: the first step creates it and every later step's
+forward and backward pass run beside it. Sizes are in bytes; the table prints GiB.
 """
 
 from __future__ import annotations
@@ -56,9 +65,11 @@ CHUNK_LOGIT_ELEMENTS = 2**26
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 
-LOAD, ALWAYS, FORWARD, UPDATE = "load", "always", "compute", "optimizer step"
+LOAD, ALWAYS, FORWARD, BACKWARD, UPDATE = "load", "always", "compute", "backward end", "optimizer step"
 """When a term is held: while loading, always, while the model computes (training: from the
-forward pass until backward frees it; generation: the prompt's pass), at the optimizer step."""
+forward pass until backward frees it; generation: the prompt's pass), at the end of the
+backward pass (the embedding's gradient), at the optimizer step."""
+MOMENTS = (LOAD, FORWARD, BACKWARD, UPDATE)
 
 
 @dataclass(frozen=True)
@@ -83,12 +94,12 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
 
     def moment(self, when: str) -> int:
-        """Bytes held at moment ``when`` (LOAD, FORWARD or UPDATE)."""
+        """Bytes held at moment ``when`` (LOAD, FORWARD, BACKWARD or UPDATE)."""
         return sum(t.bytes for t in self.terms if t.when == when or (when != LOAD and t.when == ALWAYS))
 
     @property
     def peak_moment(self) -> str:
-        return max((LOAD, FORWARD, UPDATE), key=self.moment)
+        return max(MOMENTS, key=self.moment)
 
     @property
     def peak(self) -> int:
@@ -245,6 +256,9 @@ class TrainShape:
     documents: bool = False
     """Whether the batches carry document ids (sft, or pretrain with document_attention):
     attention then takes an explicit mask."""
+    fused_optimizer: bool = True
+    """Whether AdamW runs fused (CUDA, NPU: no temporaries) or, on CPU, as a loop over the
+    parameters that makes two temporaries the size of each parameter (shard) in turn."""
 
     @property
     def sharded(self) -> bool:
@@ -330,9 +344,61 @@ def _stage_plan(model: ModelConfig, shape: TrainShape, pp_rank: int) -> tuple[li
         loss += rows * model.vocab_size * (d + 4 + (2 if d == 2 else 0))
         loss += d * vh * head_trains * (d != 4)
         terms.append(Term(f"loss: fused cross-entropy buffers x {held_losses} micro-batch(es)", int(loss), FORWARD))
+    if first and shape.lora is None:
+        terms += _backward_end(model, shape, layers, root, last)
+    if not shape.fused_optimizer:
+        largest = _largest_trainable(model, shape, first or last)
+        terms.append(Term(f"temporaries of AdamW on CPU: 2 x the largest parameter{' shard' if sharded else ''}, fp32",
+                          2 * 4 * largest // (dp if sharded else 1), UPDATE))
     where = f"pipeline rank {pp_rank} of {shape.pp}: " if shape.pp > 1 else ""
     desc = f"{where}{layers} layers{', embedding' if first else ''}{', output projection' if last else ''}"
     return terms, desc
+
+
+def _backward_end(model: ModelConfig, shape: TrainShape, layers: int, root: int, last: bool) -> list[Term]:
+    """What the rank holding the embedding keeps at the end of its backward pass (full
+    training): the layers' gradients (each layer's reduce-scattered by then under FSDP2), the
+    root unit's gradients held across micro-batches, and either the embedding's backward
+    (the gathered root unit, the output projection's gradient from the fused cross-entropy,
+    which with tied embeddings waits in the same autograd buffer, and the embedding's dense
+    gradient) or, when larger, FSDP2's reduce-scatter of the root unit (its gradients in the
+    compute dtype, gathered weights freed, an fp32 input and output)."""
+    d, dp, vh = shape.dtype_bytes, shape.dp, model.vocab_size * model.hidden_size
+    dtype = "bf16" if d == 2 else "fp32"
+    body = 4 * layers * layer_params(model, shape.tp)
+    held = shape.accumulation > 1 or shape.pp > 1
+    terms = []
+    if shape.sharded:
+        terms.append(Term(f"gradients of the layers: fp32, sharded over dp={dp} (reduce-scattered by then)",
+                          body // dp, BACKWARD))
+        if held:
+            terms.append(Term("root unit's gradients held unsharded across micro-batches, fp32", 4 * root, BACKWARD))
+    elif held:
+        terms.append(Term("gradients accumulated across micro-batches, fp32", body + 4 * root, BACKWARD))
+    else:
+        terms.append(Term("gradients of the layers, fp32", body, BACKWARD))
+    head = d * vh if last and (not held or (model.tie_word_embeddings and shape.pp == 1)) else 0
+    gathered = d * root if shape.sharded else 0
+    reduce = (0 if held else d * root) + 4 * root + 4 * root // dp
+    if shape.sharded and reduce > gathered + head + d * vh:
+        terms.append(Term("root unit's reduce-scatter: its gradients, the fp32 input and output", reduce, BACKWARD))
+        return terms
+    if gathered:
+        terms.append(Term(f"root unit gathered by FSDP2, {dtype}", gathered, BACKWARD))
+    if head:
+        tied = " (with the tied embedding's)" if model.tie_word_embeddings else ""
+        terms.append(Term(f"output projection's gradient{tied}: [vocab, hidden], {dtype}", head, BACKWARD))
+    terms.append(Term(f"embedding's gradient: dense [vocab, hidden], {dtype}", d * vh, BACKWARD))
+    return terms
+
+
+def _largest_trainable(model: ModelConfig, shape: TrainShape, holds_vocab: bool) -> int:
+    """Elements of the largest trainable parameter on a tensor-parallel rank (before FSDP2)."""
+    shapes = _linear_shapes(model)
+    if shape.lora is not None:
+        return max(shape.lora.rank * max(shapes[name]) for name in _targets(shape.lora)) if _targets(shape.lora) else 0
+    largest = max(i * o for i, o in shapes.values()) // shape.tp
+    return max(largest, model.vocab_size * model.hidden_size if holds_vocab else 0)
 
 
 def train_plan(model: ModelConfig, shape: TrainShape, device_bytes: int | None = None, device_label: str = "",
@@ -504,4 +570,5 @@ def train_shape(config: TrainConfig, world_size: int, seq_length: int, device_ty
         activation_checkpointing=config.activation_checkpointing, lora=config.lora, pp_schedule=config.pp_schedule,
         virtual_stages=config.virtual_stages, num_layer_list=config.num_layer_list,
         documents=config.data.kind == "sft" or config.data.document_attention,
+        fused_optimizer=device_type in ("cuda", "npu"),
     )
