@@ -42,9 +42,9 @@ from pathlib import Path
 import torch
 
 from bench.machine import cpu_model
+from bench.results import update_results
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "bench" / "RESULTS.md"
 CONFIG = {"vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
           "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 2048}
 SIDES = ("transformers", "transformers+compile", "llmflow")
@@ -293,20 +293,7 @@ def record(rows: list[dict], args: argparse.Namespace, entry: list[str], load_be
             f"{ours['of_roofline']['median']:.0%} of the bandwidth roofline | compiled {compiled['min']:.2f}x-"
             f"{compiled['max']:.2f}x, eager {eager['min']:.2f}x-{eager['max']:.2f}x over {args.rounds} rounds "
             f"| {args.threads} | {load} | {day} |")
-    text = RESULTS.read_text()
-    head, sep, history = text.partition("\n## History\n")
-    lines = head.split("\n")
-    for row, line in zip(rows, current, strict=True):
-        ours = [i for i, old in enumerate(lines) if old.startswith("| `bench.generate`")]
-        same = [i for i in ours if lines[i].startswith(f"| `bench.generate` batch {row['batch']} |")]
-        if same:
-            lines[same[0]] = line
-        else:  # after this benchmark's other rows, or last in the table
-            lines.insert(max(ours, default=max(i for i, old in enumerate(lines) if old.startswith("| `bench."))) + 1, line)
-    tmp = RESULTS.with_suffix(".md.generate.tmp")
-    tmp.write_text("\n".join(lines) + sep + history.rstrip("\n") + "\n\n" + "\n".join(entry).rstrip("\n") + "\n")
-    tmp.replace(RESULTS)
-    print(f"recorded in {RESULTS}", flush=True)
+    update_results(current, entry)
 
 
 def main() -> None:

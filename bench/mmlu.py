@@ -40,14 +40,13 @@ from pathlib import Path
 import torch
 
 from bench.machine import cpu_model
-from llmflow.artifacts import atomic_file
+from bench.results import update_results
 from llmflow.evaluate.benchmarks import MMLU
 from llmflow.evaluate.engine import prompts_for, select_questions
 from llmflow.evaluate.mmlu_data import load_mmlu
 from llmflow.evaluate.questions import LETTERS
 from llmflow.sample import SampleConfig, write_sample
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
 BIN = Path(sys.executable).parent
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -236,15 +235,7 @@ def record(rows: list[dict], lines: list[str], imports: dict[str, float], args, 
         f"rounds | {args.threads} | {', '.join(f'{x:.1f}' for x in row['loads'])} | {day} |"
         for row in rows
     ]
-    text = RESULTS.read_text()
-    head, sep, history = text.partition("\n## History\n")
-    measured = tuple(f"| `bench.mmlu` {row['name']} " for row in rows)
-    # This run's models replace their rows (and the row of the earlier, in-process benchmark).
-    table = [line for line in head.split("\n") if not line.startswith((*measured, "| `bench.mmlu` |"))]
-    last_row = max(i for i, line in enumerate(table) if line.startswith("| `bench."))
-    table[last_row + 1 : last_row + 1] = current
     entry = [
-        "",
         (f"### mmlu against the real lm-evaluation-harness, whole process ({day}, {cpu_model()}, {os.cpu_count()} cores, "
          f"torch {torch.__version__}, {args.threads} thread(s) per process, load average {loads} at the rounds' "
          f"starts, {load_after:.1f} after; other people's tests and benchmarks ran on the machine meanwhile)"),
@@ -259,9 +250,8 @@ def record(rows: list[dict], lines: list[str], imports: dict[str, float], args, 
         "",
         *lines,
     ]
-    with atomic_file(RESULTS, "w") as f:
-        f.write("\n".join(table) + sep + history.rstrip("\n") + "\n" + "\n".join(entry) + "\n")
-    print(f"recorded in {RESULTS}", flush=True)
+    # This run's models replace their rows (and the row of the earlier, in-process benchmark).
+    update_results(current, entry, stale=lambda row: row.startswith("| `bench.mmlu` |"))
 
 
 def main() -> None:

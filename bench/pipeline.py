@@ -73,9 +73,9 @@ from pathlib import Path
 import torch
 
 from bench.machine import cpu_model
+from bench.results import update_results
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = Path(__file__).with_name("RESULTS.md")
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) \| loss (\S+) \|.* \| ([0-9.]+) tokens/s \|")
 LOSS_TOLERANCE = 1e-5
 QUIET_CORES = 0.25
@@ -347,13 +347,7 @@ def record(rows: list[dict], args, params: int, load_before: tuple, load_after: 
         + f" | 1 per rank | {load} before; other jobs {row['other_cores']:.2f} cores | {day} |"
         for row in rows
     ]
-    text = RESULTS.read_text()
-    head, sep, history = text.partition("\n## History\n")
-    lines = [line for line in head.split("\n") if not line.startswith("| `bench.pipeline`")]
-    last_row = max(i for i, line in enumerate(lines) if line.startswith("| `bench."))
-    lines[last_row + 1:last_row + 1] = current
     entry = [
-        "",
         (f"### Pipeline parallelism, pp=2 against pp=1 ({day}, {cpu_model()}, {os.cpu_count()} cores, "
          f"torch {torch.__version__}, 1 thread per rank, cpu, gloo, load average {load} before the run, "
          f"{load_after[0]:.1f} after)"),
@@ -383,8 +377,7 @@ def record(rows: list[dict], args, params: int, load_before: tuple, load_after: 
         f"{row['rounds_used']} of {row['rounds']} | {row['other_cores']:.2f} |"
         for row in rows
     ]
-    RESULTS.write_text("\n".join(lines) + sep + history.rstrip("\n") + "\n" + "\n".join(entry) + "\n")
-    print(f"recorded in {RESULTS}", flush=True)
+    update_results(current, entry, stale=lambda row: row.startswith("| `bench.pipeline`"))
 
 
 if __name__ == "__main__":

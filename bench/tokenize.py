@@ -51,9 +51,9 @@ import time
 from pathlib import Path
 
 from bench.machine import cpu_model
+from bench.results import update_results
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "bench" / "RESULTS.md"
 MEGATRON_LM = "https://github.com/NVIDIA/Megatron-LM.git"
 TRITON = "triton==3.7.1"
 ARTICLE_BYTES = 720  # mean text bytes of a sample article with 200 countries
@@ -256,19 +256,8 @@ def record(rows: list[dict], entry: list[str], args: argparse.Namespace, mb: flo
             f"process{'es' if r['workers'] > 1 else ''} | {load} | {day} |")
         for r in rows
     }
-    text = RESULTS.read_text()
-    head, sep, history = text.partition("\n## History\n")
-    lines = head.split("\n")
-    ours = [i for i, line in enumerate(lines) if line.startswith(ROW)]
-    at = ours[-1] + 1 if ours else min(i for i, line in enumerate(lines) if line.startswith("|---")) + 1
-    lines[at:at] = list(current.values())
-    new = set(current.values())
-    lines = [line for line in lines if not line.startswith(ROW) or line in new
-             or (peer in line and not line.startswith(tuple(current)))]
-    tmp = RESULTS.with_suffix(".md.tmp")
-    tmp.write_text("\n".join(lines) + sep + history.rstrip("\n") + "\n\n" + "\n".join(entry).rstrip("\n") + "\n")
-    tmp.replace(RESULTS)
-    print(f"recorded in {RESULTS}", flush=True)
+    # Rows of other corpus sizes stay; rows measured against an earlier peer go.
+    update_results(list(current.values()), entry, stale=lambda row: row.startswith(ROW) and peer not in row)
 
 
 # --- driver ------------------------------------------------------------------------------------

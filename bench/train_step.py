@@ -45,10 +45,10 @@ import torch
 
 from bench.flops import count_flops, describe, measured_peak_flops
 from bench.machine import cpu_model
+from bench.results import update_results
 from llmflow.models import ModelConfig
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "bench" / "RESULTS.md"
 
 CONFIGS = {
     "50m": {"vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
@@ -231,20 +231,7 @@ def record(rows: list[dict], args: argparse.Namespace, entry: list[str], load_be
             f"side {best_side} at {s[best_side]['flops_per_s'] / peak:.0%} of the measured fp32 matmul peak "
             f"| best {best['min']:.2f}x-{best['max']:.2f}x over {args.rounds} rounds | {torch.get_num_threads()} "
             f"| {load} | {day} |")
-    text = RESULTS.read_text()
-    head, sep, history = text.partition("\n## History\n")
-    lines = head.split("\n")
-    for row, line in zip(rows, current, strict=True):
-        ours = [i for i, old in enumerate(lines) if old.startswith("| `bench.train_step`")]
-        same = [i for i in ours if lines[i].startswith(f"| `bench.train_step` {row['config']} |")]
-        if same:
-            lines[same[0]] = line
-        else:  # after this benchmark's other rows, or first in the table
-            lines.insert(max(ours, default=min(i for i, old in enumerate(lines) if old.startswith("|---"))) + 1, line)
-    tmp = RESULTS.with_suffix(".md.tmp")
-    tmp.write_text("\n".join(lines) + sep + history.rstrip("\n") + "\n\n" + "\n".join(entry).rstrip("\n") + "\n")
-    tmp.replace(RESULTS)
-    print(f"recorded in {RESULTS}", flush=True)
+    update_results(current, entry)
 
 
 def main() -> None:
