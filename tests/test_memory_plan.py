@@ -366,6 +366,19 @@ def _status(key: str) -> int:
     return int(re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)[1]) * 1024
 
 
+def warmed_up_rss() -> int:
+    """Resident memory after a training step of a tiny model: what the allocator, the kernels
+    and the autograd engine keep however large the model, the baseline a plan is measured above."""
+    tiny = CausalLM(ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
+                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    ids, optimizer = torch.randint(0, 64, (2, 16)), torch.optim.AdamW(tiny.parameters())
+    tiny(ids, labels=ids).backward()
+    optimizer.step()
+    del tiny, optimizer, ids
+    gc.collect()
+    return _status("VmRSS")
+
+
 def measure_training(root: str, hidden: int, layers: int, ffn: int, heads: int, kv_heads: int, vocab: int, seq: int,
                      checkpointing: str) -> dict[str, int]:
     """Peak resident memory of two real training steps (micro batch 2, 2 micro-batches per
@@ -391,14 +404,7 @@ def measure_training(root: str, hidden: int, layers: int, ffn: int, heads: int, 
         "model": str(root_dir / "model"), "out": str(root_dir / "run"), "data": {"paths": [str(root_dir / "data")]},
         "steps": 2, "seq_length": seq, "micro_batch_size": 2, "global_batch_size": 4,
         "activation_checkpointing": checkpointing})
-    tiny = CausalLM(ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
-                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16))
-    ids, optimizer = torch.randint(0, 64, (2, 16)), torch.optim.AdamW(tiny.parameters())
-    tiny(ids, labels=ids).backward()
-    optimizer.step()
-    del tiny, optimizer, ids
-    gc.collect()
-    baseline = _status("VmRSS")
+    baseline = warmed_up_rss()
     Path("/proc/self/clear_refs").write_text("5")  # restart the peak (VmHWM) from here
     run = setup(train)
     for step in (1, 2):  # step 2 holds the optimizer state the first step created
@@ -430,14 +436,7 @@ def measure_dp_training(root: str) -> None:
 
     root_dir = Path(root)
     train = TrainConfig.model_validate_json((root_dir / "train.json").read_text())
-    tiny = CausalLM(ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
-                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16))
-    ids, optimizer = torch.randint(0, 64, (2, 16)), torch.optim.AdamW(tiny.parameters())
-    tiny(ids, labels=ids).backward()
-    optimizer.step()
-    del tiny, optimizer, ids
-    gc.collect()
-    baseline = _status("VmRSS")
+    baseline = warmed_up_rss()
     run = setup(train)
     peaks = {}
     for step in (1, 2):  # step 1 creates the optimizer state; step 2's passes run beside it
