@@ -1,5 +1,5 @@
 """The evaluate flow: a model (hub, local directory, training checkpoint) on MMLU and,
-when asked, C-Eval and CMMLU."""
+when asked, C-Eval, CMMLU, BoolQ and AGIEval."""
 
 from __future__ import annotations
 
@@ -19,13 +19,9 @@ FLOW = "evaluate"
 def evaluate(params: EvaluateParams) -> dict[str, Any]:
     """Accuracy of ``params.model`` on each benchmark; returns them with the outputs."""
     with stages.open_flow_run(FLOW, params) as run:
-        workspace, refresh, sources = run.workspace, run.refresh, run.sources
-        model = sources.model(params.model, params.revision)
-        data = {"mmlu": sources.mmlu(params.evaluation.data), "ceval": params.ceval_data, "cmmlu": params.cmmlu_data}
-        name = stages.slug(params.model)
-        scored = {benchmark: stages.run_eval(workspace, params.evaluation, model, data[benchmark], name,
-                                             refresh, benchmark)
-                  for benchmark in params.benchmarks}
+        model = run.sources.model(params.model, params.revision)
+        scored = stages.run_benchmarks(run, params.evaluation, params.benchmark_data, params.benchmarks, model,
+                                       stages.slug(params.model))
         result = {**{b: s.manifest["accuracy"] for b, s in scored.items()},
                   "evaluation": ", ".join(s.path for s in scored.values()), "mlflow_run": run.mlflow_run}
         publish_summary(FLOW, result, run.mlflow_run)

@@ -1,6 +1,7 @@
 """The finetune-and-eval flow: a base model finetuned on instruction data, exported, tried
-on prompts, and scored on MMLU before and after; the result registered in MLflow when
-its score passes the gate (by default: no worse than the base model's).
+on prompts, and scored before and after on a list of benchmarks (MMLU by default); the
+result registered in MLflow when the gate benchmark's score passes the gate (by default: no
+worse than the base model's).
 
 Run it from the Prefect UI (deployment ``finetune-eval``), nightly on a schedule, or with
 ``llmflow demo``. Every stage is cached on its inputs: a retried run skips what finished,
@@ -20,7 +21,7 @@ from llmflow.export import ExportConfig
 from llmflow.flows import stages
 from llmflow.flows.checks import check_layout
 from llmflow.flows.params import FinetuneEvalParams, flow_parameters
-from llmflow.flows.summary import publish_summary
+from llmflow.flows.summary import BENCHMARK_TITLES, publish_summary
 from llmflow.infer.batch import InferConfig
 from llmflow.tasks.export import export_task
 from llmflow.tasks.infer import infer_task
@@ -35,15 +36,15 @@ FLOW = "finetune-eval"
 @flow(name=FLOW, log_prints=True)
 @flow_parameters(FinetuneEvalParams)
 def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
-    """download -> convert -> tokenize -> MMLU of the base model -> finetune -> export ->
-    answers to the prompts -> MMLU of the finetuned model -> register, when the scores pass
-    the gate; returns the scores, the gate's verdict and where the outputs are."""
+    """download -> convert -> tokenize -> benchmarks of the base model -> finetune -> export ->
+    answers to the prompts -> benchmarks of the finetuned model -> register, when the gate
+    benchmark's scores pass the gate; returns the scores, the gate's verdict and where the
+    outputs are."""
     with stages.open_flow_run(FLOW, params) as run:
         workspace, refresh, sources = run.workspace, run.refresh, run.sources
         model_dir = sources.model(params.model, params.revision)
         check_layout(model_dir, params.train, params.launch)
         data = sources.instruction_data(params.data, params.data_files)
-        mmlu_data = sources.mmlu(params.evaluation.data)
         name = stages.slug(params.model)
 
         checkpoint = stages.run_convert(run, model_dir, name)
@@ -54,9 +55,9 @@ def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
             template=params.template, seq_length=params.seq_length, pack=params.pack,
             out=workspace / "data" / name / f"{stages.slug(params.data)}-{data_tag}",
         ), refresh=refresh)
-        # Scored before training: an unchanged base model's score comes from cache.
-        before = stages.run_eval(workspace, params.evaluation, model_dir, mmlu_data, f"base-{name}",
-                                 refresh).manifest["accuracy"]
+        # Scored before training: an unchanged base model's scores come from cache.
+        before = stages.run_benchmarks(run, params.evaluation, params.benchmark_data, params.benchmarks, model_dir,
+                                       f"base-{name}")
         # The run directory is named by everything the weights depend on: a changed input gets
         # a fresh run instead of "resuming" a finished one.
         inputs_tag = stages.settings_tag(params.train, checkpoint.manifest.get("files"), tokenized.manifest.get("files"))
@@ -74,13 +75,16 @@ def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
                 out=workspace / "generations" / run_name, template=params.template or "tokenizer",
                 max_new_tokens=params.max_new_tokens,
             ), refresh=refresh).path
-        after = stages.run_eval(workspace, params.evaluation, exported.path, mmlu_data, run_name,
-                                refresh).manifest["accuracy"]
-        scores = {"mmlu_before": before, "mmlu_after": after}
+        after = stages.run_benchmarks(run, params.evaluation, params.benchmark_data, params.benchmarks,
+                                      exported.path, run_name)
+        scores = {f"{b}_{when}": scored[b].manifest["accuracy"] for b in params.benchmarks
+                  for when, scored in (("before", before), ("after", after))}
         tracking.log_metrics(run.mlflow_run, scores)
         registered = gate = None
         if params.registered_model:
-            gate = registry_gate(before, after, params.register_min_gain)
+            gated = params.gate_benchmark
+            gate = registry_gate(scores[f"{gated}_before"], scores[f"{gated}_after"], params.register_min_gain,
+                                 BENCHMARK_TITLES[gated])
             tracking.set_tags(run.mlflow_run, gate.tags())
             print(f"registry gate: {gate.reason}")
             if gate.passed:

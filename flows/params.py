@@ -34,9 +34,12 @@ from llmflow.train.preflight import batch_problems, parallel_problems, pipeline_
 SAMPLE = "sample"
 """Source value that means "the built-in sample assets" (written by the sample stage)."""
 
+Benchmark = Literal["mmlu", "ceval", "cmmlu", "boolq", "agieval"]
+"""A benchmark's name, as ``llmflow eval`` names it."""
+
 Stage = Literal[
     "sample", "download", "convert", "tokenize-instruction", "tokenize-pretrain", "eval-mmlu", "eval-ceval",
-    "eval-cmmlu", "train", "export", "infer", "register", "probe-compare",
+    "eval-cmmlu", "eval-boolq", "eval-agieval", "train", "export", "infer", "register", "probe-compare",
 ]
 """A stage's name as the Prefect UI shows it (its task's name)."""
 
@@ -127,6 +130,22 @@ TrainParams = create_model(
 )
 
 
+class BenchmarkSources(Params):
+    """Where each benchmark's data comes from (MMLU's is evaluation.data)."""
+
+    ceval: str = "hf://ceval/ceval-exam"
+    """C-Eval data: the hub dataset or a local copy in one of its layouts (the val split is scored)."""
+    cmmlu: str = "hf://haonan-li/cmmlu"
+    """CMMLU data: the hub dataset or a local copy in one of its layouts."""
+    boolq: str = "hf://aps/super_glue"
+    """BoolQ data: the hub dataset, a local copy (aps/super_glue or google/boolq layout) or "sample"."""
+    agieval: str = "hf://hails"
+    """AGIEval data: hf://hails (every hails/agieval-* task), a local directory of them or "sample"."""
+    agieval_tasks: list[str] | None = None
+    """AGIEval tasks to run, by lm-evaluation-harness's names (default: the nine English
+    multiple-choice tasks; with "sample", the sample's agieval_logiqa_en and agieval_sat_math)."""
+
+
 class EvalParams(Params):
     """The MMLU evaluation (lm-evaluation-harness's prompts and scoring)."""
 
@@ -186,7 +205,13 @@ class FinetuneEvalParams(Params):
     """Where the training workers run: torchrun on the worker's machine, a Slurm job or a
     Kubernetes job (auto: the work pool's LLMFLOW_LAUNCHER job variable, else local)."""
     evaluation: EvalParams = EvalParams()
-    """MMLU settings (the same for the base and the finetuned model)."""
+    """Evaluation settings, the same for the base and the finetuned model (evaluation.data is MMLU's)."""
+    benchmarks: list[Benchmark] = Field(default_factory=lambda: ["mmlu"], min_length=1)
+    """Benchmarks scored before and after finetuning: mmlu, ceval, cmmlu, boolq, agieval."""
+    benchmark_data: BenchmarkSources = BenchmarkSources()
+    """Data of the benchmarks other than MMLU."""
+    gate_benchmark: Benchmark = "mmlu"
+    """The benchmark whose headline score the registry gate holds to register_min_gain (one of benchmarks)."""
     version: str | None = None
     """Data version or date the finetune belongs to. Empty: the run's scheduled date, so a
     nightly run never reuses yesterday's finetune while the base model's stages still come
@@ -201,8 +226,14 @@ class FinetuneEvalParams(Params):
     registered_model: str | None = "llmflow-finetuned"
     """MLflow registered model that receives the exported model as a new version (empty: skip)."""
     register_min_gain: float | None = 0.0
-    """Register only when MMLU after minus MMLU before is at least this: 0 when the finetune
-    scores no worse than its base model, 0.01 for a gain of a point; empty: register always."""
+    """Register only when the gate benchmark's score after minus before is at least this: 0 when
+    the finetune scores no worse than its base model, 0.01 for a gain of a point; empty: register always."""
+
+    @model_validator(mode="after")
+    def _gate_is_scored(self) -> FinetuneEvalParams:
+        if self.gate_benchmark not in self.benchmarks:
+            raise ValueError(f"gate_benchmark={self.gate_benchmark!r} is not among benchmarks={self.benchmarks}")
+        return self
 
 
 class PretrainParams(Params):
@@ -252,14 +283,13 @@ class EvaluateParams(Params):
     checkpoint (run directory or step directory, LoRA included), or "sample"."""
     revision: str | None = None
     """Hub revision of the model."""
-    benchmarks: list[Literal["mmlu", "ceval", "cmmlu"]] = Field(default_factory=lambda: ["mmlu"], min_length=1)
-    """Benchmarks to run: mmlu (data from evaluation.data), ceval, cmmlu."""
+    benchmarks: list[Benchmark] = Field(default_factory=lambda: ["mmlu"], min_length=1)
+    """Benchmarks to run: mmlu (data from evaluation.data), ceval, cmmlu, boolq, agieval."""
     evaluation: EvalParams = EvalParams()
-    """Settings shared by the benchmarks (evaluation.data is MMLU's)."""
-    ceval_data: str = "hf://ceval/ceval-exam"
-    """C-Eval data: the hub dataset or a local copy in one of its layouts (the val split is scored)."""
-    cmmlu_data: str = "hf://haonan-li/cmmlu"
-    """CMMLU data: the hub dataset or a local copy in one of its layouts."""
+    """Settings shared by the benchmarks (evaluation.data is MMLU's; shots and subjects are the
+    four-choice benchmarks', BoolQ and AGIEval run zero-shot as lm-evaluation-harness does by default)."""
+    benchmark_data: BenchmarkSources = BenchmarkSources()
+    """Data of the benchmarks other than MMLU."""
     refresh: list[Stage] = Field(default_factory=list)
     """Stages to run again even when their inputs are unchanged."""
 

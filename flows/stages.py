@@ -23,9 +23,12 @@ from llmflow.checkpoint import latest_step_dir
 from llmflow.convert import ConvertConfig
 from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig
 from llmflow.download import DownloadConfig, parse_source
+from llmflow.evaluate.choice_engine import ChoiceEvalConfig
+from llmflow.evaluate.choice_tasks import CHOICE_GROUPS
 from llmflow.evaluate.engine import EvalConfig
-from llmflow.flows.params import SAMPLE, EvalParams
+from llmflow.flows.params import SAMPLE, BenchmarkSources, EvalParams
 from llmflow.sample import SampleConfig
+from llmflow.sample_choice_tasks import AGIEVAL_TASKS as SAMPLE_AGIEVAL_TASKS
 from llmflow.tasks.common import StageArtifact
 from llmflow.tasks.convert import convert_task
 from llmflow.tasks.download import download_task
@@ -100,13 +103,31 @@ def run(task: Task, *args: Any, refresh: Collection[str] = (), **kwargs: Any) ->
 
 
 def run_eval(workspace: Path, evaluation: EvalParams, model: str | Path, data: str, name: str,
-             refresh: Collection[str] = (), benchmark: str = "mmlu") -> StageArtifact:
+             refresh: Collection[str] = (), benchmark: str = "mmlu", tasks: list[str] | None = None) -> StageArtifact:
     """The ``benchmark`` evaluation stage on ``model`` into ``eval/{name}-{settings}``; hub data
-    is cached under the workspace's ``downloads/``."""
-    settings = evaluation.model_dump(exclude={"data"})
-    config = EvalConfig(model=model, data=data, out=workspace / "eval" / f"{name}-{settings_tag(benchmark, evaluation)}",
-                        cache_dir=workspace / "downloads", **settings)
+    is cached under the workspace's ``downloads/``. BoolQ and AGIEval (``tasks``: which of
+    its tasks) take the shared settings but run zero-shot, as lm-evaluation-harness does."""
+    common = {"model": model, "data": data, "cache_dir": workspace / "downloads",
+              "out": workspace / "eval" / f"{name}-{settings_tag(benchmark, evaluation, *([tasks] if tasks else []))}"}
+    if benchmark in CHOICE_GROUPS:
+        settings = evaluation.model_dump(include={"limit", "batch_size", "template"})
+        return run(EVAL_TASKS[benchmark], ChoiceEvalConfig(**common, **settings, tasks=tasks), refresh=refresh)
+    config = EvalConfig(**common, **evaluation.model_dump(exclude={"data"}))
     return run(EVAL_TASKS[benchmark], config, refresh=refresh)
+
+
+def run_benchmarks(context: FlowRun, evaluation: EvalParams, data: BenchmarkSources, benchmarks: list[str],
+                   model: str | Path, name: str) -> dict[str, StageArtifact]:
+    """Each of ``benchmarks``' evaluation stages on ``model``, its data from ``evaluation.data``
+    (MMLU) or ``data``; "sample" sources are the sample stage's copies."""
+    sources = {"mmlu": evaluation.data, "ceval": data.ceval, "cmmlu": data.cmmlu, "boolq": data.boolq,
+               "agieval": data.agieval}
+    sample_agieval = [f"agieval_{t.replace('-', '_')}" for t in SAMPLE_AGIEVAL_TASKS]
+    agieval_tasks = data.agieval_tasks or (sample_agieval if data.agieval == SAMPLE else None)
+    return {benchmark: run_eval(context.workspace, evaluation, model,
+                                context.sources.benchmark_data(benchmark, sources[benchmark]), name,
+                                context.refresh, benchmark, agieval_tasks if benchmark == "agieval" else None)
+            for benchmark in benchmarks}
 
 
 def run_convert(context: FlowRun, model_dir: Path, name: str, init: str = "weights", seed: int = 0) -> StageArtifact:
@@ -201,7 +222,14 @@ class Sources:
 
     def mmlu(self, source: str) -> str:
         """MMLU data as the evaluation stage takes it (hub sources it downloads itself)."""
-        return str(self.sample() / "mmlu" / "hf") if source == SAMPLE else source
+        return self.benchmark_data("mmlu", source)
+
+    def benchmark_data(self, benchmark: str, source: str) -> str:
+        """A benchmark's data as its evaluation stage takes it: the sample's copy for "sample",
+        else the source (hub sources the stage downloads itself)."""
+        if source != SAMPLE:
+            return source
+        return str(self.sample() / ("mmlu/hf" if benchmark == "mmlu" else benchmark))
 
 
 def data_files(path: Path, globs: list[str], source: str) -> list[Path]:

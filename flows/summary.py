@@ -8,19 +8,22 @@ from prefect.artifacts import create_markdown_artifact
 
 from llmflow import tracking
 
-BENCHMARKS = {"mmlu": "MMLU", "ceval": "C-Eval", "cmmlu": "CMMLU"}
+BENCHMARK_TITLES = {"mmlu": "MMLU", "ceval": "C-Eval", "cmmlu": "CMMLU", "boolq": "BoolQ", "agieval": "AGIEval"}
 
 
 def summary_markdown(flow: str, result: dict[str, Any], mlflow_run: str) -> str:
     """Scores (before/after when both exist), outputs and the MLflow run of a flow run."""
     lines = [f"# {flow}", ""]
-    if "mmlu_before" in result:
-        before, after = result["mmlu_before"], result["mmlu_after"]
-        lines += ["| MMLU | accuracy |", "|---|---|", f"| before | {before:.4f} |", f"| after | {after:.4f} |",
-                  f"| change | {after - before:+.4f} |", ""]
+    compared = [(name, key) for key, name in BENCHMARK_TITLES.items() if f"{key}_before" in result]
+    if compared:
+        lines += ["| benchmark | before | after | change |", "|---|---|---|---|"]
+        for name, key in compared:
+            before, after = result[f"{key}_before"], result[f"{key}_after"]
+            lines.append(f"| {name} | {before:.4f} | {after:.4f} | {after - before:+.4f} |")
+        lines.append("")
     else:
-        scores = [(name, result[key]) for key, name in BENCHMARKS.items() if key in result]
-        lines += ["| benchmark | accuracy |", "|---|---|", *(f"| {n} | {v:.4f} |" for n, v in scores), ""]
+        scores = [(name, result[key]) for key, name in BENCHMARK_TITLES.items() if key in result]
+        lines += ["| benchmark | score |", "|---|---|", *(f"| {n} | {v:.4f} |" for n, v in scores), ""]
     for key in ("version", "checkpoint", "model", "answers", "evaluation"):
         if result.get(key):
             lines.append(f"- {key}: `{result[key]}`")

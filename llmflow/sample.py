@@ -11,7 +11,11 @@ Everything the demo and the tests need, in the formats the real assets come in:
 - ``instruct/alpaca.parquet`` and ``.jsonl``: an Alpaca-layout instruction set
   (instruction, input, output);
 - ``mmlu/hf/{subject}/{dev,test}-00000-of-00001.parquet`` (the ``cais/mmlu`` layout) and
-  ``mmlu/csv/data/{dev,test}/{subject}_{split}.csv`` (the original MMLU CSV layout).
+  ``mmlu/csv/data/{dev,test}/{subject}_{split}.csv`` (the original MMLU CSV layout);
+- ``boolq/`` and ``agieval/``: BoolQ and two AGIEval tasks in their Hub layouts
+  (``sample_choice_tasks.py``);
+- ``gsm8k/`` and ``bbh/``: GSM8K word problems and two BBH subtasks in their Hub layouts
+  (``sample_generative_tasks.py``).
 
 All the text describes one generated world of made-up countries (capitals, national
 animals, flag colours) plus small sums, so the assets fit together: pretraining on the
@@ -53,6 +57,8 @@ from llmflow.data.templates import QWEN
 from llmflow.evaluate.prompts import CONTINUATIONS, FEWSHOT_DELIMITER, MMLU_PROMPT
 from llmflow.evaluate.questions import LETTERS, Question
 from llmflow.models import CausalLM, ModelConfig, save_hf_model
+from llmflow.sample_choice_tasks import write_choice_tasks
+from llmflow.sample_generative_tasks import write_generative_tasks
 
 STAGE = "sample"
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -72,7 +78,8 @@ _COUNTRY_ENDINGS = ("ia", "land", "ora", "stan", "mark")
 
 
 class SampleConfig(BaseModel):
-    """Write the built-in sample assets (tokenizer, tiny model, corpus, instruction set, MMLU)."""
+    """Write the built-in sample assets (tokenizer, tiny model, corpus, instruction set, MMLU,
+    BoolQ, AGIEval, GSM8K, BBH)."""
 
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
@@ -539,6 +546,8 @@ def write_sample(config: SampleConfig) -> Path:
         write_corpus(corpus, work / "pretrain" / "corpus.parquet")
         write_instructions(instructions, work / "instruct")
         write_mmlu(mmlu, work / "mmlu")
+        choice_tasks = write_choice_tasks(config.seed, world, facts, work)
+        generative_tasks = write_generative_tasks(config.seed, world, work)
         files = [file_record(p, work) for p in sorted(work.rglob("*")) if p.is_file()]
         counts = {
             "countries": len(world),
@@ -547,6 +556,8 @@ def write_sample(config: SampleConfig) -> Path:
             "instruct_rows": len(instructions),
             "mmlu": {s: {split: len(qs) for split, qs in splits.items()} for s, splits in mmlu.items()},
             "tokenizer_length": tokenizer.get_vocab_size(),
+            **choice_tasks,
+            **generative_tasks,
         }
         params = config.model_dump(mode="json", exclude={"out"})
         write_json_atomic(work / MANIFEST, manifest_payload(STAGE, params, files, seed=config.seed, counts=counts))
@@ -554,7 +565,8 @@ def write_sample(config: SampleConfig) -> Path:
 
 
 class SampleCommand(SampleConfig):
-    """Write the built-in sample assets (tokenizer, tiny model, corpus, instructions, MMLU) offline."""
+    """Write the built-in sample assets (tokenizer, tiny model, corpus, instructions, MMLU, BoolQ,
+    AGIEval, GSM8K, BBH) offline."""
 
     def cli_cmd(self) -> None:
         start = time.monotonic()

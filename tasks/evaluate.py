@@ -1,5 +1,6 @@
-"""Prefect tasks of the multiple-choice evaluation stages (MMLU, C-Eval, CMMLU): accuracy as
-MLflow metrics, the per-subject table in MLflow and as a Prefect artifact."""
+"""Prefect tasks of the evaluation stages: the four-choice benchmarks (MMLU, C-Eval, CMMLU)
+with accuracy per subject, and the tasks with their own choices (BoolQ, AGIEval) with each
+task's metrics; the scores as MLflow metrics, the table in MLflow and as a Prefect artifact."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from prefect.artifacts import create_table_artifact
 from llmflow import tracking
 from llmflow.evaluate import engine
 from llmflow.evaluate.benchmarks import CEVAL, CMMLU, MMLU, Benchmark
+from llmflow.evaluate.choice_engine import ChoiceEvalConfig, evaluate_choices
+from llmflow.evaluate.choice_tasks import CHOICE_GROUPS, TaskGroup
 from llmflow.tasks.common import STAGE_CACHE_POLICY, InputFiles, StageArtifact, artifact_for
 
 
@@ -53,15 +56,62 @@ def evaluate_benchmark(benchmark: Benchmark, config: engine.EvalConfig) -> Stage
     return artifact
 
 
-def _stage_task(benchmark: Benchmark) -> Task:
-    # The benchmark's name is an input of the task, so it is part of the cache key.
-    @task(name=benchmark.stage, cache_policy=STAGE_CACHE_POLICY + InputFiles(fields=("model", "data")))
-    def evaluate_task(config: engine.EvalConfig, benchmark_name: str = benchmark.name) -> StageArtifact:
-        return evaluate_benchmark(benchmark, config)
+def task_metrics(results: dict[str, Any]) -> dict[str, float]:
+    """MLflow metrics of a choice group's results.json: the headline as accuracy, each task's
+    metrics and their standard errors, the group's averages, sample count and throughput."""
+    metrics = {"accuracy": float(results["headline"]["value"]), "samples": float(sum(
+        t["samples"] for t in results["tasks"].values())), "samples_per_s": float(results["samples_per_s"] or 0.0)}
+    for name, task_scores in results["tasks"].items():
+        metrics.update({f"{key}/{name}": float(value) for key, value in task_scores.items()
+                        if key.startswith("acc") and value is not None})
+    for metric, averages in (results.get("group") or {}).items():
+        if isinstance(averages, dict):
+            metrics.update({f"{metric}/{average}": float(v) for average, v in averages.items() if v is not None})
+    return metrics
 
-    evaluate_task.__doc__ = f"The {benchmark.title} evaluation stage (see ``evaluate_benchmark``)."
+
+def task_table(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per task: its samples, acc and acc_norm with their standard errors."""
+    rows = []
+    for name, t in results["tasks"].items():
+        rows.append({"task": name, "samples": t["samples"], **{
+            key: round(t[key], 4) if t.get(key) is not None else None
+            for key in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")}})
+    return rows
+
+
+def evaluate_group(group: TaskGroup, config: ChoiceEvalConfig) -> StageArtifact:
+    """Evaluate ``config.model`` on ``group``'s tasks into ``config.out`` inside the stage's
+    MLflow run; the per-task table goes to MLflow and to a Prefect table artifact."""
+    from mlflow import MlflowClient
+
+    with tracking.stage_run(group.stage, config.model_dump(mode="json")) as run_id:
+        artifact = artifact_for(group.stage, evaluate_choices(group, config))
+        results = json.loads((Path(artifact.path) / "results.json").read_text())
+        tracking.log_metrics(run_id, task_metrics(results))
+        table = task_table(results)
+        MlflowClient().log_table(run_id, {key: [row[key] for row in table] for key in table[0]}, f"{group.name}_tasks.json")
+    headline = results["headline"]
+    create_table_artifact(
+        key=f"{group.name}-scores", table=table,
+        description=(f"{group.title} of {config.model} ({config.shots}-shot): {headline['metric']} "
+                     f"{headline['value']:.4f}" + (f" ({headline['average']} average)" if headline["average"] else "")),
+    )
+    return artifact
+
+
+def _stage_task(name: str, title: str, run_stage) -> Task:
+    # The benchmark's name is an input of the task, so it is part of the cache key.
+    @task(name=f"eval-{name}", cache_policy=STAGE_CACHE_POLICY + InputFiles(fields=("model", "data")))
+    def evaluate_task(config: engine.EvalConfig | ChoiceEvalConfig, benchmark_name: str = name) -> StageArtifact:
+        return run_stage(config)
+
+    evaluate_task.__doc__ = f"The {title} evaluation stage."
     return evaluate_task
 
 
-EVAL_TASKS: dict[str, Task] = {b.name: _stage_task(b) for b in (MMLU, CEVAL, CMMLU)}
+EVAL_TASKS: dict[str, Task] = {
+    **{b.name: _stage_task(b.name, b.title, lambda config, b=b: evaluate_benchmark(b, config)) for b in (MMLU, CEVAL, CMMLU)},
+    **{g.name: _stage_task(g.name, g.title, lambda config, g=g: evaluate_group(g, config)) for g in CHOICE_GROUPS.values()},
+}
 """Benchmark name -> its Prefect task (stage ``eval-{name}``)."""

@@ -38,10 +38,11 @@ class RegistryGate(BaseModel):
         return {GATE_TAG: state, REASON_TAG: self.reason}
 
 
-def registry_gate(before: float, after: float, min_gain: float | None) -> RegistryGate:
-    """The gate for a model scoring ``after`` whose base model scored ``before``: it passes
-    when ``after - before`` is at least ``min_gain``; ``min_gain`` None passes always."""
-    scores = f"MMLU {before:.4f} -> {after:.4f} ({after - before:+.4f})"
+def registry_gate(before: float, after: float, min_gain: float | None, benchmark: str = "MMLU") -> RegistryGate:
+    """The gate for a model scoring ``after`` on ``benchmark`` whose base model scored
+    ``before``: it passes when ``after - before`` is at least ``min_gain``; ``min_gain`` None
+    passes always."""
+    scores = f"{benchmark} {before:.4f} -> {after:.4f} ({after - before:+.4f})"
     if min_gain is None:
         return RegistryGate(passed=True, reason=f"{scores}; registered whatever the score", rule="always")
     passed = after - before >= min_gain - SCORE_TOLERANCE

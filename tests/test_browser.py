@@ -24,6 +24,7 @@ from selenium.common.exceptions import (
     ElementNotInteractableException,
     NoSuchElementException,
     StaleElementReferenceException,
+    TimeoutException,
 )
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
@@ -213,14 +214,52 @@ def custom_run(driver, server: Server, run_name: str, fields: list[tuple[list[st
     assert workspace.get_attribute("value") == str(server.workspace)
     for path, value, variant in fields:
         set_field(driver, path, value, variant)
-    submit = driver.find_element(By.XPATH, "//form//button[@type='submit'][normalize-space()='Submit']")
-    driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", submit)
-    submit.click()
-    run_id = WebDriverWait(driver, 120, poll_frequency=1).until(
-        lambda d: _flow_run_id(run_name), f"no flow run named {run_name!r} in the API after Submit"
-    )
+    run_id = submit_until_created(driver, run_name)
     driver.get(f"{server.url}/runs/flow-run/{run_id}")
     return run_id
+
+
+def submit_until_created(driver, run_name: str) -> str:
+    """Click the form's Submit until the API has the flow run; return its id."""
+
+    def submit() -> None:
+        button = driver.find_element(By.XPATH, "//form//button[@type='submit'][normalize-space()='Submit']")
+        driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", button)
+        button.click()
+
+    return until_accepted(driver, submit, lambda: _flow_run_id(run_name), "create_flow_run",
+                          f"a flow run named {run_name!r}")
+
+
+def until_accepted(driver, act, accepted, endpoint: str, what: str, attempts: int = 3, timeout_s: float = 120):
+    """Do the UI action ``act`` until ``accepted()`` is truthy; return that value.
+
+    On SQLite, Prefect's API reads and then writes in one deferred transaction: when another
+    writer (the worker's poll, the event persister) commits in between, SQLite answers
+    SQLITE_BUSY_SNAPSHOT at once and the API returns 503. Prefect's Python client retries a 503;
+    its UI shows an error toast and stays put, and the user does it again, as this does when the
+    console shows a 503 from ``endpoint``."""
+    for _ in range(attempts):
+        act()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if value := accepted():
+                return value
+            refused = [e["message"] for e in driver.get_log("browser") if endpoint in e["message"] and " 503 " in e["message"]]
+            if refused:
+                print("the API refused the action with 503, doing it again:", refused[0])
+                break
+            time.sleep(1)
+        else:
+            raise TimeoutException(f"no {what} in the API {timeout_s:.0f} s after the UI action")
+    raise AssertionError(f"the API refused {attempts} UI actions for {what} with 503")
+
+
+def _flow_run(run_id: str):
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(run_id)
 
 
 def _flow_run_id(name: str) -> str | None:
@@ -320,8 +359,13 @@ def test_ui_runs_finetune_eval_and_its_retry_skips_finished_stages(llmflow_serve
         # and what follows it execute.
         shutil.copy2(backup, victim)
         failed_state = run.state.id
-        click(browser, "Retry", 30, within="//header[contains(@class, 'page-heading')]")
-        click(browser, "Retry", 10, within="//div[@role='dialog']")
+
+        def retry() -> None:
+            click(browser, "Retry", 30, within="//header[contains(@class, 'page-heading')]")
+            click(browser, "Retry", 10, within="//div[@role='dialog']")
+
+        until_accepted(browser, retry, lambda: _flow_run(run_id).state.id != failed_state, "set_state",
+                       f"a new state of flow run {run_id}")
         run = wait_for_flow_run(run_id, RUN_TIMEOUT_S, not_state_id=failed_state)
         assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{log_tails(server.workspace)}"
         assert run.run_count == 2

@@ -178,7 +178,7 @@ def reference_scores(benchmark: Benchmark, sample: Path, data_path: Path, shots:
     prompts = prompts_for(benchmark, select_questions(benchmark, data, 2), data, shots)
     if template != "none":
         prompts = [load_template(sample / "model", template).prompt(p) for p in prompts]
-    requests = model_requests(sample / "model", prompts, CONTINUATIONS)
+    requests = model_requests(sample / "model", prompts, [CONTINUATIONS] * len(prompts))
     model = load_model(sample / "model")[0].eval()
     return score_loglikelihood(model, requests, batch_size=1, max_length=1024)
 
@@ -217,7 +217,7 @@ def test_ceval_command_writes_results_scored_as_loglikelihood(sample, ceval, tmp
 def test_cmmlu_letters_after_the_chinese_answer_prompt(sample, cmmlu, tmp_path):
     _, _, archive = cmmlu
     tokenizer = load_tokenizer(sample / "model")
-    requests = model_requests(sample / "model", ["题目\n答案："], CONTINUATIONS)
+    requests = model_requests(sample / "model", ["题目\n答案："], [CONTINUATIONS])
     assert requests[0].continuations == [tokenizer.encode(f" {x}", add_special_tokens=False).ids for x in "ABCD"]
     assert requests[0].single_token
     for template, single_pass in (("none", 4), ("tokenizer", 0)):

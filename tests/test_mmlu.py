@@ -133,7 +133,7 @@ def sample_requests(sample, shots: int, limit: int = 2, template=None):
     if template is not None:
 
         prompts = [template.prompt(p) for p in prompts]
-    return model_requests(sample / "model", prompts, CONTINUATIONS)
+    return model_requests(sample / "model", prompts, [CONTINUATIONS] * len(prompts))
 
 
 def test_single_pass_scores_equal_loglikelihood(sample, model):

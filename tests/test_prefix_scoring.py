@@ -38,7 +38,7 @@ def subject_requests(sample, shots: int, template: str = "none") -> tuple[list[R
     prompts = prompts_for(MMLU, questions, data, shots)
     if template != "none":
         prompts = [load_template(sample / "model", template).prompt(p) for p in prompts]
-    return model_requests(sample / "model", prompts, CONTINUATIONS), [q.subject for q in questions]
+    return model_requests(sample / "model", prompts, [CONTINUATIONS] * len(prompts)), [q.subject for q in questions]
 
 
 _full_scores: dict[tuple, torch.Tensor] = {}

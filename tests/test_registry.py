@@ -39,3 +39,11 @@ def test_the_summary_says_why_nothing_was_registered():
                                                   "gate": gate.model_dump()}, "run-id")
     assert f"- registry gate (min_gain=0): failed: {gate.reason}\n" in markdown
     assert "- registered:" not in markdown
+
+
+def test_the_summary_compares_every_benchmark_and_the_gate_names_its_own():
+    gate = registry_gate(0.40, 0.45, 0.0, "BoolQ")
+    assert gate.passed and gate.reason == "BoolQ 0.4000 -> 0.4500 (+0.0500) meets the minimum gain +0.0000"
+    markdown = summary_markdown("finetune-eval", {"mmlu_before": 0.26, "mmlu_after": 0.24, "boolq_before": 0.4,
+                                                  "boolq_after": 0.45, "gate": gate.model_dump()}, "run-id")
+    assert "| MMLU | 0.2600 | 0.2400 | -0.0200 |\n| BoolQ | 0.4000 | 0.4500 | +0.0500 |\n" in markdown

@@ -180,7 +180,7 @@ def test_eval_requests_equal_lm_eval(tok_dir, hf):
     contexts = [f"The following are multiple choice questions (with answers).\n\n{t}\nA. 1\nB. 2\nAnswer:" for t in TEXTS]
     chat = load_template(tok_dir, _template(tok_dir))
     contexts += [chat.render([{"role": "user", "content": contexts[0]}], add_generation_prompt=True)]
-    got = [(r.context, r.continuations) for r in model_requests(tok_dir, contexts, CONTINUATIONS)]
+    got = [(r.context, r.continuations) for r in model_requests(tok_dir, contexts, [CONTINUATIONS] * len(contexts))]
     assert got == _lm_eval_requests(hf, contexts)
     if hf.encode("x")[0] == hf.bos_token_id:  # Llama/Mistral style: every plain context starts with BOS, once
         assert all(r[0][0] == hf.bos_token_id and r[0][1] != hf.bos_token_id for r in got)

@@ -1,5 +1,6 @@
-"""``llmflow eval mmlu``, ``llmflow eval ceval`` and ``llmflow eval cmmlu``: one command per
-benchmark, all on the shared engine."""
+"""``llmflow eval mmlu|ceval|cmmlu`` (four-choice benchmarks), ``llmflow eval boolq|agieval``
+(tasks whose documents carry their own choices) and ``llmflow eval gsm8k|bbh`` (generative
+chain-of-thought tasks): one command per benchmark."""
 
 from __future__ import annotations
 
@@ -9,8 +10,13 @@ from typing import ClassVar
 from pydantic import BaseModel, ConfigDict
 from pydantic_settings import CliApp, CliSubCommand
 
+from llmflow.evaluate import reporting
 from llmflow.evaluate.benchmarks import CEVAL, CMMLU, MMLU, Benchmark
+from llmflow.evaluate.choice_engine import ChoiceEvalConfig, evaluate_choices
+from llmflow.evaluate.choice_tasks import AGIEVAL, BOOLQ, TaskGroup
 from llmflow.evaluate.engine import EvalConfig, evaluate, format_table
+from llmflow.evaluate.generative_engine import GenerativeEvalConfig, evaluate_generative
+from llmflow.evaluate.generative_tasks import BBH, GSM8K, GenerativeGroup
 
 
 class EvalCommand(EvalConfig):
@@ -46,6 +52,60 @@ class CMMLUCommand(EvalCommand):
     benchmark = CMMLU
 
 
+class ChoiceCommand(ChoiceEvalConfig):
+    """Evaluate a model on ``group``; prints each task's scores."""
+
+    group: ClassVar[TaskGroup]
+
+    def cli_cmd(self) -> None:
+        out = evaluate_choices(self.group, ChoiceEvalConfig(**self.model_dump()))
+        print(reporting.format_table(json.loads((out / "results.json").read_text())))
+        print(f"wrote {out / 'results.json'} and {out / 'predictions.jsonl'}")
+
+
+class BoolQCommand(ChoiceCommand):
+    """Evaluate a model on BoolQ (validation split) as lm-evaluation-harness's boolq task does:
+    the log-likelihoods of " no" and " yes"; writes results.json and predictions.jsonl into --out."""
+
+    group = BOOLQ
+
+
+class AGIEvalCommand(ChoiceCommand):
+    """Evaluate a model on AGIEval's English multiple-choice tasks as lm-evaluation-harness's
+    agieval_en group does (zero-shot, acc and acc_norm, micro and macro averages); writes
+    results.json and predictions.jsonl into --out."""
+
+    group = AGIEVAL
+
+
+class GenerativeCommand(GenerativeEvalConfig):
+    """Evaluate a model on ``group``; prints each task's scores."""
+
+    group: ClassVar[GenerativeGroup]
+
+    def cli_cmd(self) -> None:
+        out = evaluate_generative(self.group, GenerativeEvalConfig(**self.model_dump()))
+        print(reporting.format_table(json.loads((out / "results.json").read_text())))
+        print(f"wrote {out / 'results.json'} and {out / 'predictions.jsonl'}")
+
+
+class GSM8KCommand(GenerativeCommand):
+    """Evaluate a model on GSM8K (test split) as lm-evaluation-harness's gsm8k_cot task does:
+    8 chain-of-thought exemplars, greedy generation, exact match of the strict-match and
+    flexible-extract answers; writes results.json and predictions.jsonl into --out."""
+
+    group = GSM8K
+
+
+class BBHCommand(GenerativeCommand):
+    """Evaluate a model on BIG-Bench Hard as lm-evaluation-harness's bbh_cot_fewshot group does:
+    3 chain-of-thought exemplars per subtask, greedy generation, exact match of the answer
+    after "the answer is", micro and macro averages; writes results.json and predictions.jsonl
+    into --out."""
+
+    group = BBH
+
+
 class EvalCommands(BaseModel):
     """Evaluate models on benchmarks."""
 
@@ -57,6 +117,14 @@ class EvalCommands(BaseModel):
     """C-Eval (val split) accuracy with lm-evaluation-harness's ceval-valid prompts and scoring."""
     cmmlu: CliSubCommand[CMMLUCommand]
     """CMMLU accuracy with lm-evaluation-harness's cmmlu prompts and scoring."""
+    boolq: CliSubCommand[BoolQCommand]
+    """BoolQ accuracy with lm-evaluation-harness's boolq prompt and scoring."""
+    agieval: CliSubCommand[AGIEvalCommand]
+    """AGIEval English multiple-choice tasks with lm-evaluation-harness's agieval_en prompts and scoring."""
+    gsm8k: CliSubCommand[GSM8KCommand]
+    """GSM8K exact match with lm-evaluation-harness's gsm8k_cot prompts, generation and filters."""
+    bbh: CliSubCommand[BBHCommand]
+    """BIG-Bench Hard exact match with lm-evaluation-harness's bbh_cot_fewshot prompts, generation and filter."""
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)

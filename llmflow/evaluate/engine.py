@@ -1,7 +1,9 @@
 """The multiple-choice evaluation engine behind ``llmflow eval mmlu|ceval|cmmlu``: a benchmark's
 questions, prompted and scored as lm-evaluation-harness does it.
 
-Writes ``results.json`` (accuracy overall, per subject and per category, counts, settings)
+Writes ``results.json`` (accuracy overall, per subject and per category, counts, the
+standard error and the macro average over subjects beside the micro headline, a hash of the
+prompts, the model's identity and llmflow's version, settings)
 and ``predictions.jsonl`` (one line per question: subject, index, the four scores, the
 prediction and the answer) into ``out``, with ``manifest.json`` last. The data is read and
 every prompt built before the model is loaded, so bad data fails fast.
@@ -12,10 +14,10 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from llmflow.artifacts import (
     MANIFEST,
@@ -28,51 +30,25 @@ from llmflow.data.templates import load_template
 from llmflow.evaluate.benchmarks import Benchmark
 from llmflow.evaluate.hub_data import local_data
 from llmflow.evaluate.prompts import CONTINUATIONS
+from llmflow.evaluate.provenance import llmflow_version, model_identity, prompts_sha256
 from llmflow.evaluate.questions import LETTERS, BenchmarkData, Question
 from llmflow.evaluate.scoring import model_requests, score_requests
-from llmflow.model_loading import load_model, tokenizer_dir
-from llmflow.runtime import available_device, detect_device_type, resolve_dtype
+from llmflow.evaluate.settings import EvalSettings, load_for_eval
+from llmflow.evaluate.statistics import stderr_of_mean
+from llmflow.runtime import available_device
 
-DEFAULT_MAX_LENGTH = 2048
 
-
-class EvalConfig(BaseModel):
+class EvalConfig(EvalSettings):
     """Evaluate a model on a multiple-choice benchmark (lm-evaluation-harness's prompts and scoring)."""
 
-    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
-
-    model: Path
-    """Hugging Face model directory, training checkpoint (root or step directory) or LoRA checkpoint."""
-    data: Path | str
-    """The benchmark's data: a local directory in one of its published layouts, or a hub dataset
-    (hf://cais/mmlu, hf://ceval/ceval-exam, hf://haonan-li/cmmlu, ms://org/name), downloaded
-    into cache_dir first (only the files the evaluation reads)."""
-    out: Path
-    """Output directory: results.json, predictions.jsonl and manifest.json (replaced as a whole)."""
     shots: int = Field(default=5, ge=0, le=5)
     """Solved dev questions of the same subject before each question (the first ones, in file order)."""
     subjects: list[str] | None = None
     """Subjects to evaluate (default: all in the data)."""
-    limit: int | None = Field(default=None, ge=1)
-    """Evaluate only the first N questions of each subject."""
-    batch_size: int = Field(default=8, ge=1)
-    """Sequences per forward pass."""
-    template: str = "none"
-    """Chat template: "none" for the plain prompt, "tokenizer" for the tokenizer's own, or a
-    named template; the prompt becomes the user message, followed by the assistant's turn header."""
-    padding_side: Literal["right", "left"] = "right"
-    """Where batches are padded (the scores do not depend on it)."""
     shared_prefix: bool = True
     """Run the prompt prefix a subject's questions share (description and few-shot examples)
     once, into a KV cache, and each question's own tokens on top of it; false runs every
     prompt in full. The scores are the same within fp32 rounding."""
-    device: str = "auto"
-    """cpu, cuda or npu; auto picks npu, then cuda, then cpu."""
-    dtype: str = "auto"
-    """Compute dtype: fp32, bf16, fp16, or auto (bf16 on accelerators that support it, fp32 on CPU)."""
-    cache_dir: Path = Path("~/.cache/llmflow")
-    """Where hub data is downloaded (cache_dir/hf/org/name, with a manifest; verified, not
-    fetched again, on later runs)."""
 
 
 def select_questions(benchmark: Benchmark, data: BenchmarkData, limit: int | None) -> list[Question]:
@@ -118,16 +94,6 @@ def format_table(results: dict[str, Any]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows)
 
 
-def _load(config: EvalConfig) -> tuple[Any, Any, int]:
-    device_type = detect_device_type() if config.device == "auto" else config.device
-    model, hf_config = load_model(config.model, device_type)
-    model = model.to(resolve_dtype(config.dtype, device_type)).eval()
-    tok_dir = tokenizer_dir(config.model)
-    if tok_dir is None:
-        raise FileNotFoundError(f"model {config.model}: no tokenizer (tokenizer.json) found with it")
-    return model, tok_dir, int(hf_config.get("max_position_embeddings") or DEFAULT_MAX_LENGTH)
-
-
 def _predictions_lines(questions: list[Question], scores: torch.Tensor, fast: list[bool]) -> list[str]:
     lines, index = [], {}
     for q, row, one_pass in zip(questions, scores.tolist(), fast):
@@ -147,16 +113,27 @@ def evaluate(benchmark: Benchmark, config: EvalConfig) -> Path:
     data = benchmark.load(data_dir, config.subjects)
     questions = select_questions(benchmark, data, config.limit)
     prompts = prompts_for(benchmark, questions, data, config.shots)
-    model, tok_dir, max_length = _load(config)
+    model, tok_dir, max_length = load_for_eval(config)
     if config.template != "none":
         template = load_template(tok_dir, config.template)
         prompts = [template.prompt(p) for p in prompts]
     start = time.monotonic()
-    requests = model_requests(tok_dir, prompts, CONTINUATIONS)
+    requests = model_requests(tok_dir, prompts, [CONTINUATIONS] * len(prompts))
     groups = [q.subject for q in questions] if config.shared_prefix else None
     scores, fast = score_requests(model, requests, config.batch_size, max_length, config.padding_side, groups)
     seconds = time.monotonic() - start
-    results = {"benchmark": benchmark.name, **summarize(benchmark, questions, scores.argmax(dim=1).tolist())}
+    predictions = scores.argmax(dim=1).tolist()
+    results = {"benchmark": benchmark.name, **summarize(benchmark, questions, predictions)}
+    correct = [float(p == q.answer) for p, q in zip(predictions, questions)]
+    subjects = results["subjects"].values()
+    results["headline"] = {"metric": "accuracy", "average": "micro", "value": results["accuracy"]}
+    results["accuracy_stderr"] = stderr_of_mean(correct)
+    results["macro_accuracy"] = sum(v["accuracy"] for v in subjects) / len(subjects)
+    results["prompts_sha256"] = prompts_sha256(prompts, [CONTINUATIONS] * len(prompts))
+    results["fewshot"] = {"shots": config.shots, "split": benchmark.fewshot_split,
+                          "sampler": "lm-evaluation-harness first_n (the subject's first questions, in file order)"}
+    results["model"] = model_identity(config.model)
+    results["llmflow_version"] = llmflow_version()
     results["settings"] = {**config.model_dump(mode="json"), "layout": data.layout, "data_dir": str(data_dir),
                            "split": benchmark.eval_split, "max_length": max_length}
     results["single_pass_questions"] = sum(fast)

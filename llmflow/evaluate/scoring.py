@@ -71,22 +71,23 @@ def encode_texts(tokenizer, texts: list[str], prefix: str | None) -> list[list[i
     return ids
 
 
-def encode_requests(tokenizer, contexts: list[str], continuations: tuple[str, ...], prefix: str | None) -> list[Request]:
-    """The requests of ``contexts`` x ``continuations`` (``tokenizer`` is a ``tokenizers.Tokenizer``),
-    each context and context + continuation encoded as ``encode_texts`` does."""
-    pairs = [split_whitespace(ctx, cont) for ctx in contexts for cont in continuations]
-    n = len(continuations)
+def encode_requests(tokenizer, contexts: list[str], continuations: Sequence[Sequence[str]], prefix: str | None
+                    ) -> list[Request]:
+    """The requests of ``contexts``, each with its own ``continuations`` (``tokenizer`` is a
+    ``tokenizers.Tokenizer``), each context and context + continuation encoded as
+    ``encode_texts`` does."""
+    pairs = [[split_whitespace(ctx, cont) for cont in conts] for ctx, conts in zip(contexts, continuations, strict=True)]
     # The context loses the same trailing whitespace whatever the continuation: encoded once.
-    context_ids = encode_texts(tokenizer, [pairs[i * n][0] for i in range(len(contexts))], prefix)
-    whole_ids = encode_texts(tokenizer, [ctx + cont for ctx, cont in pairs], prefix)
+    context_ids = encode_texts(tokenizer, [own[0][0] for own in pairs], prefix)
+    whole_ids = iter(encode_texts(tokenizer, [ctx + cont for own in pairs for ctx, cont in own], prefix))
     requests = []
-    for i, context in enumerate(context_ids):
-        conts = [whole_ids[r][len(context) :] for r in range(i * n, (i + 1) * n)]
-        requests.append(Request(context, conts))
+    for context, own in zip(context_ids, pairs):
+        requests.append(Request(context, [next(whole_ids)[len(context) :] for _ in own]))
     return requests
 
 
-def model_requests(tokenizer_dir: str | Path, contexts: list[str], continuations: tuple[str, ...]) -> list[Request]:
+def model_requests(tokenizer_dir: str | Path, contexts: list[str], continuations: Sequence[Sequence[str]]
+                   ) -> list[Request]:
     """``encode_requests`` with the tokenizer of ``tokenizer_dir`` as transformers loads it."""
     tokenizer, info = load_tokenizer(tokenizer_dir), tokenizer_info(tokenizer_dir)
     return encode_requests(tokenizer, contexts, continuations, prefix_text(tokenizer, info.bos_token_id, info.eos_token_id))
@@ -128,14 +129,15 @@ def score_requests(
     groups: Sequence[Hashable] | None = None,
     one_pass: bool = True,
 ) -> tuple[torch.Tensor, list[bool]]:
-    """Scores [N, choices] of every request, and whether each took the one-pass path (all its
-    continuations one token, and ``one_pass``; the others run each continuation in full).
+    """Scores [N, most choices] of every request (-inf past a request's own choices), and
+    whether each took the one-pass path (all its continuations one token, and ``one_pass``;
+    the others run each continuation in full).
 
     Requests with the same ``groups`` label (a subject's questions, which share their few-shot
     examples) run on top of their contexts' longest common token prefix, computed once; a
     request whose context + continuation exceeds ``max_length`` (truncated on the left, so it
     no longer starts with that prefix) and every request without a group run in full."""
-    choices = len(requests[0].continuations) if requests else 4
+    choices = max((len(r.continuations) for r in requests), default=0)
     fast = [one_pass and r.single_token for r in requests]
     members: dict[Hashable, list[int]] = {}
     for i, label in enumerate(groups if groups is not None else range(len(requests))):
@@ -151,7 +153,7 @@ def score_requests(
         else:
             alone += indices
     jobs.append(([], sorted(alone)))
-    scores = torch.empty(len(requests), choices)
+    scores = torch.full((len(requests), choices), -torch.inf)
     for prefix, indices in jobs:
         rows, owners = [], []
         for i in indices:
@@ -162,7 +164,7 @@ def score_requests(
         for i, row_scores in zip(owners, run_rows(model, rows, batch_size, padding_side, prefix)):
             found.setdefault(i, []).extend(row_scores)
         for i, values in found.items():
-            scores[i] = torch.tensor(values)
+            scores[i, : len(values)] = torch.tensor(values)
     return scores, fast
 
 

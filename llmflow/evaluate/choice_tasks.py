@@ -1,0 +1,156 @@
+"""Log-likelihood tasks whose documents carry their own choices, worded as
+lm-evaluation-harness 0.4.13 words them:
+
+- BoolQ: its ``boolq`` task (super_glue, task version 2.0): "{passage}\\nQuestion: {question}?\\nAnswer:",
+  choices "no" and "yes", few-shot examples drawn from the train split, validation evaluated.
+- AGIEval, English multiple-choice: the nine log-likelihood tasks of its ``agieval_en`` group
+  (task version 1.0; the group's tenth, ``agieval_math``, is generative): "{query}", the
+  document's own choices, zero-shot on the test split, ``acc`` and ``acc_norm``.
+
+A reader takes a local directory in the Hub layout of the task's dataset (``aps/super_glue``'s
+``boolq/{split}-*.parquet``; ``hails/agieval-*``'s ``{split}-*.parquet`` anywhere below the
+task's directory) or, for BoolQ, the original ``train.jsonl``/``dev.jsonl`` of google/boolq.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmflow.evaluate.questions import BenchmarkDataError, describe
+from llmflow.evaluate.task_files import check_parquet_columns, read_rows, split_files
+
+
+@dataclass(frozen=True)
+class Doc:
+    """One document as the harness renders it."""
+
+    text: str
+    """The prompt of the document (the task's doc_to_text)."""
+    choices: tuple[str, ...]
+    """The answers scored, each after the target delimiter " "."""
+    gold: tuple[int, ...]
+    """Indices of the right choices (AGIEval's gold is a list; BoolQ's label one index)."""
+
+
+@dataclass(frozen=True)
+class ChoiceTask:
+    """One task: where its documents are and how they read."""
+
+    name: str
+    """lm-evaluation-harness's task name (``boolq``, ``agieval_lsat_ar``)."""
+    version: str
+    """The harness's version of the task followed."""
+    hub_repo: str
+    """The dataset on the Hugging Face Hub."""
+    hub_include: tuple[str, ...]
+    """Globs of the Hub files the task reads."""
+    eval_split: str
+    fewshot_split: str | None
+    """Where few-shot examples come from (None: the harness runs the task zero-shot only)."""
+    metrics: tuple[str, ...]
+    """``acc`` and, where the harness reports it, ``acc_norm`` (log-likelihood / choice length in characters)."""
+    read: Callable[[Path, str], list[Doc]]
+    """Documents of a split, from the task's local directory."""
+
+
+@dataclass(frozen=True)
+class TaskGroup:
+    """What ``llmflow eval NAME`` evaluates: one task or a group of them."""
+
+    name: str
+    """Command and stage name (``llmflow eval NAME``, stage ``eval-NAME``)."""
+    title: str
+    tasks: tuple[ChoiceTask, ...]
+    hub_root: str
+    """The hub source that stands for every task's dataset (``hf://hails`` for hails/agieval-*)."""
+    local_dir: Callable[[Path, ChoiceTask], Path]
+    """A task's directory inside the group's local data directory."""
+
+    @property
+    def stage(self) -> str:
+        """The stage name in manifests and MLflow."""
+        return f"eval-{self.name}"
+
+
+# --- BoolQ -------------------------------------------------------------------------------------
+
+BOOLQ_LAYOUTS = ("aps/super_glue (boolq/{train,validation}-*.parquet) or google/boolq (train.jsonl, dev.jsonl)")
+_BOOLQ_ORIGINAL_SPLITS = {"train": "train", "validation": "dev"}
+
+
+def boolq_doc(row: dict[str, Any], where: str) -> Doc:
+    """A BoolQ document from a super_glue row (label 0/1) or an original one (answer true/false)."""
+    label = row.get("label", row.get("answer"))
+    passage, question = row.get("passage"), row.get("question")
+    if not isinstance(passage, str) or not isinstance(question, str) or label not in (0, 1):
+        raise BenchmarkDataError(f"{where}: expected a passage, a question and a label 0/1 (or answer "
+                                 f"false/true), got {json.dumps(row, ensure_ascii=False)[:300]}")
+    return Doc(f"{passage}\nQuestion: {question}?\nAnswer:", ("no", "yes"), (int(label),))
+
+
+def read_boolq(root: Path, split: str) -> list[Doc]:
+    """The BoolQ documents of ``split`` under ``root`` in either layout."""
+    files = split_files(root, split, ("boolq/{split}-*.parquet", "{split}-*.parquet"))
+    if not files and split in _BOOLQ_ORIGINAL_SPLITS:
+        files = split_files(root, _BOOLQ_ORIGINAL_SPLITS[split], ("{split}.jsonl",))
+    if not files:
+        raise BenchmarkDataError(f"BoolQ data {root}: no {split} split; {describe(root)}; expected {BOOLQ_LAYOUTS}")
+    for path in files:
+        check_parquet_columns(path, ("passage", "question", "label"), BOOLQ_LAYOUTS)
+    return [boolq_doc(row, where) for path in files for where, row in read_rows(path)]
+
+
+BOOLQ_TASK = ChoiceTask(
+    name="boolq", version="2.0", hub_repo="aps/super_glue", hub_include=("boolq/train-*", "boolq/validation-*"),
+    eval_split="validation", fewshot_split="train", metrics=("acc",), read=read_boolq,
+)
+BOOLQ = TaskGroup(name="boolq", title="BoolQ", tasks=(BOOLQ_TASK,), hub_root="hf://aps/super_glue",
+                  local_dir=lambda root, task: root)
+
+
+# --- AGIEval -----------------------------------------------------------------------------------
+
+AGIEVAL_LAYOUT = "hails/agieval-* (test-*.parquet with columns query, choices, gold)"
+
+
+def agieval_doc(row: dict[str, Any], where: str) -> Doc:
+    """An AGIEval document: its query, its choices and the indices in ``gold``."""
+    query, choices, gold = row.get("query"), row.get("choices"), row.get("gold")
+    if (not isinstance(query, str) or not isinstance(choices, list) or len(choices) < 2
+            or not all(isinstance(c, str) for c in choices) or not isinstance(gold, list) or not gold
+            or not all(isinstance(g, int) and 0 <= g < len(choices) for g in gold)):
+        raise BenchmarkDataError(f"{where}: expected a query, a list of at least two choices and gold, a "
+                                 f"non-empty list of choice indices; got {json.dumps(row, ensure_ascii=False)[:300]}")
+    return Doc(query, tuple(choices), tuple(gold))
+
+
+def read_agieval(root: Path, split: str) -> list[Doc]:
+    """The documents of one AGIEval task's ``split`` under its directory ``root``."""
+    files = split_files(root, split, ("**/{split}-*.parquet", "**/{split}.jsonl"))
+    if not files:
+        shown = describe(root) if root.is_dir() else "no such directory"
+        raise BenchmarkDataError(f"AGIEval data {root}: no {split} split; {shown}; expected {AGIEVAL_LAYOUT}")
+    for path in files:
+        check_parquet_columns(path, ("query", "choices", "gold"), AGIEVAL_LAYOUT)
+    return [agieval_doc(row, where) for path in files for where, row in read_rows(path)]
+
+
+AGIEVAL_EN_TASKS = ("aqua-rat", "gaokao-english", "logiqa-en", "lsat-ar", "lsat-lr", "lsat-rc", "sat-en",
+                    "sat-en-without-passage", "sat-math")
+AGIEVAL = TaskGroup(
+    name="agieval", title="AGIEval (English, multiple choice)",
+    tasks=tuple(
+        ChoiceTask(name=f"agieval_{t.replace('-', '_')}", version="1.0", hub_repo=f"hails/agieval-{t}",
+                   hub_include=("*test-*",), eval_split="test", fewshot_split=None, metrics=("acc", "acc_norm"),
+                   read=read_agieval)
+        for t in AGIEVAL_EN_TASKS
+    ),
+    hub_root="hf://hails",
+    local_dir=lambda root, task: root / task.hub_repo.split("/")[1],
+)
+
+CHOICE_GROUPS = {group.name: group for group in (BOOLQ, AGIEVAL)}

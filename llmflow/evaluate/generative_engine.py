@@ -1,0 +1,221 @@
+"""The engine behind ``llmflow eval gsm8k`` and ``llmflow eval bbh``: chain-of-thought prompts
+continued by greedy generation, the answers extracted and scored as lm-evaluation-harness's
+``hf`` backend and task filters do it.
+
+Each prompt is encoded with the tokenizer's default special tokens and cut from the left to
+leave room for the generated tokens (the model's length minus ``max_new_tokens``); rows are
+generated in batches, longest first, and stop at the model's eos tokens or once the text holds
+a stop string (the task's ``until`` and the tokenizer's eos text). The text is the generated
+tokens decoded by the model's transformers tokenizer without special tokens, cut before the
+first stop string. Greedy decoding applies the repetition_penalty of the model's
+generation_config.json, as transformers does for the harness.
+
+Each filter's extracted answer is scored by exact match (mean, with the harness's standard
+error); a group reports each task and its micro (size-weighted, the harness's group score) and
+macro averages. Writes ``results.json``, ``predictions.jsonl`` (per document: task, index,
+generated text, extracted answers, gold, correct per filter) and ``manifest.json`` last. Every
+document is read and every prompt built before the model is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+from llmflow.data.templates import load_template
+from llmflow.data.tokenizer import hf_tokenizer
+from llmflow.evaluate.generative_tasks import Doc, GenerativeGroup, GenerativeTask
+from llmflow.evaluate.hub_data import local_data
+from llmflow.evaluate.provenance import prompts_sha256
+from llmflow.evaluate.questions import BenchmarkDataError
+from llmflow.evaluate.reporting import group_results, run_record, write_outputs
+from llmflow.evaluate.scoring import encode_texts
+from llmflow.evaluate.settings import EvalSettings, context_length, eval_model
+from llmflow.evaluate.statistics import stderr_of_mean
+from llmflow.infer.generate import FinishReason, GenerateConfig
+from llmflow.infer.generator import Generator, make_generator
+from llmflow.runtime import available_device
+
+
+class GenerativeEvalConfig(EvalSettings):
+    """Evaluate a model on generative chain-of-thought tasks."""
+
+    shots: int | None = Field(default=None, ge=0)
+    """Worked exemplars before each question (the task's fixed ones, in order); default: the
+    harness's num_fewshot (8 for gsm8k_cot, 3 for BBH), which is all of them."""
+    max_new_tokens: int | None = Field(default=None, ge=1)
+    """Most tokens generated per question; default: the harness's (256 for gsm8k_cot, its hf
+    backend's default; 1024 for BBH, its max_gen_toks)."""
+    tasks: list[str] | None = None
+    """Tasks of the group to evaluate, by the harness's names (bbh_cot_fewshot_navigate, ...;
+    default: all)."""
+    padding_side: Literal["left"] = "left"
+    """Generation pads batches on the left, as the harness does (the text does not depend on it)."""
+
+
+@dataclass
+class TaskRun:
+    """One task's documents and their prompts."""
+
+    task: GenerativeTask
+    docs: list[Doc]
+    contexts: list[str]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One prompt's continuation as the harness sees it."""
+
+    text: str
+    """Decoded without special tokens, cut before the first stop string."""
+    finish_reason: FinishReason
+    prompt_tokens: int
+    """Tokens of the prompt the model saw (after any cut from the left)."""
+    truncated: bool
+    """Whether the prompt lost tokens from the left to leave room for the generation."""
+
+
+def task_settings(tasks: list[GenerativeTask], config: GenerativeEvalConfig) -> tuple[int, int]:
+    """The shots and new tokens of every task: the config's, else the harness's defaults (which
+    a group's tasks share)."""
+    shots = config.shots if config.shots is not None else len(tasks[0].exemplars)
+    for task in tasks:
+        if shots > len(task.exemplars):
+            raise ValueError(f"shots={shots}: {task.name} has {len(task.exemplars)} exemplars (lm-evaluation-harness's "
+                             "fixed chain-of-thought examples); use at most that many")
+    return shots, config.max_new_tokens or tasks[0].max_gen_toks
+
+
+def build_runs(group: GenerativeGroup, tasks: list[GenerativeTask], root: Path, shots: int,
+               limit: int | None) -> list[TaskRun]:
+    """Every task's documents (its first ``limit``) with their prompts."""
+    missing = [t.name for t in tasks if not (root / t.subdir).is_dir()]
+    if missing:
+        present = [t.name for t in tasks if t.name not in missing]
+        raise BenchmarkDataError(
+            f"{group.title} data {root}: no directory for tasks {missing} (expected one per task, named as its "
+            f"subtask, e.g. {root / tasks[0].subdir}); evaluate the tasks it has with tasks={present}")
+    runs = []
+    for task in tasks:
+        docs = task.read(root / task.subdir)[:limit]
+        if not docs:
+            raise BenchmarkDataError(f"{task.name} data {root / task.subdir}: no documents")
+        runs.append(TaskRun(task, docs, [task.prompt(doc, shots) for doc in docs]))
+    return runs
+
+
+def harness_cut(text: str, stops: Sequence[str]) -> str:
+    """``text`` before the first of ``stops`` (the harness's postprocess_generated_text)."""
+    for stop in stops:
+        if stop:
+            text = text.split(stop)[0]
+    return text
+
+
+def stop_strings(task: GenerativeTask, eos_text: str | None) -> list[str]:
+    """The task's stop strings and the tokenizer's eos text (handle_stop_sequences)."""
+    return [*task.until, *([eos_text] if eos_text is not None and eos_text not in task.until else [])]
+
+
+def repetition_penalty(tok_dir: Path) -> float:
+    """The repetition_penalty of the model's generation_config.json (transformers applies it
+    to the harness's greedy decoding too); 1.0 when it sets none."""
+    path = tok_dir / "generation_config.json"
+    return float(json.loads(path.read_text()).get("repetition_penalty") or 1.0) if path.is_file() else 1.0
+
+
+def generate(generator: Generator, prompts: list[str], stops: list[str], max_new_tokens: int, max_length: int,
+             batch_size: int, penalty: float) -> list[Generation]:
+    """Greedy continuations of ``prompts`` as the harness's hf backend makes them (see the module)."""
+    hf = hf_tokenizer(generator.tokenizer_dir)
+    ids = encode_texts(generator.tokenizer, prompts, hf.bos_token)
+    keep = max_length - max_new_tokens
+    config = GenerateConfig(max_new_tokens=max_new_tokens, stop=stops, repetition_penalty=penalty)
+    order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+    out: list[Generation | None] = [None] * len(ids)
+    for start in range(0, len(order), batch_size):
+        rows = order[start : start + batch_size]
+        for i, result in zip(rows, generator.run([ids[i][-keep:] for i in rows], config)):
+            text = harness_cut(hf.decode(result.tokens, skip_special_tokens=True), stops)
+            out[i] = Generation(text, result.finish_reason, len(result.prompt_tokens), len(ids[i]) > keep)
+    return out
+
+
+def doc_outcome(task: GenerativeTask, doc: Doc, generation: Generation) -> dict[str, Any]:
+    """The generated text, each filter's answer and whether it matches the gold."""
+    extracted = {f.name: f.extract(generation.text) for f in task.filters}
+    return {"generated": generation.text, "finish_reason": generation.finish_reason,
+            "prompt_tokens": generation.prompt_tokens, "truncated": generation.truncated,
+            "extracted": extracted, "gold": doc.target,
+            "correct": {name: task.metric.score(answer, doc.target) == 1.0 for name, answer in extracted.items()}}
+
+
+def task_results(run: TaskRun, outcomes: list[dict[str, Any]], shots: int, stops: list[str],
+                 max_new_tokens: int) -> dict[str, Any]:
+    """A task's exact match under each filter with its standard error, its size and what fixes
+    its prompts and generations."""
+    results: dict[str, Any] = {"version": run.task.version, "samples": len(outcomes)}
+    for f in run.task.filters:
+        values = [float(o["correct"][f.name]) for o in outcomes]
+        results[f.metric] = sum(values) / len(values)
+        results[f"{f.metric}_stderr"] = stderr_of_mean(values)
+    results["prompts_sha256"] = prompts_sha256(run.contexts, [stops] * len(run.contexts))
+    results["fewshot"] = {"shots": shots, "sampler": "first_n (the task's fixed exemplars, in order)"}
+    results["generation"] = {"until": stops, "max_new_tokens": max_new_tokens,
+                             "truncated_prompts": sum(o["truncated"] for o in outcomes)}
+    return results
+
+
+def headline(group: GenerativeGroup, tasks: dict[str, dict[str, Any]], group_out: dict[str, Any] | None
+             ) -> dict[str, Any]:
+    """The headline filter's exact match: the group's micro average, or its one task's."""
+    metric = next(f.metric for f in group.tasks[0].filters if f.name == group.headline_filter)
+    if group_out is not None:
+        return {"metric": metric, "average": "micro", "value": group_out[metric]["micro"]}
+    (only,) = tasks.values()
+    return {"metric": metric, "average": None, "value": only[metric]}
+
+
+def evaluate_generative(group: GenerativeGroup, config: GenerativeEvalConfig) -> Path:
+    """Evaluate ``config.model`` on ``group``'s tasks; writes the results into ``config.out`` and returns it."""
+    if config.device != "auto":
+        available_device(config.device)  # a device that is not there is refused before any download
+    tasks = group.select(config.tasks)
+    shots, max_new_tokens = task_settings(tasks, config)
+    root = local_data(config.data, config.cache_dir, [p for t in tasks for p in t.hub_include])
+    runs = build_runs(group, tasks, root, shots, config.limit)
+    model, hf_config = eval_model(config)
+    generator = make_generator(config.model, model, hf_config)
+    max_length = context_length(hf_config)
+    if max_new_tokens >= max_length:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: the model takes {max_length} tokens in all, prompt "
+                         "included; generate fewer")
+    template = load_template(generator.tokenizer_dir, config.template) if config.template != "none" else None
+    hf = hf_tokenizer(generator.tokenizer_dir)
+    eos_text = hf.decode([hf.eos_token_id]) if hf.eos_token_id is not None else None
+    penalty = repetition_penalty(generator.tokenizer_dir)
+    start = time.monotonic()
+    tasks_out, lines = {}, []
+    for run in runs:
+        stops = stop_strings(run.task, eos_text)
+        prompts = [template.prompt(c) for c in run.contexts] if template else run.contexts
+        generations = generate(generator, prompts, stops, max_new_tokens, max_length, config.batch_size, penalty)
+        outcomes = [doc_outcome(run.task, doc, g) for doc, g in zip(run.docs, generations)]
+        tasks_out[run.task.name] = task_results(run, outcomes, shots, stops, max_new_tokens)
+        lines += [json.dumps({"task": run.task.name, "index": i, **o}, ensure_ascii=False) + "\n"
+                  for i, o in enumerate(outcomes)]
+    seconds = time.monotonic() - start
+    results: dict[str, Any] = {"benchmark": group.name, "harness_task": group.harness_name, "tasks": tasks_out}
+    group_out = group_results(tasks_out) if len(group.tasks) > 1 else None
+    if group_out is not None:
+        results["group"] = group_out
+    results["headline"] = headline(group, tasks_out, group_out)
+    results.update(run_record(config, seconds, len(lines), data_dir=str(root), max_length=max_length, shots=shots,
+                              max_new_tokens=max_new_tokens, repetition_penalty=penalty))
+    return write_outputs(config.out, group.stage, config.model_dump(mode="json"), results, lines)

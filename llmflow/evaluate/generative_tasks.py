@@ -1,0 +1,258 @@
+"""Generative tasks with chain-of-thought few-shot prompts, as lm-evaluation-harness 0.4.13
+defines them:
+
+- GSM8K: its ``gsm8k_cot`` task (version 3.0): the 8 fixed exemplars of gsm8k-cot.yaml as
+  "Q: {question}\\nA: {target}\\n\\n", then "Q: {question}\\nA:"; generation until "Q:",
+  "</s>" or "<|im_end|>" (256 tokens at most, the hf backend's default); the answer taken by
+  the ``strict-match`` filter ("The answer is N.") and the ``flexible-extract`` filter (the
+  last number), each scored by exact match against the text after the answer's "####",
+  ignoring case, commas, "$", everything up to "#### " and a final ".".
+- BBH: its ``bbh_cot_fewshot`` group (tasks version 4.0, group 3.0): per subtask, its
+  description, then its 3 exemplars as "Q: {input}\\nA: Let's think step by step.\\n{target}\\n\\n",
+  then the question the same way; generation until "</s>", "Q" or "\\n\\n" (1024 tokens at
+  most); the answer is what follows "the answer is " up to the line's last character
+  (``get-answer``), scored by exact match against the target.
+
+The exemplars are the harness's own text (``cot_exemplars.py``). A reader takes a local
+directory in the Hub layout of the task's dataset (``openai/gsm8k``'s ``main/test-*.parquet``;
+``SaylorTwift/bbh``'s ``{subtask}/test-*.parquet``) or, for GSM8K, the ``test.jsonl`` of the
+GSM8K release.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import string
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from llmflow.evaluate.cot_exemplars import BBH_COT_FEWSHOT, GSM8K_COT
+from llmflow.evaluate.questions import BenchmarkDataError, describe
+from llmflow.evaluate.task_files import check_parquet_columns, read_rows, split_files
+
+FEWSHOT_DELIMITER = "\n\n"
+
+
+@dataclass(frozen=True)
+class Doc:
+    """One document, or one few-shot exemplar, as the harness renders it."""
+
+    text: str
+    """The prompt of the document (the task's doc_to_text)."""
+    target: str
+    """The gold answer (doc_to_target); an exemplar's is its worked solution."""
+
+
+@dataclass(frozen=True)
+class RegexFilter:
+    """The harness's ``regex`` filter followed by ``take_first``: the answer extracted from a
+    generated text."""
+
+    name: str
+    """The filter's name in the harness (it names the metric: ``exact_match,{name}``)."""
+    pattern: str
+    group_select: int = 0
+    """Which match to take (-1: the last)."""
+    fallback: str = "[invalid]"
+
+    @property
+    def metric(self) -> str:
+        """The key of the exact match under this filter in results.json."""
+        return "exact_match_" + self.name.replace("-", "_")
+
+    def extract(self, text: str) -> str:
+        """The selected match, the first non-empty group of a pattern with several, stripped."""
+        matches = re.findall(self.pattern, text)
+        if not matches:
+            return self.fallback
+        match = matches[self.group_select]
+        if isinstance(match, tuple):
+            match = next((m for m in match if m), self.fallback)
+        return match.strip()
+
+
+@dataclass(frozen=True)
+class ExactMatch:
+    """The harness's exact_match metric with its options."""
+
+    ignore_case: bool = False
+    ignore_punctuation: bool = False
+    regexes_to_ignore: tuple[str, ...] = ()
+    """Removed (re.sub) from the answer and the gold before they are compared."""
+
+    def score(self, prediction: str, reference: str) -> float:
+        """1.0 when the answer equals the gold, else 0.0."""
+        # The harness's own steps on numpy string arrays, whose quirks decide edge cases: an array
+        # drops trailing NULs, and np.char.lower keeps each string's length.
+        predictions: Any = [prediction]
+        references: Any = [reference]
+        for pattern in self.regexes_to_ignore:
+            predictions = np.array([re.sub(pattern, "", x) for x in predictions])
+            references = np.array([re.sub(pattern, "", x) for x in references])
+        predictions, references = np.asarray(predictions), np.asarray(references)
+        if self.ignore_case:
+            predictions, references = np.char.lower(predictions), np.char.lower(references)
+        if self.ignore_punctuation:
+            table = str.maketrans("", "", string.punctuation)
+            predictions, references = np.char.translate(predictions, table), np.char.translate(references, table)
+        return float(predictions[0] == references[0])
+
+
+@dataclass(frozen=True)
+class GenerativeTask:
+    """One task: its prompt, its generation settings, its filters and metric, its data."""
+
+    name: str
+    """lm-evaluation-harness's task name (``gsm8k_cot``, ``bbh_cot_fewshot_navigate``)."""
+    version: str
+    """The harness's version of the task followed."""
+    description: str
+    """Text before the exemplars."""
+    exemplars: tuple[Doc, ...]
+    """The fixed few-shot examples, taken in order (the harness's first_n sampler)."""
+    target_delimiter: str
+    """Between an exemplar's text and its target."""
+    until: tuple[str, ...]
+    """Stop strings: the generated text is cut before the first of them."""
+    max_gen_toks: int
+    """The most tokens generated by default."""
+    filters: tuple[RegexFilter, ...]
+    metric: ExactMatch
+    subdir: str
+    """The task's directory inside its group's data ("" for the data directory itself)."""
+    hub_include: tuple[str, ...]
+    """Globs of the Hub files the task reads."""
+    read: Callable[[Path], list[Doc]]
+    """The evaluated documents, from the task's directory."""
+
+    def prompt(self, doc: Doc, shots: int) -> str:
+        """The description, the first ``shots`` exemplars with their targets, then the document."""
+        examples = [e.text + self.target_delimiter + e.target + FEWSHOT_DELIMITER for e in self.exemplars[:shots]]
+        return self.description + "".join(examples) + doc.text
+
+
+@dataclass(frozen=True)
+class GenerativeGroup:
+    """What ``llmflow eval NAME`` evaluates: one task or a group of them."""
+
+    name: str
+    """Command and stage name (``llmflow eval NAME``, stage ``eval-NAME``)."""
+    title: str
+    harness_name: str
+    """The harness's name of the task or group."""
+    tasks: tuple[GenerativeTask, ...]
+    headline_filter: str
+    """The filter whose exact match is the headline (a group's: its micro average, the
+    harness's size-weighted group score)."""
+
+    @property
+    def stage(self) -> str:
+        """The stage name in manifests and MLflow."""
+        return f"eval-{self.name}"
+
+    def select(self, names: list[str] | None) -> list[GenerativeTask]:
+        """The tasks named in ``names`` (all when empty), in the group's order."""
+        known = [task.name for task in self.tasks]
+        unknown = sorted(set(names or ()) - set(known))
+        if unknown:
+            raise ValueError(f"{self.title}: no tasks {unknown}; its tasks are {known}")
+        return [task for task in self.tasks if not names or task.name in names]
+
+
+def _row_text(row: dict[str, Any]) -> str:
+    return json.dumps(row, ensure_ascii=False, default=str)[:300]
+
+
+# --- GSM8K -------------------------------------------------------------------------------------
+
+GSM8K_LAYOUTS = "openai/gsm8k (main/test-*.parquet with columns question, answer) or GSM8K's own test.jsonl"
+
+
+def gsm8k_text(question: str) -> str:
+    """gsm8k_cot's doc_to_text."""
+    return f"Q: {question}\nA:"
+
+
+def gsm8k_doc(row: dict[str, Any], where: str) -> Doc:
+    """A GSM8K document; its gold is the answer after its last "####" (all of it when it has none)."""
+    question, answer = row.get("question"), row.get("answer")
+    if not isinstance(question, str) or not isinstance(answer, str):
+        raise BenchmarkDataError(f"{where}: expected a question and an answer (text), got {_row_text(row)}")
+    return Doc(gsm8k_text(question), answer.split("####")[-1].strip())
+
+
+def read_gsm8k(root: Path) -> list[Doc]:
+    """The GSM8K test documents under ``root`` in either layout."""
+    files = split_files(root, "test", ("main/{split}-*.parquet", "{split}-*.parquet")) or split_files(
+        root, "test", ("{split}.jsonl",))
+    if not files:
+        shown = describe(root) if root.is_dir() else "no such directory"
+        raise BenchmarkDataError(f"GSM8K data {root}: no test split; {shown}; expected {GSM8K_LAYOUTS}")
+    for path in files:
+        check_parquet_columns(path, ("question", "answer"), GSM8K_LAYOUTS)
+    return [gsm8k_doc(row, where) for path in files for where, row in read_rows(path)]
+
+
+GSM8K_COT_TASK = GenerativeTask(
+    name="gsm8k_cot", version="3.0", description="",
+    exemplars=tuple(Doc(gsm8k_text(e["question"]), e["target"]) for e in GSM8K_COT),
+    target_delimiter=" ", until=("Q:", "</s>", "<|im_end|>"), max_gen_toks=256,
+    filters=(RegexFilter("strict-match", r"The answer is (\-?[0-9\.\,]+)."),
+             RegexFilter("flexible-extract", r"(-?[$0-9.,]{2,})|(-?[0-9]+)", group_select=-1)),
+    metric=ExactMatch(ignore_case=True, regexes_to_ignore=(",", r"\$", "(?s).*#### ", r"\.$")),
+    subdir="", hub_include=("main/test-*",), read=read_gsm8k,
+)
+GSM8K = GenerativeGroup(name="gsm8k", title="GSM8K (chain of thought)", harness_name="gsm8k_cot",
+                        tasks=(GSM8K_COT_TASK,), headline_filter="strict-match")
+
+
+# --- BBH ---------------------------------------------------------------------------------------
+
+BBH_LAYOUT = "SaylorTwift/bbh ({subtask}/test-*.parquet with columns input, target)"
+
+
+def bbh_text(question: str) -> str:
+    """The doc_to_text of every bbh_cot_fewshot task."""
+    return f"Q: {question}\nA: Let's think step by step.\n"
+
+
+def bbh_doc(row: dict[str, Any], where: str) -> Doc:
+    """A BBH document: its input and its target."""
+    question, target = row.get("input"), row.get("target")
+    if not isinstance(question, str) or not isinstance(target, str):
+        raise BenchmarkDataError(f"{where}: expected an input and a target (text), got {_row_text(row)}")
+    return Doc(bbh_text(question), target)
+
+
+def read_bbh(directory: Path) -> list[Doc]:
+    """The test documents of one BBH subtask, from its directory."""
+    files = split_files(directory, "test", ("{split}-*.parquet", "{split}/*.parquet"))
+    if not files:
+        shown = describe(directory) if directory.is_dir() else "no such directory"
+        raise BenchmarkDataError(f"BBH data {directory}: no test split; {shown}; expected {BBH_LAYOUT}")
+    for path in files:
+        check_parquet_columns(path, ("input", "target"), BBH_LAYOUT)
+    return [bbh_doc(row, where) for path in files for where, row in read_rows(path)]
+
+
+def bbh_task(subtask: str) -> GenerativeTask:
+    """The harness's ``bbh_cot_fewshot_{subtask}``."""
+    prompts = BBH_COT_FEWSHOT[subtask]
+    return GenerativeTask(
+        name=f"bbh_cot_fewshot_{subtask}", version="4.0", description=prompts["description"],
+        exemplars=tuple(Doc(bbh_text(e["input"]), e["target"]) for e in prompts["samples"]),
+        target_delimiter="", until=("</s>", "Q", "\n\n"), max_gen_toks=1024,
+        filters=(RegexFilter("get-answer", r"(?<=the answer is )(.*)(?=.)"),), metric=ExactMatch(),
+        subdir=subtask, hub_include=(f"{subtask}/test-*",), read=read_bbh,
+    )
+
+
+BBH = GenerativeGroup(name="bbh", title="BBH (chain of thought, few-shot)", harness_name="bbh_cot_fewshot",
+                      tasks=tuple(bbh_task(s) for s in BBH_COT_FEWSHOT), headline_filter="get-answer")
+
+GENERATIVE_GROUPS = {group.name: group for group in (GSM8K, BBH)}
