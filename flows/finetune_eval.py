@@ -14,12 +14,23 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow
+from prefect.artifacts import create_table_artifact
+from prefect.runtime import deployment
 
 from llmflow import tracking
 from llmflow.data.tokenize_instruction import InstructionTokenizeConfig
 from llmflow.export import ExportConfig
 from llmflow.flows import stages
 from llmflow.flows.checks import check_layout
+from llmflow.flows.comparison import (
+    REGRESSION_TAG,
+    ComparisonRow,
+    compare,
+    comparison_table,
+    previous_run_metrics,
+    registered_scores,
+    regression_tag,
+)
 from llmflow.flows.params import FinetuneEvalParams, flow_parameters
 from llmflow.flows.summary import BENCHMARK_TITLES, publish_summary
 from llmflow.infer.batch import InferConfig
@@ -77,9 +88,13 @@ def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
             ), refresh=refresh).path
         after = stages.run_benchmarks(run, params.evaluation, params.benchmark_data, params.benchmarks,
                                       exported.path, run_name)
-        scores = {f"{b}_{when}": scored[b].manifest["accuracy"] for b in params.benchmarks
-                  for when, scored in (("before", before), ("after", after))}
+        scores = {f"{b}_{when}{key}": scored[b].manifest[f"accuracy{key}"] for b in params.benchmarks
+                  for when, scored in (("before", before), ("after", after)) for key in ("", "_stderr")
+                  if scored[b].manifest.get(f"accuracy{key}") is not None}
         tracking.log_metrics(run.mlflow_run, scores)
+        rows = compare(params.benchmarks, scores, previous_run_metrics(FLOW, deployment.name or "", run.mlflow_run),
+                       registered_scores(params.registered_model) if params.registered_model else {})
+        publish_comparison(run.mlflow_run, rows)
         registered = gate = None
         if params.registered_model:
             gated = params.gate_benchmark
@@ -91,7 +106,8 @@ def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
                 registered = stages.run(register_model_task, params.registered_model, exported, scores,
                                         refresh=refresh)
         result = {
-            **scores,
+            **{key: value for key, value in scores.items() if not key.endswith("_stderr")},
+            "comparison": comparison_table(rows),
             "version": run.version,
             "checkpoint": trained.path,
             "model": exported.path,
@@ -102,3 +118,15 @@ def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
         }
         publish_summary(FLOW, result, run.mlflow_run)
     return result
+
+
+def publish_comparison(mlflow_run: str, rows: list[ComparisonRow]) -> None:
+    """The comparison as a Prefect table artifact, an MLflow table and the regression tag."""
+    from mlflow import MlflowClient
+
+    table = comparison_table(rows)
+    tag = regression_tag(rows)
+    create_table_artifact(key=f"{FLOW}-comparison", table=table,
+                          description=f"Scores against the last registered model and the previous run; regression: {tag}")
+    MlflowClient().log_table(mlflow_run, {key: [row[key] for row in table] for key in table[0]}, "comparison.json")
+    tracking.set_tags(mlflow_run, {REGRESSION_TAG: tag})

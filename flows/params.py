@@ -34,12 +34,12 @@ from llmflow.train.preflight import batch_problems, parallel_problems, pipeline_
 SAMPLE = "sample"
 """Source value that means "the built-in sample assets" (written by the sample stage)."""
 
-Benchmark = Literal["mmlu", "ceval", "cmmlu", "boolq", "agieval"]
+Benchmark = Literal["mmlu", "ceval", "cmmlu", "boolq", "agieval", "gsm8k", "bbh"]
 """A benchmark's name, as ``llmflow eval`` names it."""
 
 Stage = Literal[
     "sample", "download", "convert", "tokenize-instruction", "tokenize-pretrain", "eval-mmlu", "eval-ceval",
-    "eval-cmmlu", "eval-boolq", "eval-agieval", "train", "export", "infer", "register", "probe-compare",
+    "eval-cmmlu", "eval-boolq", "eval-agieval", "eval-gsm8k", "eval-bbh", "train", "export", "infer", "register", "probe-compare",
 ]
 """A stage's name as the Prefect UI shows it (its task's name)."""
 
@@ -144,6 +144,13 @@ class BenchmarkSources(Params):
     agieval_tasks: list[str] | None = None
     """AGIEval tasks to run, by lm-evaluation-harness's names (default: the nine English
     multiple-choice tasks; with "sample", the sample's agieval_logiqa_en and agieval_sat_math)."""
+    gsm8k: str = "hf://openai/gsm8k"
+    """GSM8K data: the hub dataset, a local copy (openai/gsm8k or the original JSON lines) or "sample"."""
+    bbh: str = "hf://SaylorTwift/bbh"
+    """BBH data: the hub dataset, a local copy of its layout or "sample"."""
+    bbh_tasks: list[str] | None = None
+    """BBH tasks to run, by lm-evaluation-harness's names (bbh_cot_fewshot_navigate, ...; default:
+    all 27; with "sample", the sample's boolean_expressions and object_counting)."""
 
 
 class EvalParams(Params):
@@ -207,7 +214,7 @@ class FinetuneEvalParams(Params):
     evaluation: EvalParams = EvalParams()
     """Evaluation settings, the same for the base and the finetuned model (evaluation.data is MMLU's)."""
     benchmarks: list[Benchmark] = Field(default_factory=lambda: ["mmlu"], min_length=1)
-    """Benchmarks scored before and after finetuning: mmlu, ceval, cmmlu, boolq, agieval."""
+    """Benchmarks scored before and after finetuning: mmlu, ceval, cmmlu, boolq, agieval, gsm8k, bbh."""
     benchmark_data: BenchmarkSources = BenchmarkSources()
     """Data of the benchmarks other than MMLU."""
     gate_benchmark: Benchmark = "mmlu"
@@ -284,10 +291,10 @@ class EvaluateParams(Params):
     revision: str | None = None
     """Hub revision of the model."""
     benchmarks: list[Benchmark] = Field(default_factory=lambda: ["mmlu"], min_length=1)
-    """Benchmarks to run: mmlu (data from evaluation.data), ceval, cmmlu, boolq, agieval."""
+    """Benchmarks to run: mmlu (data from evaluation.data), ceval, cmmlu, boolq, agieval, gsm8k, bbh."""
     evaluation: EvalParams = EvalParams()
     """Settings shared by the benchmarks (evaluation.data is MMLU's; shots and subjects are the
-    four-choice benchmarks', BoolQ and AGIEval run zero-shot as lm-evaluation-harness does by default)."""
+    four-choice benchmarks'; the others run at lm-evaluation-harness's default shots)."""
     benchmark_data: BenchmarkSources = BenchmarkSources()
     """Data of the benchmarks other than MMLU."""
     refresh: list[Stage] = Field(default_factory=list)

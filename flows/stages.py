@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import Task
-from prefect.runtime import flow_run
+from prefect.runtime import deployment, flow_run
 from pydantic import BaseModel
 
 from llmflow import tracking
@@ -26,9 +26,12 @@ from llmflow.download import DownloadConfig, parse_source
 from llmflow.evaluate.choice_engine import ChoiceEvalConfig
 from llmflow.evaluate.choice_tasks import CHOICE_GROUPS
 from llmflow.evaluate.engine import EvalConfig
+from llmflow.evaluate.generative_engine import GenerativeEvalConfig
+from llmflow.evaluate.generative_tasks import GENERATIVE_GROUPS
 from llmflow.flows.params import SAMPLE, BenchmarkSources, EvalParams
 from llmflow.sample import SampleConfig
 from llmflow.sample_choice_tasks import AGIEVAL_TASKS as SAMPLE_AGIEVAL_TASKS
+from llmflow.sample_generative_tasks import BBH_SUBTASKS as SAMPLE_BBH_SUBTASKS
 from llmflow.tasks.common import StageArtifact
 from llmflow.tasks.convert import convert_task
 from llmflow.tasks.download import download_task
@@ -102,16 +105,25 @@ def run(task: Task, *args: Any, refresh: Collection[str] = (), **kwargs: Any) ->
     return result
 
 
+TASK_CONFIGS: dict[str, type[ChoiceEvalConfig | GenerativeEvalConfig]] = {
+    **dict.fromkeys(CHOICE_GROUPS, ChoiceEvalConfig), **dict.fromkeys(GENERATIVE_GROUPS, GenerativeEvalConfig)}
+"""The configs of the benchmarks made of lm-evaluation-harness tasks (the others are four-choice)."""
+SAMPLE_TASKS = {"agieval": [f"agieval_{t.replace('-', '_')}" for t in SAMPLE_AGIEVAL_TASKS],
+                "bbh": [f"bbh_cot_fewshot_{t}" for t in SAMPLE_BBH_SUBTASKS]}
+"""The tasks the sample assets hold of the groups it does not hold whole."""
+
+
 def run_eval(workspace: Path, evaluation: EvalParams, model: str | Path, data: str, name: str,
              refresh: Collection[str] = (), benchmark: str = "mmlu", tasks: list[str] | None = None) -> StageArtifact:
     """The ``benchmark`` evaluation stage on ``model`` into ``eval/{name}-{settings}``; hub data
-    is cached under the workspace's ``downloads/``. BoolQ and AGIEval (``tasks``: which of
-    its tasks) take the shared settings but run zero-shot, as lm-evaluation-harness does."""
+    is cached under the workspace's ``downloads/``. The benchmarks other than the four-choice
+    ones (``tasks``: which of their tasks) take the shared limit, batch size and template and
+    run at lm-evaluation-harness's default shots."""
     common = {"model": model, "data": data, "cache_dir": workspace / "downloads",
               "out": workspace / "eval" / f"{name}-{settings_tag(benchmark, evaluation, *([tasks] if tasks else []))}"}
-    if benchmark in CHOICE_GROUPS:
+    if benchmark in TASK_CONFIGS:
         settings = evaluation.model_dump(include={"limit", "batch_size", "template"})
-        return run(EVAL_TASKS[benchmark], ChoiceEvalConfig(**common, **settings, tasks=tasks), refresh=refresh)
+        return run(EVAL_TASKS[benchmark], TASK_CONFIGS[benchmark](**common, **settings, tasks=tasks), refresh=refresh)
     config = EvalConfig(**common, **evaluation.model_dump(exclude={"data"}))
     return run(EVAL_TASKS[benchmark], config, refresh=refresh)
 
@@ -119,14 +131,14 @@ def run_eval(workspace: Path, evaluation: EvalParams, model: str | Path, data: s
 def run_benchmarks(context: FlowRun, evaluation: EvalParams, data: BenchmarkSources, benchmarks: list[str],
                    model: str | Path, name: str) -> dict[str, StageArtifact]:
     """Each of ``benchmarks``' evaluation stages on ``model``, its data from ``evaluation.data``
-    (MMLU) or ``data``; "sample" sources are the sample stage's copies."""
-    sources = {"mmlu": evaluation.data, "ceval": data.ceval, "cmmlu": data.cmmlu, "boolq": data.boolq,
-               "agieval": data.agieval}
-    sample_agieval = [f"agieval_{t.replace('-', '_')}" for t in SAMPLE_AGIEVAL_TASKS]
-    agieval_tasks = data.agieval_tasks or (sample_agieval if data.agieval == SAMPLE else None)
+    (MMLU) or ``data``; "sample" sources are the sample stage's copies (with the sample's
+    AGIEval and BBH tasks unless others are named)."""
+    sources = {"mmlu": evaluation.data, **data.model_dump(exclude={"agieval_tasks", "bbh_tasks"})}
+    tasks = {"agieval": data.agieval_tasks or (SAMPLE_TASKS["agieval"] if data.agieval == SAMPLE else None),
+             "bbh": data.bbh_tasks or (SAMPLE_TASKS["bbh"] if data.bbh == SAMPLE else None)}
     return {benchmark: run_eval(context.workspace, evaluation, model,
                                 context.sources.benchmark_data(benchmark, sources[benchmark]), name,
-                                context.refresh, benchmark, agieval_tasks if benchmark == "agieval" else None)
+                                context.refresh, benchmark, tasks.get(benchmark))
             for benchmark in benchmarks}
 
 
@@ -170,7 +182,7 @@ def open_flow_run(flow: str, params: BaseModel) -> Iterator[FlowRun]:
     version = run_version(getattr(params, "version", None), flow_run.scheduled_start_time)
     logged = params.model_dump(mode="json") | {"workspace": str(workspace), "version": version}
     refresh = set(params.refresh)
-    with tracking.flow_run(flow, flow_run.id, logged) as parent:
+    with tracking.flow_run(flow, flow_run.id, logged, deployment.name) as parent:
         yield FlowRun(workspace, version, refresh, Sources(workspace, refresh), parent)
 
 

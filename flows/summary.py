@@ -8,14 +8,17 @@ from prefect.artifacts import create_markdown_artifact
 
 from llmflow import tracking
 
-BENCHMARK_TITLES = {"mmlu": "MMLU", "ceval": "C-Eval", "cmmlu": "CMMLU", "boolq": "BoolQ", "agieval": "AGIEval"}
+BENCHMARK_TITLES = {"mmlu": "MMLU", "ceval": "C-Eval", "cmmlu": "CMMLU", "boolq": "BoolQ", "agieval": "AGIEval",
+                    "gsm8k": "GSM8K", "bbh": "BBH"}
 
 
 def summary_markdown(flow: str, result: dict[str, Any], mlflow_run: str) -> str:
     """Scores (before/after when both exist), outputs and the MLflow run of a flow run."""
     lines = [f"# {flow}", ""]
     compared = [(name, key) for key, name in BENCHMARK_TITLES.items() if f"{key}_before" in result]
-    if compared:
+    if result.get("comparison"):
+        lines += comparison_markdown(result["comparison"])
+    elif compared:
         lines += ["| benchmark | before | after | change |", "|---|---|---|---|"]
         for name, key in compared:
             before, after = result[f"{key}_before"], result[f"{key}_after"]
@@ -35,6 +38,23 @@ def summary_markdown(flow: str, result: dict[str, Any], mlflow_run: str) -> str:
         lines.append(f"- registry gate ({gate['rule']}): {'passed' if gate['passed'] else 'failed'}: {gate['reason']}")
     lines.append(f"- MLflow: {tracking.run_link(mlflow_run)}")
     return "\n".join(lines) + "\n"
+
+
+def comparison_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """The comparison table (flows/comparison.py's rows) and its verdict as markdown lines."""
+    def cell(value: float | None, sign: bool = False) -> str:
+        return "-" if value is None else f"{value:+.4f}" if sign else f"{value:.4f}"
+
+    lines = ["| benchmark | before | after | registered | previous run | change | ± |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        flag = " **regression**" if r["regression"] else ""
+        lines.append(f"| {BENCHMARK_TITLES[r['benchmark']]} | {cell(r['before'])} | {cell(r['after'])} | "
+                     f"{cell(r['registered'])} | {cell(r['previous'])} | {cell(r['change'], sign=True)}{flag} | "
+                     f"{cell(r['change_stderr'])} |")
+    fell = [BENCHMARK_TITLES[r["benchmark"]] for r in rows if r["regression"]]
+    verdict = (f"Regression since the previous run (more than two standard errors of the change): {', '.join(fell)}"
+               if fell else "No regression since the previous run.")
+    return [*lines, "", verdict, ""]
 
 
 def publish_summary(flow: str, result: dict[str, Any], mlflow_run: str) -> None:

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 
 GSM8K_QUESTIONS = 12
 BBH_QUESTIONS = 12
+BBH_SUBTASKS = ("boolean_expressions", "object_counting")
 _NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five")
 _PLURALS = {"fox": "foxes", "wolf": "wolves", "deer": "deer"}
 
@@ -100,8 +101,8 @@ def write_generative_tasks(seed: int, world: list, directory: Path) -> dict[str,
     rng = random.Random(f"{seed}-generative-tasks")
     _write(directory / "gsm8k" / "main" / "test-00000-of-00001.parquet",
            [gsm8k_row(rng, rng.choice(world)) for _ in range(GSM8K_QUESTIONS)])
-    rows = {"boolean_expressions": [boolean_row(rng) for _ in range(BBH_QUESTIONS)],
-            "object_counting": [counting_row(rng, world) for _ in range(BBH_QUESTIONS)]}
+    rows = dict(zip(BBH_SUBTASKS, ([boolean_row(rng) for _ in range(BBH_QUESTIONS)],
+                                   [counting_row(rng, world) for _ in range(BBH_QUESTIONS)]), strict=True))
     for task, task_rows in rows.items():
         _write(directory / "bbh" / task / "test-00000-of-00001.parquet", task_rows)
     return {"gsm8k_test": GSM8K_QUESTIONS, **{f"bbh_{task}": len(r) for task, r in rows.items()}}

@@ -70,15 +70,19 @@ def flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
 
 
 FLOW_RUN_TAG = "llmflow.flow_run_id"
+DEPLOYMENT_TAG = "llmflow.deployment"
 
 
 @contextlib.contextmanager
-def flow_run(flow: str, flow_run_id: str | None, params: Mapping[str, Any]) -> Iterator[str]:
+def flow_run(flow: str, flow_run_id: str | None, params: Mapping[str, Any], deployment: str | None = None
+             ) -> Iterator[str]:
     """The parent MLflow run of one Prefect flow run, with system metrics on; yields its id.
 
     A retried flow run keeps its Prefect id, so its parent run is found again by the
     ``llmflow.flow_run_id`` tag and reopened: the stages the retry runs nest beside the
-    ones that finished the first time.
+    ones that finished the first time. ``llmflow.deployment`` names the Prefect deployment
+    the run came from (empty for a direct call): tonight's run is compared with the previous
+    run of its own deployment.
     """
     import mlflow
 
@@ -89,7 +93,7 @@ def flow_run(flow: str, flow_run_id: str | None, params: Mapping[str, Any]) -> I
     if found:
         context = mlflow.start_run(run_id=found[0].info.run_id, log_system_metrics=True)
     else:
-        tags = {"llmflow.flow": flow, FLOW_RUN_TAG: flow_run_id or ""}
+        tags = {"llmflow.flow": flow, FLOW_RUN_TAG: flow_run_id or "", DEPLOYMENT_TAG: deployment or ""}
         context = mlflow.start_run(run_name=flow, tags=tags, log_system_metrics=True)
     with context as run:
         if not found:

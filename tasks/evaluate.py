@@ -1,6 +1,7 @@
 """Prefect tasks of the evaluation stages: the four-choice benchmarks (MMLU, C-Eval, CMMLU)
-with accuracy per subject, and the tasks with their own choices (BoolQ, AGIEval) with each
-task's metrics; the scores as MLflow metrics, the table in MLflow and as a Prefect artifact."""
+with accuracy per subject, and the lm-evaluation-harness task groups (BoolQ, AGIEval, GSM8K,
+BBH) with each task's metrics; the scores as MLflow metrics, the table in MLflow and as a
+Prefect artifact."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from llmflow.evaluate import engine
 from llmflow.evaluate.benchmarks import CEVAL, CMMLU, MMLU, Benchmark
 from llmflow.evaluate.choice_engine import ChoiceEvalConfig, evaluate_choices
 from llmflow.evaluate.choice_tasks import CHOICE_GROUPS, TaskGroup
+from llmflow.evaluate.generative_engine import GenerativeEvalConfig, evaluate_generative
+from llmflow.evaluate.generative_tasks import GENERATIVE_GROUPS, GenerativeGroup
+from llmflow.evaluate.reporting import metrics_of
 from llmflow.tasks.common import STAGE_CACHE_POLICY, InputFiles, StageArtifact, artifact_for
 
 
@@ -57,13 +61,14 @@ def evaluate_benchmark(benchmark: Benchmark, config: engine.EvalConfig) -> Stage
 
 
 def task_metrics(results: dict[str, Any]) -> dict[str, float]:
-    """MLflow metrics of a choice group's results.json: the headline as accuracy, each task's
-    metrics and their standard errors, the group's averages, sample count and throughput."""
+    """MLflow metrics of an lm-evaluation-harness group's results.json: the headline as accuracy,
+    each task's metrics and their standard errors, the group's averages, sample count and throughput."""
     metrics = {"accuracy": float(results["headline"]["value"]), "samples": float(sum(
         t["samples"] for t in results["tasks"].values())), "samples_per_s": float(results["samples_per_s"] or 0.0)}
     for name, task_scores in results["tasks"].items():
-        metrics.update({f"{key}/{name}": float(value) for key, value in task_scores.items()
-                        if key.startswith("acc") and value is not None})
+        for metric in metrics_of(task_scores):
+            metrics.update({f"{key}/{name}": float(task_scores[key]) for key in (metric, f"{metric}_stderr")
+                            if task_scores[key] is not None})
     for metric, averages in (results.get("group") or {}).items():
         if isinstance(averages, dict):
             metrics.update({f"{metric}/{average}": float(v) for average, v in averages.items() if v is not None})
@@ -71,22 +76,23 @@ def task_metrics(results: dict[str, Any]) -> dict[str, float]:
 
 
 def task_table(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per task: its samples, acc and acc_norm with their standard errors."""
+    """One row per task: its samples and each metric with its standard error."""
     rows = []
     for name, t in results["tasks"].items():
-        rows.append({"task": name, "samples": t["samples"], **{
-            key: round(t[key], 4) if t.get(key) is not None else None
-            for key in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")}})
+        values = {key: round(t[key], 4) if t[key] is not None else None
+                  for metric in metrics_of(t) for key in (metric, f"{metric}_stderr")}
+        rows.append({"task": name, "samples": t["samples"], **values})
     return rows
 
 
-def evaluate_group(group: TaskGroup, config: ChoiceEvalConfig) -> StageArtifact:
+def evaluate_group(group: TaskGroup | GenerativeGroup, config: ChoiceEvalConfig | GenerativeEvalConfig) -> StageArtifact:
     """Evaluate ``config.model`` on ``group``'s tasks into ``config.out`` inside the stage's
     MLflow run; the per-task table goes to MLflow and to a Prefect table artifact."""
     from mlflow import MlflowClient
 
+    evaluate = evaluate_choices if isinstance(group, TaskGroup) else evaluate_generative
     with tracking.stage_run(group.stage, config.model_dump(mode="json")) as run_id:
-        artifact = artifact_for(group.stage, evaluate_choices(group, config))
+        artifact = artifact_for(group.stage, evaluate(group, config))
         results = json.loads((Path(artifact.path) / "results.json").read_text())
         tracking.log_metrics(run_id, task_metrics(results))
         table = task_table(results)
@@ -94,7 +100,7 @@ def evaluate_group(group: TaskGroup, config: ChoiceEvalConfig) -> StageArtifact:
     headline = results["headline"]
     create_table_artifact(
         key=f"{group.name}-scores", table=table,
-        description=(f"{group.title} of {config.model} ({config.shots}-shot): {headline['metric']} "
+        description=(f"{group.title} of {config.model}: {headline['metric']} "
                      f"{headline['value']:.4f}" + (f" ({headline['average']} average)" if headline["average"] else "")),
     )
     return artifact
@@ -103,7 +109,8 @@ def evaluate_group(group: TaskGroup, config: ChoiceEvalConfig) -> StageArtifact:
 def _stage_task(name: str, title: str, run_stage) -> Task:
     # The benchmark's name is an input of the task, so it is part of the cache key.
     @task(name=f"eval-{name}", cache_policy=STAGE_CACHE_POLICY + InputFiles(fields=("model", "data")))
-    def evaluate_task(config: engine.EvalConfig | ChoiceEvalConfig, benchmark_name: str = name) -> StageArtifact:
+    def evaluate_task(config: engine.EvalConfig | ChoiceEvalConfig | GenerativeEvalConfig,
+                      benchmark_name: str = name) -> StageArtifact:
         return run_stage(config)
 
     evaluate_task.__doc__ = f"The {title} evaluation stage."
@@ -112,6 +119,7 @@ def _stage_task(name: str, title: str, run_stage) -> Task:
 
 EVAL_TASKS: dict[str, Task] = {
     **{b.name: _stage_task(b.name, b.title, lambda config, b=b: evaluate_benchmark(b, config)) for b in (MMLU, CEVAL, CMMLU)},
-    **{g.name: _stage_task(g.name, g.title, lambda config, g=g: evaluate_group(g, config)) for g in CHOICE_GROUPS.values()},
+    **{g.name: _stage_task(g.name, g.title, lambda config, g=g: evaluate_group(g, config))
+       for g in (*CHOICE_GROUPS.values(), *GENERATIVE_GROUPS.values())},
 }
 """Benchmark name -> its Prefect task (stage ``eval-{name}``)."""

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from llmflow.evaluate.choice_engine import ChoiceEvalConfig, evaluate_choices
+from llmflow.evaluate.choice_engine import ChoiceEvalConfig, evaluate_choices, select_tasks
 from llmflow.evaluate.choice_tasks import AGIEVAL, BOOLQ, read_agieval, read_boolq
 from llmflow.evaluate.fewshot import fewshot_indices
 from llmflow.evaluate.questions import BenchmarkDataError
@@ -213,7 +213,7 @@ def test_boolq_with_shots_agrees_with_lm_eval(sample_assets, data, tmp_path):
     assert task["acc"] == pytest.approx(expected["acc,none"], abs=1e-12)
     assert task["acc_stderr"] == pytest.approx(expected["acc_stderr,none"], abs=1e-12)
     assert task["samples"] == 10 and task["fewshot"]["seed"] == 1234 and len(task["prompts_sha256"]) == 64
-    assert results["headline"] == {"metric": "acc", "average": None, "value": task["acc"]}
+    assert results["headline"] == {"metric": "acc", "average": None, "value": task["acc"], "stderr": task["acc_stderr"]}
 
 
 @pytest.mark.slow
@@ -262,14 +262,15 @@ def test_finetune_eval_scores_boolq_and_agieval_before_and_after_and_gates_on_ag
     params = FinetuneEvalParams.model_validate({
         "workspace": str(tmp_path / "ws"), "version": "test", "prompts": [], "registered_model": "test-choice",
         "train": {"steps": 2, "micro_batch_size": 4, "global_batch_size": 4, "save_interval": None},
-        "benchmarks": ["boolq", "agieval"], "gate_benchmark": "agieval", "register_min_gain": None,
-        "benchmark_data": {"boolq": "sample", "agieval": "sample"}, "evaluation": {"limit": 6},
+        "benchmarks": ["boolq", "agieval", "gsm8k"], "gate_benchmark": "agieval", "register_min_gain": None,
+        "benchmark_data": {"boolq": "sample", "agieval": "sample", "gsm8k": "sample"}, "evaluation": {"limit": 6},
     })
     state = finetune_eval(**dict(params), return_state=True)
     assert state.is_completed(), state.message
     result = state.result()
     states = task_states(state.state_details.flow_run_id)
     assert states["eval-boolq"] == ["Completed", "Completed"] and states["eval-agieval"] == ["Completed", "Completed"]
+    assert states["eval-gsm8k"] == ["Completed", "Completed"] and 0 <= result["gsm8k_after"] <= 1
     assert "eval-mmlu" not in states and "register" in states
     outputs = {(p.name.startswith("base-"), json.loads((p / "results.json").read_text())["benchmark"]): p
                for p in (tmp_path / "ws" / "eval").iterdir()}
@@ -282,6 +283,15 @@ def test_finetune_eval_scores_boolq_and_agieval_before_and_after_and_gates_on_ag
     agieval_runs = mlflow_runs(prefect_env, "eval-agieval")
     assert len(agieval_runs) == 2
     assert {"acc_norm/agieval_sat_math", "acc/micro", "acc/macro", "acc_norm/micro_stderr"} <= set(agieval_runs[0].data.metrics)
+
+
+def test_the_sample_tasks_of_the_groups_it_holds_in_part_are_their_groups_tasks():
+    from llmflow.evaluate.generative_tasks import BBH
+    from llmflow.flows.stages import SAMPLE_TASKS, TASK_CONFIGS
+
+    assert [t.name for t in select_tasks(AGIEVAL, SAMPLE_TASKS["agieval"])] == SAMPLE_TASKS["agieval"]
+    assert [t.name for t in select_tasks(BBH, SAMPLE_TASKS["bbh"])] == SAMPLE_TASKS["bbh"]
+    assert set(TASK_CONFIGS) == {"boolq", "agieval", "gsm8k", "bbh"}
 
 
 def test_the_gate_benchmark_must_be_scored():

@@ -18,6 +18,7 @@ import pytest
 from mlflow import MlflowClient
 from prefect_helpers import FlowProcess, flow_run_logs, mlflow_runs, task_states, wait_for
 
+from llmflow.flows.comparison import REGRESSION_TAG
 from llmflow.flows.finetune_eval import FinetuneEvalParams, finetune_eval
 from llmflow.tasks.register import GATE_TAG, REASON_TAG
 from llmflow.tracking import FLOW_RUN_TAG
@@ -121,6 +122,7 @@ def test_finetune_eval_runs_every_stage_tracks_it_and_reruns_from_cache(prefect_
     (markdown,) = [a for a in artifacts if a.key == "finetune-eval-summary"]
     assert f"registry gate (min_gain=2): failed: {reason}" in markdown.data
     assert ("mmlu-accuracy", "table") in kinds
+    assert ("finetune-eval-comparison", "table") in kinds
     assert ("infer-samples", "table") in kinds
     progress = [a for a in artifacts if a.type == "progress"]
     assert progress and progress[0].data == 100.0
@@ -132,6 +134,13 @@ def test_finetune_eval_runs_every_stage_tracks_it_and_reruns_from_cache(prefect_
     assert {k: again.result()[k] for k in ("mmlu_before", "mmlu_after", "model")} == {
         k: result[k] for k in ("mmlu_before", "mmlu_after", "model")
     }
+    # ... and are held against the previous run's: the first run had none, this one the first.
+    (first,) = result["comparison"]
+    assert first["previous"] is None and first["registered"] is None and not first["regression"]
+    (row,) = again.result()["comparison"]
+    assert row["previous"] == result["mmlu_after"] and row["change"] == 0.0 and row["after_stderr"] > 0
+    assert row["change_stderr"] == pytest.approx(2**0.5 * row["after_stderr"], rel=1e-6) and not row["regression"]
+    assert client.get_run(again.result()["mlflow_run"]).data.tags[REGRESSION_TAG] == "none"
 
 
 @pytest.mark.slow

@@ -5,6 +5,8 @@ completes the run, registers nothing and reports why."""
 
 from __future__ import annotations
 
+import pytest
+
 from llmflow.flows.params import FinetuneEvalParams
 from llmflow.flows.summary import summary_markdown
 from llmflow.tasks.register import GATE_TAG, REASON_TAG, registry_gate
@@ -47,3 +49,25 @@ def test_the_summary_compares_every_benchmark_and_the_gate_names_its_own():
     markdown = summary_markdown("finetune-eval", {"mmlu_before": 0.26, "mmlu_after": 0.24, "boolq_before": 0.4,
                                                   "boolq_after": 0.45, "gate": gate.model_dump()}, "run-id")
     assert "| MMLU | 0.2600 | 0.2400 | -0.0200 |\n| BoolQ | 0.4000 | 0.4500 | +0.0500 |\n" in markdown
+
+
+def test_a_fall_of_more_than_two_standard_errors_of_the_change_is_a_regression():
+    from llmflow.flows.comparison import compare, regression_tag
+
+    scores = {"mmlu_before": 0.30, "mmlu_after": 0.40, "mmlu_after_stderr": 0.03,
+              "boolq_before": 0.50, "boolq_after": 0.55, "boolq_after_stderr": 0.04}
+    previous = {"mmlu_after": 0.52, "mmlu_after_stderr": 0.04, "boolq_after": 0.60}
+    mmlu, boolq = compare(["mmlu", "boolq"], scores, previous, {"mmlu_after": 0.45})
+    assert mmlu.change == pytest.approx(-0.12) and mmlu.change_stderr == pytest.approx(0.05)  # sqrt(.03² + .04²)
+    assert mmlu.regression and mmlu.registered == 0.45
+    assert boolq.change_stderr == pytest.approx(0.04) and not boolq.regression  # -0.05 within 2 x 0.04
+    assert regression_tag([mmlu, boolq]) == "mmlu"
+    (first,) = compare(["mmlu"], scores, {}, {})
+    assert first.previous is None and first.change is None and not first.regression
+    assert regression_tag([first]) == "none"
+    from llmflow.flows.comparison import comparison_table
+
+    markdown = summary_markdown("finetune-eval", {"comparison": comparison_table([mmlu, boolq])}, "run-id")
+    assert "| MMLU | 0.3000 | 0.4000 | 0.4500 | 0.5200 | -0.1200 **regression** | 0.0500 |" in markdown
+    assert "| BoolQ | 0.5000 | 0.5500 | - | 0.6000 | -0.0500 | 0.0400 |" in markdown
+    assert "Regression since the previous run (more than two standard errors of the change): MMLU" in markdown

@@ -30,7 +30,7 @@ from llmflow.evaluate.fewshot import HARNESS_SEED, fewshot_indices
 from llmflow.evaluate.hub_data import is_hub_source, local_data
 from llmflow.evaluate.provenance import prompts_sha256
 from llmflow.evaluate.questions import BenchmarkDataError
-from llmflow.evaluate.reporting import group_results, run_record, write_outputs
+from llmflow.evaluate.reporting import group_results, headline, run_record, write_outputs
 from llmflow.evaluate.scoring import model_requests, score_requests
 from llmflow.evaluate.settings import EvalSettings, load_for_eval
 from llmflow.evaluate.statistics import stderr_of_mean
@@ -164,11 +164,9 @@ def evaluate_choices(group: TaskGroup, config: ChoiceEvalConfig) -> Path:
         for index, (outcome, picked) in enumerate(zip(outcomes, run.shots)):
             lines.append(json.dumps({"task": run.task.name, "index": index, **outcome, "fewshot": picked}) + "\n")
     results: dict[str, Any] = {"benchmark": group.name, "tasks": tasks_out}
-    if len(group.tasks) > 1:
-        results["group"] = group_results(tasks_out)
-        results["headline"] = {"metric": "acc", "average": "micro", "value": results["group"]["acc"]["micro"]}
-    else:
-        (only,) = tasks_out.values()
-        results["headline"] = {"metric": "acc", "average": None, "value": only["acc"]}
+    group_out = group_results(tasks_out) if len(group.tasks) > 1 else None
+    if group_out is not None:
+        results["group"] = group_out
+    results["headline"] = headline("acc", tasks_out, group_out)
     results.update(run_record(config, seconds, len(lines), data_dir=str(root), max_length=max_length))
     return write_outputs(config.out, group.stage, config.model_dump(mode="json"), results, lines)

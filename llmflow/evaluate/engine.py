@@ -126,8 +126,9 @@ def evaluate(benchmark: Benchmark, config: EvalConfig) -> Path:
     results = {"benchmark": benchmark.name, **summarize(benchmark, questions, predictions)}
     correct = [float(p == q.answer) for p, q in zip(predictions, questions)]
     subjects = results["subjects"].values()
-    results["headline"] = {"metric": "accuracy", "average": "micro", "value": results["accuracy"]}
     results["accuracy_stderr"] = stderr_of_mean(correct)
+    results["headline"] = {"metric": "accuracy", "average": "micro", "value": results["accuracy"],
+                           "stderr": results["accuracy_stderr"]}
     results["macro_accuracy"] = sum(v["accuracy"] for v in subjects) / len(subjects)
     results["prompts_sha256"] = prompts_sha256(prompts, [CONTINUATIONS] * len(prompts))
     results["fewshot"] = {"shots": config.shots, "split": benchmark.fewshot_split,
@@ -145,6 +146,6 @@ def evaluate(benchmark: Benchmark, config: EvalConfig) -> Path:
         with open(work / "predictions.jsonl", "w", encoding="utf-8") as f:
             f.writelines(_predictions_lines(questions, scores, fast))
         files = [file_record(work / name, work) for name in ("results.json", "predictions.jsonl")]
-        metrics = {key: results[key] for key in ("accuracy", "questions", "questions_per_s")}
+        metrics = {key: results[key] for key in ("accuracy", "accuracy_stderr", "questions", "questions_per_s")}
         write_json_atomic(work / MANIFEST, manifest_payload(benchmark.stage, config.model_dump(mode="json"), files, **metrics))
     return out

@@ -34,7 +34,7 @@ from llmflow.evaluate.generative_tasks import Doc, GenerativeGroup, GenerativeTa
 from llmflow.evaluate.hub_data import local_data
 from llmflow.evaluate.provenance import prompts_sha256
 from llmflow.evaluate.questions import BenchmarkDataError
-from llmflow.evaluate.reporting import group_results, run_record, write_outputs
+from llmflow.evaluate.reporting import group_results, headline, run_record, write_outputs
 from llmflow.evaluate.scoring import encode_texts
 from llmflow.evaluate.settings import EvalSettings, context_length, eval_model
 from llmflow.evaluate.statistics import stderr_of_mean
@@ -96,7 +96,7 @@ def build_runs(group: GenerativeGroup, tasks: list[GenerativeTask], root: Path, 
                limit: int | None) -> list[TaskRun]:
     """Every task's documents (its first ``limit``) with their prompts."""
     missing = [t.name for t in tasks if not (root / t.subdir).is_dir()]
-    if missing:
+    if missing and len(group.tasks) > 1:
         present = [t.name for t in tasks if t.name not in missing]
         raise BenchmarkDataError(
             f"{group.title} data {root}: no directory for tasks {missing} (expected one per task, named as its "
@@ -172,16 +172,6 @@ def task_results(run: TaskRun, outcomes: list[dict[str, Any]], shots: int, stops
     return results
 
 
-def headline(group: GenerativeGroup, tasks: dict[str, dict[str, Any]], group_out: dict[str, Any] | None
-             ) -> dict[str, Any]:
-    """The headline filter's exact match: the group's micro average, or its one task's."""
-    metric = next(f.metric for f in group.tasks[0].filters if f.name == group.headline_filter)
-    if group_out is not None:
-        return {"metric": metric, "average": "micro", "value": group_out[metric]["micro"]}
-    (only,) = tasks.values()
-    return {"metric": metric, "average": None, "value": only[metric]}
-
-
 def evaluate_generative(group: GenerativeGroup, config: GenerativeEvalConfig) -> Path:
     """Evaluate ``config.model`` on ``group``'s tasks; writes the results into ``config.out`` and returns it."""
     if config.device != "auto":
@@ -215,7 +205,8 @@ def evaluate_generative(group: GenerativeGroup, config: GenerativeEvalConfig) ->
     group_out = group_results(tasks_out) if len(group.tasks) > 1 else None
     if group_out is not None:
         results["group"] = group_out
-    results["headline"] = headline(group, tasks_out, group_out)
+    metric = next(f.metric for f in group.tasks[0].filters if f.name == group.headline_filter)
+    results["headline"] = headline(metric, tasks_out, group_out)
     results.update(run_record(config, seconds, len(lines), data_dir=str(root), max_length=max_length, shots=shots,
                               max_new_tokens=max_new_tokens, repetition_penalty=penalty))
     return write_outputs(config.out, group.stage, config.model_dump(mode="json"), results, lines)

@@ -10,8 +10,8 @@ defines them:
 - BBH: its ``bbh_cot_fewshot`` group (tasks version 4.0, group 3.0): per subtask, its
   description, then its 3 exemplars as "Q: {input}\\nA: Let's think step by step.\\n{target}\\n\\n",
   then the question the same way; generation until "</s>", "Q" or "\\n\\n" (1024 tokens at
-  most); the answer is what follows "the answer is " up to the line's last character
-  (``get-answer``), scored by exact match against the target.
+  most); the answer is the rest of the line after the first "the answer is ", less its last
+  character, normally a full stop (``get-answer``), scored by exact match against the target.
 
 The exemplars are the harness's own text (``cot_exemplars.py``). A reader takes a local
 directory in the Hub layout of the task's dataset (``openai/gsm8k``'s ``main/test-*.parquet``;
@@ -164,7 +164,7 @@ class GenerativeGroup:
         return [task for task in self.tasks if not names or task.name in names]
 
 
-def _row_text(row: dict[str, Any]) -> str:
+def _excerpt(row: dict[str, Any]) -> str:
     return json.dumps(row, ensure_ascii=False, default=str)[:300]
 
 
@@ -182,7 +182,7 @@ def gsm8k_doc(row: dict[str, Any], where: str) -> Doc:
     """A GSM8K document; its gold is the answer after its last "####" (all of it when it has none)."""
     question, answer = row.get("question"), row.get("answer")
     if not isinstance(question, str) or not isinstance(answer, str):
-        raise BenchmarkDataError(f"{where}: expected a question and an answer (text), got {_row_text(row)}")
+        raise BenchmarkDataError(f"{where}: expected a question and an answer (text), got {_excerpt(row)}")
     return Doc(gsm8k_text(question), answer.split("####")[-1].strip())
 
 
@@ -225,13 +225,13 @@ def bbh_doc(row: dict[str, Any], where: str) -> Doc:
     """A BBH document: its input and its target."""
     question, target = row.get("input"), row.get("target")
     if not isinstance(question, str) or not isinstance(target, str):
-        raise BenchmarkDataError(f"{where}: expected an input and a target (text), got {_row_text(row)}")
+        raise BenchmarkDataError(f"{where}: expected an input and a target (text), got {_excerpt(row)}")
     return Doc(bbh_text(question), target)
 
 
 def read_bbh(directory: Path) -> list[Doc]:
     """The test documents of one BBH subtask, from its directory."""
-    files = split_files(directory, "test", ("{split}-*.parquet", "{split}/*.parquet"))
+    files = split_files(directory, "test", ("{split}-*.parquet",))
     if not files:
         shown = describe(directory) if directory.is_dir() else "no such directory"
         raise BenchmarkDataError(f"BBH data {directory}: no test split; {shown}; expected {BBH_LAYOUT}")

@@ -40,6 +40,16 @@ def group_results(tasks: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return results
 
 
+def headline(metric: str, tasks: dict[str, dict[str, Any]], group: dict[str, Any] | None) -> dict[str, Any]:
+    """The score a run is known by, with its standard error: ``metric``'s micro average over
+    a group, or its one task's value."""
+    if group is not None:
+        return {"metric": metric, "average": "micro", "value": group[metric]["micro"],
+                "stderr": group[metric]["micro_stderr"]}
+    (only,) = tasks.values()
+    return {"metric": metric, "average": None, "value": only[metric], "stderr": only[f"{metric}_stderr"]}
+
+
 def format_table(results: dict[str, Any]) -> str:
     """Each task's metrics and the group's micro and macro averages as a text table."""
     metrics = list(dict.fromkeys(m for t in results["tasks"].values() for m in metrics_of(t)))
@@ -67,13 +77,14 @@ def run_record(config: EvalSettings, seconds: float, samples: int, **settings: A
 
 def write_outputs(out: Path, stage: str, params: dict[str, Any], results: dict[str, Any], lines: list[str]) -> Path:
     """results.json and predictions.jsonl (``lines``) into ``out``, replaced whole, then its
-    manifest with the headline value as the accuracy; returns ``out`` resolved."""
+    manifest with the headline value and standard error as the accuracy; returns ``out`` resolved."""
     out = Path(out).expanduser().resolve()
     with atomic_directory(out) as work:
         write_json_atomic(work / "results.json", results)
         with open(work / "predictions.jsonl", "w", encoding="utf-8") as f:
             f.writelines(lines)
         files = [file_record(work / name, work) for name in ("results.json", "predictions.jsonl")]
-        write_json_atomic(work / MANIFEST, manifest_payload(stage, params, files, accuracy=results["headline"]["value"],
-                                                            samples=len(lines)))
+        write_json_atomic(work / MANIFEST, manifest_payload(
+            stage, params, files, accuracy=results["headline"]["value"],
+            accuracy_stderr=results["headline"]["stderr"], samples=len(lines)))
     return out
