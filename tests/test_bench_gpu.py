@@ -59,18 +59,17 @@ def test_flop_count_is_transformers_parameters_without_embedding_and_norms():
 
 
 @pytest.mark.slow
-def test_every_section_runs_on_a_tiny_model(tmp_path):
-    proc = run_gpu_bench("--device", "cpu", "--tiny", "--work", str(tmp_path), timeout=900)
+def test_the_decode_and_training_sections_run_on_a_tiny_model(tmp_path):
+    """The kernels section runs above; the precision section is the precision flow, bf16
+    against fp32, which tests/test_flows.py runs on the CPU."""
+    proc = run_gpu_bench("--device", "cpu", "--tiny", "--only", "decode", "train", "--work", str(tmp_path), timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    for heading in ("Kernels against their reference", "Decode, greedy, bf16", "Precision: bf16 on the device",
-                    "Training step, bf16"):
+    for heading in ("Decode, greedy, bf16", "Training step, bf16"):
         assert f"#### {heading}" in out
-    assert "18 of 18 within tolerance" in out
     decode = re.findall(r"^\| (1|8) \| ([\d,.]+) \| ([\d,.]+) \| ", out, re.MULTILINE)
     assert [b for b, *_ in decode] == ["1", "8"] and all(float(x.replace(",", "")) > 0 for _, *r in decode for x in r)
     # Both training sides took the same samples and targets: their bf16 losses agree far more
     # closely than the ~1e-2 by which the loss of other targets of the same random tokens differs.
     diff = float(re.search(r"first-step losses differ by (\S+) \(bf16", out).group(1))
     assert diff < 1e-3
-    assert "Suspect Nodes:" in out  # bf16 against fp32: the advisor names where they diverge

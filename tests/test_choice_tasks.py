@@ -14,9 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from parquet_rows import write_parquet
 
 from llmflow.evaluate.choice_engine import ChoiceEvalConfig, evaluate_choices, select_tasks
 from llmflow.evaluate.choice_tasks import AGIEVAL, BOOLQ, read_agieval, read_boolq
@@ -43,12 +43,6 @@ def agieval_rows(rng: random.Random, n: int, choices: int) -> list[dict]:
         query = f"Q: {sentence(rng, 12)}? Answer Choices: {' '.join(options)}\nA: Among A through {'ABCDE'[choices - 1]}, the answer is"
         rows.append({"query": query, "choices": options, "gold": [rng.randrange(choices)]})
     return rows
-
-
-def write_parquet(path: Path, rows: list[dict]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
 
 
 @pytest.fixture(scope="module")

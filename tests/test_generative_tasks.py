@@ -15,11 +15,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 from harness_exemplars import MODULE, harness_exemplars, harness_tasks, render
+from parquet_rows import write_parquet
 
 from llmflow.evaluate.generative_engine import (
     GenerativeEvalConfig,
@@ -32,12 +32,6 @@ from llmflow.evaluate.generative_tasks import BBH, GSM8K, GSM8K_COT_TASK, read_b
 from llmflow.evaluate.questions import BenchmarkDataError
 
 BBH_PAIR = ["bbh_cot_fewshot_boolean_expressions", "bbh_cot_fewshot_object_counting"]
-
-
-def write_parquet(path: Path, rows: list[dict]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmflow.evaluate.questions import BenchmarkDataError, describe
-from llmflow.evaluate.task_files import check_parquet_columns, read_rows, split_files
+from llmflow.evaluate.questions import BenchmarkDataError
+from llmflow.evaluate.task_files import read_split
 
 
 @dataclass(frozen=True)
@@ -94,14 +94,9 @@ def boolq_doc(row: dict[str, Any], where: str) -> Doc:
 
 def read_boolq(root: Path, split: str) -> list[Doc]:
     """The BoolQ documents of ``split`` under ``root`` in either layout."""
-    files = split_files(root, split, ("boolq/{split}-*.parquet", "{split}-*.parquet"))
-    if not files and split in _BOOLQ_ORIGINAL_SPLITS:
-        files = split_files(root, _BOOLQ_ORIGINAL_SPLITS[split], ("{split}.jsonl",))
-    if not files:
-        raise BenchmarkDataError(f"BoolQ data {root}: no {split} split; {describe(root)}; expected {BOOLQ_LAYOUTS}")
-    for path in files:
-        check_parquet_columns(path, ("passage", "question", "label"), BOOLQ_LAYOUTS)
-    return [boolq_doc(row, where) for path in files for where, row in read_rows(path)]
+    original = (f"{_BOOLQ_ORIGINAL_SPLITS[split]}.jsonl",) if split in _BOOLQ_ORIGINAL_SPLITS else ()
+    return read_split("BoolQ", root, split, (("boolq/{split}-*.parquet", "{split}-*.parquet"), original),
+                      ("passage", "question", "label"), BOOLQ_LAYOUTS, boolq_doc)
 
 
 BOOLQ_TASK = ChoiceTask(
@@ -130,13 +125,8 @@ def agieval_doc(row: dict[str, Any], where: str) -> Doc:
 
 def read_agieval(root: Path, split: str) -> list[Doc]:
     """The documents of one AGIEval task's ``split`` under its directory ``root``."""
-    files = split_files(root, split, ("**/{split}-*.parquet", "**/{split}.jsonl"))
-    if not files:
-        shown = describe(root) if root.is_dir() else "no such directory"
-        raise BenchmarkDataError(f"AGIEval data {root}: no {split} split; {shown}; expected {AGIEVAL_LAYOUT}")
-    for path in files:
-        check_parquet_columns(path, ("query", "choices", "gold"), AGIEVAL_LAYOUT)
-    return [agieval_doc(row, where) for path in files for where, row in read_rows(path)]
+    return read_split("AGIEval", root, split, (("**/{split}-*.parquet", "**/{split}.jsonl"),),
+                      ("query", "choices", "gold"), AGIEVAL_LAYOUT, agieval_doc)
 
 
 AGIEVAL_EN_TASKS = ("aqua-rat", "gaokao-english", "logiqa-en", "lsat-ar", "lsat-lr", "lsat-rc", "sat-en",

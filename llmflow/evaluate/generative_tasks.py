@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 
 from llmflow.evaluate.cot_exemplars import BBH_COT_FEWSHOT, GSM8K_COT
-from llmflow.evaluate.questions import BenchmarkDataError, describe
-from llmflow.evaluate.task_files import check_parquet_columns, read_rows, split_files
+from llmflow.evaluate.questions import BenchmarkDataError
+from llmflow.evaluate.task_files import read_split
 
 FEWSHOT_DELIMITER = "\n\n"
 
@@ -188,14 +188,8 @@ def gsm8k_doc(row: dict[str, Any], where: str) -> Doc:
 
 def read_gsm8k(root: Path) -> list[Doc]:
     """The GSM8K test documents under ``root`` in either layout."""
-    files = split_files(root, "test", ("main/{split}-*.parquet", "{split}-*.parquet")) or split_files(
-        root, "test", ("{split}.jsonl",))
-    if not files:
-        shown = describe(root) if root.is_dir() else "no such directory"
-        raise BenchmarkDataError(f"GSM8K data {root}: no test split; {shown}; expected {GSM8K_LAYOUTS}")
-    for path in files:
-        check_parquet_columns(path, ("question", "answer"), GSM8K_LAYOUTS)
-    return [gsm8k_doc(row, where) for path in files for where, row in read_rows(path)]
+    return read_split("GSM8K", root, "test", (("main/{split}-*.parquet", "{split}-*.parquet"), ("{split}.jsonl",)),
+                      ("question", "answer"), GSM8K_LAYOUTS, gsm8k_doc)
 
 
 GSM8K_COT_TASK = GenerativeTask(
@@ -231,13 +225,7 @@ def bbh_doc(row: dict[str, Any], where: str) -> Doc:
 
 def read_bbh(directory: Path) -> list[Doc]:
     """The test documents of one BBH subtask, from its directory."""
-    files = split_files(directory, "test", ("{split}-*.parquet",))
-    if not files:
-        shown = describe(directory) if directory.is_dir() else "no such directory"
-        raise BenchmarkDataError(f"BBH data {directory}: no test split; {shown}; expected {BBH_LAYOUT}")
-    for path in files:
-        check_parquet_columns(path, ("input", "target"), BBH_LAYOUT)
-    return [bbh_doc(row, where) for path in files for where, row in read_rows(path)]
+    return read_split("BBH", directory, "test", (("{split}-*.parquet",),), ("input", "target"), BBH_LAYOUT, bbh_doc)
 
 
 def bbh_task(subtask: str) -> GenerativeTask:
