@@ -25,21 +25,25 @@ replaces the ``bench.mmlu`` rows of its Current table.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
-import statistics
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import torch
 
 from bench.machine import cpu_model
+from bench.process import (
+    BIN,
+    alternate_rounds,
+    bench_env,
+    harness_task,
+    lm_eval_command,
+    lm_eval_tasks,
+    side_imports,
+)
 from bench.results import update_results
 from llmflow.evaluate.benchmarks import MMLU
 from llmflow.evaluate.engine import prompts_for, select_questions
@@ -47,38 +51,20 @@ from llmflow.evaluate.mmlu_data import load_mmlu
 from llmflow.evaluate.questions import LETTERS
 from llmflow.sample import SampleConfig, write_sample
 
-BIN = Path(sys.executable).parent
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 LARGE_VOCAB = {"vocab_size": 151936, "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4,
                "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
                "tie_word_embeddings": False}
 
 
-def lm_eval_template() -> Path:
-    """lm-evaluation-harness's own mmlu default template, in the installed package."""
-    spec = importlib.util.find_spec("lm_eval")
-    if spec is None or spec.origin is None:
-        raise SystemExit("lm_eval is not installed: pip install -e '.[bench]' -c constraints.txt")
-    return Path(spec.origin).parent / "tasks" / "mmlu" / "default" / "_default_template_yaml"
-
-
 def write_tasks(data: Path, tasks: Path) -> list[str]:
     """One lm-eval task per subject of the cais/mmlu-layout ``data``; their names."""
-    tasks.mkdir(parents=True, exist_ok=True)
-    names = []
-    for subject in sorted(p.name for p in data.iterdir() if p.is_dir()):
-        files = {split: str(next((data / subject).glob(f"{split}-*.parquet"))) for split in ("dev", "test")}
-        name = f"llmflow_mmlu_{subject}"
-        description = f"The following are multiple choice questions (with answers) about {' '.join(subject.split('_'))}.\n\n"
-        # JSON strings are YAML strings: paths and the description need no quoting rules of their own.
-        (tasks / f"{name}.yaml").write_text(
-            f"task: {name}\ninclude: {json.dumps(str(lm_eval_template()))}\ndataset_path: parquet\ndataset_name: null\n"
-            f"dataset_kwargs:\n  data_files:\n    dev: {json.dumps(files['dev'])}\n    test: {json.dumps(files['test'])}\n"
-            f"description: {json.dumps(description)}\n"
-        )
-        names.append(name)
-    return names
+    template = lm_eval_tasks() / "mmlu" / "default" / "_default_template_yaml"  # lm-eval's own mmlu default
+    return [harness_task(tasks, f"llmflow_mmlu_{subject}", template,
+                         {split: next((data / subject).glob(f"{split}-*.parquet")) for split in ("dev", "test")},
+                         description=f"The following are multiple choice questions (with answers) about "
+                                     f"{' '.join(subject.split('_'))}.\n\n")
+            for subject in sorted(p.name for p in data.iterdir() if p.is_dir())]
 
 
 def make_large_vocab(sample_model: Path, out: Path) -> Path:
@@ -94,41 +80,8 @@ def make_large_vocab(sample_model: Path, out: Path) -> Path:
     return out
 
 
-def peak_rss_mib(pid: int, peak: list[float]) -> None:
-    """Keep ``peak[0]`` at the process's high-water RSS (VmHWM) until it exits (polled: the
-    rusage of a child started by fork + exec starts from this process's own peak)."""
-    status = Path(f"/proc/{pid}/status")
-    while True:
-        try:
-            line = next(x for x in status.read_text().splitlines() if x.startswith("VmHWM:"))
-        except (OSError, StopIteration):
-            return
-        peak[0] = max(peak[0], int(line.split()[1]) / 1024)
-        time.sleep(0.05)
-
-
-def run_command(command: list[str], env: dict[str, str], log: Path) -> dict:
-    """Run ``command`` to its exit; its wall seconds, CPU seconds and peak RSS (MiB)."""
-    peak = [0.0]
-    with open(log, "w") as out:
-        start = time.perf_counter()
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-        watcher = threading.Thread(target=peak_rss_mib, args=(process.pid, peak), daemon=True)
-        watcher.start()
-        _, status, usage = os.wait4(process.pid, 0)
-        wall = time.perf_counter() - start
-        watcher.join()
-    process.returncode = os.waitstatus_to_exitcode(status)
-    if process.returncode != 0:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
-        raise SystemExit(f"{' '.join(command[:3])} ... failed ({process.returncode}); the end of {log}:\n{tail}")
-    return {"wall": wall, "cpu": usage.ru_utime + usage.ru_stime, "rss_mib": peak[0]}
-
-
 def lm_eval_side(model: Path, tasks: list[str], tasks_dir: Path, out: Path, args) -> list[str]:
-    return [str(BIN / "lm_eval"), "--model", "hf", "--model_args", f"pretrained={model},dtype=float32",
-            "--tasks", ",".join(tasks), "--include_path", str(tasks_dir), "--num_fewshot", str(args.shots),
-            "--batch_size", str(args.batch_size), "--device", "cpu", "--log_samples", "--output_path", str(out)]
+    return lm_eval_command(model, tasks, tasks_dir, out, args.batch_size, "--num_fewshot", str(args.shots))
 
 
 def llmflow_side(model: Path, data: Path, out: Path, args) -> list[str]:
@@ -169,45 +122,14 @@ def check_agreement(ours: Path, theirs: Path, tasks: list[str], prompts: dict[tu
     return largest
 
 
-def import_seconds(code: str, env: dict[str, str]) -> float:
-    """Wall seconds of a process that only runs ``code`` (the imports a side starts with)."""
-    start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", code], env=env, check=True)
-    return time.perf_counter() - start
-
-
 def bench_model(name: str, model: Path, data: Path, work: Path, tasks: list[str], prompts: dict, env: dict, args) -> dict:
     sides = {
         "lm-eval": lambda out: lm_eval_side(model, tasks, work / "tasks", out, args),
         "llmflow": lambda out: llmflow_side(model, data, out, args),
     }
-    runs: dict[str, list[dict]] = {"lm-eval": [], "llmflow": []}
-    loads = []
-    for round_ in range(args.rounds + 1):  # round 0: the untimed first run of each side
-        order = list(sides) if round_ % 2 == 0 else list(sides)[::-1]
-        outs = {side: work / f"{name}-{side}" for side in sides}
-        load = os.getloadavg()[0]
-        timing = {}
-        for side in order:
-            shutil.rmtree(outs[side], ignore_errors=True)
-            timing[side] = run_command(sides[side](outs[side]), env, work / f"{name}-{side}.log")
-        timing["llmflow"]["in_tool"] = json.loads((outs["llmflow"] / "results.json").read_text())["seconds"]
-        (lm_results,) = outs["lm-eval"].rglob("results_*.json")
-        timing["lm-eval"]["in_tool"] = float(json.loads(lm_results.read_text())["total_evaluation_time_seconds"])
-        diff = check_agreement(outs["llmflow"], outs["lm-eval"], tasks, prompts)
-        ratio = timing["lm-eval"]["wall"] / timing["llmflow"]["wall"]
-        label = "warm-up" if round_ == 0 else f"round {round_}"
-        print(f"{name} {label} ({' then '.join(order)}, load {load:.1f}): lm-eval {timing['lm-eval']['wall']:.1f} s, "
-              f"llmflow {timing['llmflow']['wall']:.1f} s, ratio {ratio:.2f}x, max score diff {diff:.1e}", flush=True)
-        if round_:
-            for side in sides:
-                runs[side].append(timing[side])
-            loads.append(load)
-    ratios = [t["wall"] / o["wall"] for t, o in zip(runs["lm-eval"], runs["llmflow"])]
-    cpu_ratios = [t["cpu"] / o["cpu"] for t, o in zip(runs["lm-eval"], runs["llmflow"])]
-    med = {side: {key: statistics.median(r[key] for r in runs[side]) for key in runs[side][0]} for side in sides}
-    return {"name": name, "questions": len(prompts), "ratios": ratios, "ratio": statistics.median(ratios),
-            "cpu_ratio": statistics.median(cpu_ratios), "median": med, "loads": loads, "max_score_diff": diff}
+    row = alternate_rounds(name, sides, work, env, args.rounds,
+                           lambda outs: {"max_score_diff": check_agreement(outs["llmflow"], outs["lm-eval"], tasks, prompts)})
+    return {"name": name, "questions": len(prompts), **row}
 
 
 def report_lines(rows: list[dict], imports: dict[str, float], args) -> list[str]:
@@ -286,12 +208,8 @@ def main() -> None:
             index[q.subject] = index.get(q.subject, -1) + 1
             keys.append((q.subject, index[q.subject]))
         prompts = dict(zip(keys, prompts_for(MMLU, questions, mmlu, args.shots)))
-        env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": str(args.threads),
-               "HF_DATASETS_CACHE": str(work / "hf-datasets"), "HF_HOME": str(work / "hf-home")}
-        imports = {
-            "lm-eval": import_seconds("import lm_eval.__main__, lm_eval.models.huggingface", env),
-            "llmflow": import_seconds("import llmflow.cli", env),
-        }
+        env = bench_env(work, args.threads)
+        imports = side_imports(env)
         rows = [bench_model(name, models[name], data, work, tasks, prompts, env, args) for name in args.models]
     lines = report_lines(rows, imports, args)
     print("\n".join(lines))

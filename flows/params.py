@@ -34,12 +34,12 @@ from llmflow.train.preflight import batch_problems, parallel_problems, pipeline_
 SAMPLE = "sample"
 """Source value that means "the built-in sample assets" (written by the sample stage)."""
 
-Benchmark = Literal["mmlu", "ceval", "cmmlu", "boolq", "agieval", "gsm8k", "bbh"]
+Benchmark = Literal["mmlu", "ceval", "cmmlu", "boolq", "agieval", "gsm8k", "bbh", "humaneval"]
 """A benchmark's name, as ``llmflow eval`` names it."""
 
 Stage = Literal[
     "sample", "download", "convert", "tokenize-instruction", "tokenize-pretrain", "eval-mmlu", "eval-ceval",
-    "eval-cmmlu", "eval-boolq", "eval-agieval", "eval-gsm8k", "eval-bbh", "train", "export", "infer", "register", "probe-compare",
+    "eval-cmmlu", "eval-boolq", "eval-agieval", "eval-gsm8k", "eval-bbh", "eval-humaneval", "train", "export", "infer", "register", "probe-compare",
 ]
 """A stage's name as the Prefect UI shows it (its task's name)."""
 
@@ -148,6 +148,8 @@ class BenchmarkSources(Params):
     """GSM8K data: the hub dataset, a local copy (openai/gsm8k or the original JSON lines) or "sample"."""
     bbh: str = "hf://SaylorTwift/bbh"
     """BBH data: the hub dataset, a local copy of its layout or "sample"."""
+    humaneval: str = "hf://openai/openai_humaneval"
+    """HumanEval data: the hub dataset, a local copy (its layout or openai/human-eval's HumanEval.jsonl) or "sample"."""
     bbh_tasks: list[str] | None = None
     """BBH tasks to run, by lm-evaluation-harness's names (bbh_cot_fewshot_navigate, ...; default:
     all 27; with "sample", the sample's boolean_expressions and object_counting)."""
@@ -169,6 +171,9 @@ class EvalParams(Params):
     """Sequences per forward pass."""
     template: str = "none"
     """Chat template for the prompts: "none" (plain, as lm-evaluation-harness), "tokenizer" or a named one."""
+    max_new_tokens: int | None = Field(default=None, ge=1)
+    """Most tokens generated per question by the generative benchmarks (gsm8k, bbh, humaneval);
+    empty: lm-evaluation-harness's (256, 1024 and 1024), which a model must have room for."""
 
 
 SAMPLE_PROMPTS = (
@@ -214,7 +219,7 @@ class FinetuneEvalParams(Params):
     evaluation: EvalParams = EvalParams()
     """Evaluation settings, the same for the base and the finetuned model (evaluation.data is MMLU's)."""
     benchmarks: list[Benchmark] = Field(default_factory=lambda: ["mmlu"], min_length=1)
-    """Benchmarks scored before and after finetuning: mmlu, ceval, cmmlu, boolq, agieval, gsm8k, bbh."""
+    """Benchmarks scored before and after finetuning: mmlu, ceval, cmmlu, boolq, agieval, gsm8k, bbh, humaneval."""
     benchmark_data: BenchmarkSources = BenchmarkSources()
     """Data of the benchmarks other than MMLU."""
     gate_benchmark: Benchmark = "mmlu"

@@ -23,11 +23,8 @@ from llmflow.checkpoint import latest_step_dir
 from llmflow.convert import ConvertConfig
 from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig
 from llmflow.download import DownloadConfig, parse_source
-from llmflow.evaluate.choice_engine import ChoiceEvalConfig
-from llmflow.evaluate.choice_tasks import CHOICE_GROUPS
 from llmflow.evaluate.engine import EvalConfig
-from llmflow.evaluate.generative_engine import GenerativeEvalConfig
-from llmflow.evaluate.generative_tasks import GENERATIVE_GROUPS
+from llmflow.evaluate.task_groups import TASK_GROUPS, config_type
 from llmflow.flows.params import SAMPLE, BenchmarkSources, EvalParams
 from llmflow.sample import SampleConfig
 from llmflow.sample_choice_tasks import AGIEVAL_TASKS as SAMPLE_AGIEVAL_TASKS
@@ -105,9 +102,6 @@ def run(task: Task, *args: Any, refresh: Collection[str] = (), **kwargs: Any) ->
     return result
 
 
-TASK_CONFIGS: dict[str, type[ChoiceEvalConfig | GenerativeEvalConfig]] = {
-    **dict.fromkeys(CHOICE_GROUPS, ChoiceEvalConfig), **dict.fromkeys(GENERATIVE_GROUPS, GenerativeEvalConfig)}
-"""The configs of the benchmarks made of lm-evaluation-harness tasks (the others are four-choice)."""
 SAMPLE_TASKS = {"agieval": [f"agieval_{t.replace('-', '_')}" for t in SAMPLE_AGIEVAL_TASKS],
                 "bbh": [f"bbh_cot_fewshot_{t}" for t in SAMPLE_BBH_SUBTASKS]}
 """The tasks the sample assets hold of the groups it does not hold whole."""
@@ -121,10 +115,13 @@ def run_eval(workspace: Path, evaluation: EvalParams, model: str | Path, data: s
     run at lm-evaluation-harness's default shots."""
     common = {"model": model, "data": data, "cache_dir": workspace / "downloads",
               "out": workspace / "eval" / f"{name}-{settings_tag(benchmark, evaluation, *([tasks] if tasks else []))}"}
-    if benchmark in TASK_CONFIGS:
-        settings = evaluation.model_dump(include={"limit", "batch_size", "template"})
-        return run(EVAL_TASKS[benchmark], TASK_CONFIGS[benchmark](**common, **settings, tasks=tasks), refresh=refresh)
-    config = EvalConfig(**common, **evaluation.model_dump(exclude={"data"}))
+    if benchmark in TASK_GROUPS:
+        config_class = config_type(TASK_GROUPS[benchmark])
+        settings = evaluation.model_dump(include={"limit", "batch_size", "template", "max_new_tokens"} & set(
+            config_class.model_fields))
+        config = config_class(**common, **settings, tasks=tasks)
+        return run(EVAL_TASKS[benchmark], config, refresh=refresh)
+    config = EvalConfig(**common, **evaluation.model_dump(exclude={"data", "max_new_tokens"}))
     return run(EVAL_TASKS[benchmark], config, refresh=refresh)
 
 

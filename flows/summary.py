@@ -9,7 +9,7 @@ from prefect.artifacts import create_markdown_artifact
 from llmflow import tracking
 
 BENCHMARK_TITLES = {"mmlu": "MMLU", "ceval": "C-Eval", "cmmlu": "CMMLU", "boolq": "BoolQ", "agieval": "AGIEval",
-                    "gsm8k": "GSM8K", "bbh": "BBH"}
+                    "gsm8k": "GSM8K", "bbh": "BBH", "humaneval": "HumanEval"}
 
 
 def summary_markdown(flow: str, result: dict[str, Any], mlflow_run: str) -> str:

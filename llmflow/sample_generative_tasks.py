@@ -1,11 +1,14 @@
-"""GSM8K and BBH sample data about the sample world, in their Hub layouts:
+"""GSM8K, BBH and HumanEval sample data about the sample world, in their Hub layouts:
 
 - ``gsm8k/main/test-00000-of-00001.parquet`` (``openai/gsm8k``'s main config: question,
   answer): word problems about the countries' animals, capitals and flags, each answer a
   worked solution ending in "#### N" as GSM8K's do;
 - ``bbh/boolean_expressions/`` and ``bbh/object_counting/``, each
   ``test-00000-of-00001.parquet`` (``SaylorTwift/bbh``: input, target): Boolean expressions
-  worded as BBH's, and counts of the world's animals.
+  worded as BBH's, and counts of the world's animals;
+- ``humaneval/openai_humaneval/test-00000-of-00001.parquet`` (``openai/openai_humaneval``:
+  task_id, prompt, canonical_solution, test, entry_point): a function per country that
+  returns its capital, written and tested as HumanEval's problems are.
 
 They come from a random stream of their own, so adding them leaves every other sample
 file as it was.
@@ -22,6 +25,7 @@ import pyarrow.parquet as pq
 GSM8K_QUESTIONS = 12
 BBH_QUESTIONS = 12
 BBH_SUBTASKS = ("boolean_expressions", "object_counting")
+HUMANEVAL_PROBLEMS = 4
 _NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five")
 _PLURALS = {"fox": "foxes", "wolf": "wolves", "deer": "deer"}
 
@@ -96,6 +100,17 @@ def counting_row(rng: random.Random, world: list) -> dict[str, str]:
             "target": str(sum(counts))}
 
 
+def humaneval_row(number: int, country) -> dict[str, str]:
+    """A HumanEval-layout problem: complete a function returning ``country``'s capital."""
+    name = f"capital_of_{country.name.lower()}"
+    prompt = (f'def {name}() -> str:\n    """Return the name of the capital of {country.name}.\n'
+              f'    >>> {name}()\n    {country.capital!r}\n    """\n')
+    test = (f"\n\nMETADATA = {{}}\n\n\ndef check(candidate):\n    assert candidate() == {country.capital!r}\n"
+            f"    assert isinstance(candidate(), str)\n")
+    return {"task_id": f"HumanEval/{number}", "prompt": prompt, "canonical_solution": f"    return {country.capital!r}\n",
+            "test": test, "entry_point": name}
+
+
 def write_generative_tasks(seed: int, world: list, directory: Path) -> dict[str, int]:
     """Write the GSM8K and BBH sample data under ``directory``; their document counts."""
     rng = random.Random(f"{seed}-generative-tasks")
@@ -105,4 +120,7 @@ def write_generative_tasks(seed: int, world: list, directory: Path) -> dict[str,
                                    [counting_row(rng, world) for _ in range(BBH_QUESTIONS)]), strict=True))
     for task, task_rows in rows.items():
         _write(directory / "bbh" / task / "test-00000-of-00001.parquet", task_rows)
-    return {"gsm8k_test": GSM8K_QUESTIONS, **{f"bbh_{task}": len(r) for task, r in rows.items()}}
+    problems = [humaneval_row(n, country) for n, country in enumerate(rng.sample(world, HUMANEVAL_PROBLEMS))]
+    _write(directory / "humaneval" / "openai_humaneval" / "test-00000-of-00001.parquet", problems)
+    return {"gsm8k_test": GSM8K_QUESTIONS, **{f"bbh_{task}": len(r) for task, r in rows.items()},
+            "humaneval_test": HUMANEVAL_PROBLEMS}

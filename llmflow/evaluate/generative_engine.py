@@ -1,6 +1,6 @@
-"""The engine behind ``llmflow eval gsm8k`` and ``llmflow eval bbh``: chain-of-thought prompts
-continued by greedy generation, the answers extracted and scored as lm-evaluation-harness's
-``hf`` backend and task filters do it.
+"""The engine behind ``llmflow eval gsm8k|bbh|humaneval``: prompts continued by greedy
+generation, the texts scored as lm-evaluation-harness's ``hf`` backend, task filters and
+metrics do it.
 
 Each prompt is encoded with the tokenizer's default special tokens and cut from the left to
 leave room for the generated tokens (the model's length minus ``max_new_tokens``); rows are
@@ -10,16 +10,19 @@ tokens decoded by the model's transformers tokenizer without special tokens, cut
 first stop string. Greedy decoding applies the repetition_penalty of the model's
 generation_config.json, as transformers does for the harness.
 
-Each filter's extracted answer is scored by exact match (mean, with the harness's standard
-error); a group reports each task and its micro (size-weighted, the harness's group score) and
-macro averages. Writes ``results.json``, ``predictions.jsonl`` (per document: task, index,
-generated text, extracted answers, gold, correct per filter) and ``manifest.json`` last. Every
+Each filter's extracted answer is scored by exact match, or a task's scorer scores the texts
+(HumanEval: its programs run in the sandbox, ``workers`` at a time); each metric is reported as
+a mean with the harness's standard error; a group reports each task and its micro
+(size-weighted, the harness's group score) and macro averages. Writes ``results.json``,
+``predictions.jsonl`` (per document: task, index, generated text and its score: extracted
+answers, gold, correct per filter, or the scorer's record) and ``manifest.json`` last. Every
 document is read and every prompt built before the model is loaded.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,7 +33,7 @@ from pydantic import Field
 
 from llmflow.data.templates import load_template
 from llmflow.data.tokenizer import hf_tokenizer
-from llmflow.evaluate.generative_tasks import Doc, GenerativeGroup, GenerativeTask
+from llmflow.evaluate.generative_tasks import Doc, GenerativeGroup, GenerativeTask, Scored
 from llmflow.evaluate.hub_data import local_data
 from llmflow.evaluate.provenance import prompts_sha256
 from llmflow.evaluate.questions import BenchmarkDataError
@@ -57,6 +60,9 @@ class GenerativeEvalConfig(EvalSettings):
     default: all)."""
     padding_side: Literal["left"] = "left"
     """Generation pads batches on the left, as the harness does (the text does not depend on it)."""
+    workers: int | None = Field(default=None, ge=1)
+    """Generated programs run at once in the sandbox, by tasks that execute them (humaneval);
+    default: the CPU count."""
 
 
 @dataclass
@@ -147,28 +153,25 @@ def generate(generator: Generator, prompts: list[str], stops: list[str], max_new
     return out
 
 
-def doc_outcome(task: GenerativeTask, doc: Doc, generation: Generation) -> dict[str, Any]:
-    """The generated text, each filter's answer and whether it matches the gold."""
-    extracted = {f.name: f.extract(generation.text) for f in task.filters}
+def doc_outcome(generation: Generation, scored: Scored) -> dict[str, Any]:
+    """The generated text and its score, as predictions.jsonl records them."""
     return {"generated": generation.text, "finish_reason": generation.finish_reason,
-            "prompt_tokens": generation.prompt_tokens, "truncated": generation.truncated,
-            "extracted": extracted, "gold": doc.target,
-            "correct": {name: task.metric.score(answer, doc.target) == 1.0 for name, answer in extracted.items()}}
+            "prompt_tokens": generation.prompt_tokens, "truncated": generation.truncated, **scored.record}
 
 
-def task_results(run: TaskRun, outcomes: list[dict[str, Any]], shots: int, stops: list[str],
+def task_results(run: TaskRun, generations: list[Generation], scores: list[Scored], shots: int, stops: list[str],
                  max_new_tokens: int) -> dict[str, Any]:
-    """A task's exact match under each filter with its standard error, its size and what fixes
-    its prompts and generations."""
-    results: dict[str, Any] = {"version": run.task.version, "samples": len(outcomes)}
-    for f in run.task.filters:
-        values = [float(o["correct"][f.name]) for o in outcomes]
-        results[f.metric] = sum(values) / len(values)
-        results[f"{f.metric}_stderr"] = stderr_of_mean(values)
+    """A task's metrics (means over its documents) with their standard errors, its size and
+    what fixes its prompts and generations."""
+    results: dict[str, Any] = {"version": run.task.version, "samples": len(scores)}
+    for metric in scores[0].values:
+        values = [s.values[metric] for s in scores]
+        results[metric] = sum(values) / len(values)
+        results[f"{metric}_stderr"] = stderr_of_mean(values)
     results["prompts_sha256"] = prompts_sha256(run.contexts, [stops] * len(run.contexts))
     results["fewshot"] = {"shots": shots, "sampler": "first_n (the task's fixed exemplars, in order)"}
     results["generation"] = {"until": stops, "max_new_tokens": max_new_tokens,
-                             "truncated_prompts": sum(o["truncated"] for o in outcomes)}
+                             "truncated_prompts": sum(g.truncated for g in generations)}
     return results
 
 
@@ -190,23 +193,23 @@ def evaluate_generative(group: GenerativeGroup, config: GenerativeEvalConfig) ->
     hf = hf_tokenizer(generator.tokenizer_dir)
     eos_text = hf.decode([hf.eos_token_id]) if hf.eos_token_id is not None else None
     penalty = repetition_penalty(generator.tokenizer_dir)
+    workers = config.workers or os.cpu_count() or 1
     start = time.monotonic()
     tasks_out, lines = {}, []
     for run in runs:
         stops = stop_strings(run.task, eos_text)
         prompts = [template.prompt(c) for c in run.contexts] if template else run.contexts
         generations = generate(generator, prompts, stops, max_new_tokens, max_length, config.batch_size, penalty)
-        outcomes = [doc_outcome(run.task, doc, g) for doc, g in zip(run.docs, generations)]
-        tasks_out[run.task.name] = task_results(run, outcomes, shots, stops, max_new_tokens)
-        lines += [json.dumps({"task": run.task.name, "index": i, **o}, ensure_ascii=False) + "\n"
-                  for i, o in enumerate(outcomes)]
+        scores = run.task.score(run.docs, [g.text for g in generations], workers)
+        tasks_out[run.task.name] = task_results(run, generations, scores, shots, stops, max_new_tokens)
+        lines += [json.dumps({"task": run.task.name, "index": i, **doc_outcome(g, s)}, ensure_ascii=False) + "\n"
+                  for i, (g, s) in enumerate(zip(generations, scores))]
     seconds = time.monotonic() - start
     results: dict[str, Any] = {"benchmark": group.name, "harness_task": group.harness_name, "tasks": tasks_out}
     group_out = group_results(tasks_out) if len(group.tasks) > 1 else None
     if group_out is not None:
         results["group"] = group_out
-    metric = next(f.metric for f in group.tasks[0].filters if f.name == group.headline_filter)
-    results["headline"] = headline(metric, tasks_out, group_out)
+    results["headline"] = headline(group.headline_metric, tasks_out, group_out)
     results.update(run_record(config, seconds, len(lines), data_dir=str(root), max_length=max_length, shots=shots,
-                              max_new_tokens=max_new_tokens, repetition_penalty=penalty))
+                              max_new_tokens=max_new_tokens, repetition_penalty=penalty, workers=workers))
     return write_outputs(config.out, group.stage, config.model_dump(mode="json"), results, lines)
