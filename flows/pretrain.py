@@ -48,8 +48,8 @@ def pretrain(params: PretrainParams) -> dict[str, Any]:
         ), nproc=params.train.nproc, nnodes=params.train.nnodes, launch=params.launch, refresh=refresh)
         exported = stages.run(export_task, ExportConfig(ckpt=Path(trained.path), out=workspace / "models" / run_name),
                               refresh=refresh)
-        scored = stages.run_eval(workspace, params.evaluation, exported.path, sources.mmlu(params.evaluation.data),
-                                 run_name, refresh)
+        mmlu_data = sources.benchmark_data("mmlu", params.evaluation.data)
+        scored = stages.run_eval(workspace, params.evaluation, exported.path, mmlu_data, run_name, refresh)
         result = {"mmlu": scored.manifest["accuracy"], "version": run.version, "checkpoint": trained.path,
                   "model": exported.path, "evaluation": scored.path, "mlflow_run": run.mlflow_run}
         publish_summary(FLOW, result, run.mlflow_run)

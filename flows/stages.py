@@ -229,10 +229,6 @@ class Sources:
             return [self.sample() / "pretrain" / "corpus.parquet"]
         return data_files(self.fetch(source, "dataset"), files, source)
 
-    def mmlu(self, source: str) -> str:
-        """MMLU data as the evaluation stage takes it (hub sources it downloads itself)."""
-        return self.benchmark_data("mmlu", source)
-
     def benchmark_data(self, benchmark: str, source: str) -> str:
         """A benchmark's data as its evaluation stage takes it: the sample's copy for "sample",
         else the source (hub sources the stage downloads itself)."""

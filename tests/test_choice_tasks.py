@@ -18,11 +18,12 @@ import pyarrow.parquet as pq
 import pytest
 from parquet_rows import write_parquet
 
-from llmflow.evaluate.choice_engine import ChoiceEvalConfig, evaluate_choices, select_tasks
+from llmflow.evaluate.choice_engine import ChoiceEvalConfig, evaluate_choices
 from llmflow.evaluate.choice_tasks import AGIEVAL, BOOLQ, read_agieval, read_boolq
 from llmflow.evaluate.fewshot import fewshot_indices
 from llmflow.evaluate.questions import BenchmarkDataError
 from llmflow.evaluate.statistics import pooled_stderr, stderr_of_mean
+from llmflow.evaluate.task_selection import select_tasks
 
 WORDS = ["river", "stone", "lantern", "orchard", "violet", "harbor", "meadow", "copper", "whisper", "glacier", "canyon", "ember", "falcon", "prairie", "summit", "tundra", "willow", "cobalt", "quartz", "lagoon"]
 
@@ -288,8 +289,8 @@ def test_the_sample_tasks_of_the_groups_it_holds_in_part_are_their_groups_tasks(
     from llmflow.flows.stages import SAMPLE_TASKS
     from llmflow.flows.summary import BENCHMARK_TITLES
 
-    assert [t.name for t in select_tasks(AGIEVAL, SAMPLE_TASKS["agieval"])] == SAMPLE_TASKS["agieval"]
-    assert [t.name for t in select_tasks(BBH, SAMPLE_TASKS["bbh"])] == SAMPLE_TASKS["bbh"]
+    assert [t.name for t in select_tasks(AGIEVAL.title, AGIEVAL.tasks, SAMPLE_TASKS["agieval"])] == SAMPLE_TASKS["agieval"]
+    assert [t.name for t in select_tasks(BBH.title, BBH.tasks, SAMPLE_TASKS["bbh"])] == SAMPLE_TASKS["bbh"]
     assert set(TASK_GROUPS) == {"boolq", "agieval", "gsm8k", "bbh", "humaneval"}
     assert set(BENCHMARK_TITLES) == set(Benchmark.__args__) == {"mmlu", "ceval", "cmmlu", *TASK_GROUPS}
 

@@ -30,6 +30,7 @@ from llmflow.evaluate.generative_engine import (
 )
 from llmflow.evaluate.generative_tasks import BBH, GSM8K, GSM8K_COT_TASK, read_bbh, read_gsm8k
 from llmflow.evaluate.questions import BenchmarkDataError
+from llmflow.evaluate.task_selection import select_tasks
 
 BBH_PAIR = ["bbh_cot_fewshot_boolean_expressions", "bbh_cot_fewshot_object_counting"]
 
@@ -93,8 +94,8 @@ def test_prompts_and_targets_are_the_harness_renderings(data, tmp_path, monkeypa
     for group, names, root in ((GSM8K, ["gsm8k_cot"], data / "gsm8k"), (BBH, BBH_PAIR, data / "bbh")):
         for setting in (None, 2):
             config = GenerativeEvalConfig(model=tmp_path, data=root, out=tmp_path / "out", shots=setting)
-            shots, _ = task_settings(group.select(names), config)
-            for run in build_runs(group, group.select(names), root, shots, None):
+            shots, _ = task_settings(select_tasks(group.title, group.tasks, names), config)
+            for run in build_runs(group, select_tasks(group.title, group.tasks, names), root, shots, None):
                 theirs = tasks[f"h_{run.task.name}"]
                 assert shots == (setting or theirs.config.num_fewshot)
                 docs = list(theirs.eval_docs)
@@ -361,7 +362,7 @@ def test_bbh_agrees_with_lm_eval_task_by_task_and_as_a_size_weighted_group(sampl
     run_harness(model, "llmflow_bbh", tasks, tmp_path / "harness", limit=8, max_gen_toks=16)
     results, predictions = finish_ours(*mine)
     expected = harness_results(tmp_path / "harness")
-    runs = build_runs(BBH, BBH.select(BBH_PAIR), data, 3, 8)
+    runs = build_runs(BBH, select_tasks(BBH.title, BBH.tasks, BBH_PAIR), data, 3, 8)
     for run in runs:
         theirs = harness_samples(tmp_path / "harness", f"llmflow_{run.task.name}")
         mine = [p for p in predictions if p["task"] == run.task.name]

@@ -29,11 +29,11 @@ from llmflow.evaluate.choice_tasks import ChoiceTask, Doc, TaskGroup
 from llmflow.evaluate.fewshot import HARNESS_SEED, fewshot_indices
 from llmflow.evaluate.hub_data import is_hub_source, local_data
 from llmflow.evaluate.provenance import prompts_sha256
-from llmflow.evaluate.questions import BenchmarkDataError
 from llmflow.evaluate.reporting import group_results, headline, run_record, write_outputs
 from llmflow.evaluate.scoring import model_requests, score_requests
 from llmflow.evaluate.settings import EvalSettings, load_for_eval
 from llmflow.evaluate.statistics import stderr_of_mean
+from llmflow.evaluate.task_selection import check_task_directories, select_tasks
 from llmflow.runtime import available_device
 
 TARGET_DELIMITER = " "
@@ -62,15 +62,6 @@ class TaskRun:
     contexts: list[str]
 
 
-def select_tasks(group: TaskGroup, names: list[str] | None) -> list[ChoiceTask]:
-    """The group's tasks named in ``names`` (all when empty), in the group's order."""
-    known = {task.name: task for task in group.tasks}
-    unknown = sorted(set(names or ()) - set(known))
-    if unknown:
-        raise ValueError(f"{group.title}: no tasks {unknown}; its tasks are {sorted(known)}")
-    return [task for task in group.tasks if not names or task.name in names]
-
-
 def group_data(group: TaskGroup, tasks: list[ChoiceTask], data: str | Path, cache_dir: Path) -> Path:
     """The group's local data directory: ``data`` itself, or the download of its hub source."""
     if not is_hub_source(data):
@@ -87,12 +78,8 @@ def group_data(group: TaskGroup, tasks: list[ChoiceTask], data: str | Path, cach
 
 def build_runs(group: TaskGroup, tasks: list[ChoiceTask], root: Path, config: ChoiceEvalConfig) -> list[TaskRun]:
     """Every task's documents (its first ``limit``) with their few-shot prompts."""
-    missing = [task.name for task in tasks if not group.local_dir(root, task).is_dir()]
-    if missing and len(group.tasks) > 1:
-        present = sorted({t.name for t in tasks} - set(missing))
-        raise BenchmarkDataError(
-            f"{group.title} data {root}: no directory for tasks {missing} (expected one per task, named as its "
-            f"dataset, e.g. {group.local_dir(root, tasks[0])}); evaluate the tasks it has with tasks={present}")
+    if len(group.tasks) > 1:
+        check_task_directories(group.title, root, tasks, lambda task: group.local_dir(root, task), "dataset")
     runs = []
     for task in tasks:
         where = group.local_dir(root, task)
@@ -144,7 +131,7 @@ def evaluate_choices(group: TaskGroup, config: ChoiceEvalConfig) -> Path:
     """Evaluate ``config.model`` on ``group``'s tasks; writes the results into ``config.out`` and returns it."""
     if config.device != "auto":
         available_device(config.device)  # a device that is not there is refused before any download
-    tasks = select_tasks(group, config.tasks)
+    tasks = select_tasks(group.title, group.tasks, config.tasks)
     root = group_data(group, tasks, config.data, config.cache_dir)
     runs = build_runs(group, tasks, root, config)
     model, tok_dir, max_length = load_for_eval(config)

@@ -14,14 +14,13 @@ task's directory) or, for BoolQ, the original ``train.jsonl``/``dev.jsonl`` of g
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from llmflow.evaluate.questions import BenchmarkDataError
-from llmflow.evaluate.task_files import read_split
+from llmflow.evaluate.task_files import excerpt, read_split
 
 
 @dataclass(frozen=True)
@@ -88,7 +87,7 @@ def boolq_doc(row: dict[str, Any], where: str) -> Doc:
     passage, question = row.get("passage"), row.get("question")
     if not isinstance(passage, str) or not isinstance(question, str) or label not in (0, 1):
         raise BenchmarkDataError(f"{where}: expected a passage, a question and a label 0/1 (or answer "
-                                 f"false/true), got {json.dumps(row, ensure_ascii=False)[:300]}")
+                                 f"false/true), got {excerpt(row)}")
     return Doc(f"{passage}\nQuestion: {question}?\nAnswer:", ("no", "yes"), (int(label),))
 
 
@@ -119,7 +118,7 @@ def agieval_doc(row: dict[str, Any], where: str) -> Doc:
             or not all(isinstance(c, str) for c in choices) or not isinstance(gold, list) or not gold
             or not all(isinstance(g, int) and 0 <= g < len(choices) for g in gold)):
         raise BenchmarkDataError(f"{where}: expected a query, a list of at least two choices and gold, a "
-                                 f"non-empty list of choice indices; got {json.dumps(row, ensure_ascii=False)[:300]}")
+                                 f"non-empty list of choice indices; got {excerpt(row)}")
     return Doc(query, tuple(choices), tuple(gold))
 
 

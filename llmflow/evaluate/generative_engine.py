@@ -41,6 +41,7 @@ from llmflow.evaluate.reporting import group_results, headline, run_record, writ
 from llmflow.evaluate.scoring import encode_texts
 from llmflow.evaluate.settings import EvalSettings, context_length, eval_model
 from llmflow.evaluate.statistics import stderr_of_mean
+from llmflow.evaluate.task_selection import check_task_directories, select_tasks
 from llmflow.infer.generate import FinishReason, GenerateConfig
 from llmflow.infer.generator import Generator, make_generator
 from llmflow.runtime import available_device
@@ -101,12 +102,8 @@ def task_settings(tasks: list[GenerativeTask], config: GenerativeEvalConfig) -> 
 def build_runs(group: GenerativeGroup, tasks: list[GenerativeTask], root: Path, shots: int,
                limit: int | None) -> list[TaskRun]:
     """Every task's documents (its first ``limit``) with their prompts."""
-    missing = [t.name for t in tasks if not (root / t.subdir).is_dir()]
-    if missing and len(group.tasks) > 1:
-        present = [t.name for t in tasks if t.name not in missing]
-        raise BenchmarkDataError(
-            f"{group.title} data {root}: no directory for tasks {missing} (expected one per task, named as its "
-            f"subtask, e.g. {root / tasks[0].subdir}); evaluate the tasks it has with tasks={present}")
+    if len(group.tasks) > 1:
+        check_task_directories(group.title, root, tasks, lambda task: root / task.subdir, "subtask")
     runs = []
     for task in tasks:
         docs = task.read(root / task.subdir)[:limit]
@@ -179,7 +176,7 @@ def evaluate_generative(group: GenerativeGroup, config: GenerativeEvalConfig) ->
     """Evaluate ``config.model`` on ``group``'s tasks; writes the results into ``config.out`` and returns it."""
     if config.device != "auto":
         available_device(config.device)  # a device that is not there is refused before any download
-    tasks = group.select(config.tasks)
+    tasks = select_tasks(group.title, group.tasks, config.tasks)
     shots, max_new_tokens = task_settings(tasks, config)
     root = local_data(config.data, config.cache_dir, [p for t in tasks for p in t.hub_include])
     runs = build_runs(group, tasks, root, shots, config.limit)

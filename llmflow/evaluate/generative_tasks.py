@@ -21,7 +21,6 @@ GSM8K release.
 
 from __future__ import annotations
 
-import json
 import re
 import string
 from collections.abc import Callable, Sequence
@@ -33,7 +32,7 @@ import numpy as np
 
 from llmflow.evaluate.cot_exemplars import BBH_COT_FEWSHOT, GSM8K_COT
 from llmflow.evaluate.questions import BenchmarkDataError
-from llmflow.evaluate.task_files import read_split
+from llmflow.evaluate.task_files import excerpt, read_split
 
 FEWSHOT_DELIMITER = "\n\n"
 
@@ -202,18 +201,6 @@ class GenerativeGroup:
             return task.scorer.metric
         return next(f.metric for f in task.filters if f.name == self.headline_filter)
 
-    def select(self, names: list[str] | None) -> list[GenerativeTask]:
-        """The tasks named in ``names`` (all when empty), in the group's order."""
-        known = [task.name for task in self.tasks]
-        unknown = sorted(set(names or ()) - set(known))
-        if unknown:
-            raise ValueError(f"{self.title}: no tasks {unknown}; its tasks are {known}")
-        return [task for task in self.tasks if not names or task.name in names]
-
-
-def _excerpt(row: dict[str, Any]) -> str:
-    return json.dumps(row, ensure_ascii=False, default=str)[:300]
-
 
 # --- GSM8K -------------------------------------------------------------------------------------
 
@@ -229,7 +216,7 @@ def gsm8k_doc(row: dict[str, Any], where: str) -> Doc:
     """A GSM8K document; its gold is the answer after its last "####" (all of it when it has none)."""
     question, answer = row.get("question"), row.get("answer")
     if not isinstance(question, str) or not isinstance(answer, str):
-        raise BenchmarkDataError(f"{where}: expected a question and an answer (text), got {_excerpt(row)}")
+        raise BenchmarkDataError(f"{where}: expected a question and an answer (text), got {excerpt(row)}")
     return Doc(gsm8k_text(question), answer.split("####")[-1].strip())
 
 
@@ -266,7 +253,7 @@ def bbh_doc(row: dict[str, Any], where: str) -> Doc:
     """A BBH document: its input and its target."""
     question, target = row.get("input"), row.get("target")
     if not isinstance(question, str) or not isinstance(target, str):
-        raise BenchmarkDataError(f"{where}: expected an input and a target (text), got {_excerpt(row)}")
+        raise BenchmarkDataError(f"{where}: expected an input and a target (text), got {excerpt(row)}")
     return Doc(bbh_text(question), target)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from llmflow.evaluate.generative_tasks import Doc, GenerativeGroup, GenerativeTask, Scored
 from llmflow.evaluate.questions import BenchmarkDataError
 from llmflow.evaluate.sandbox import SandboxLimits, humaneval_program, pass_at_k, run_programs
-from llmflow.evaluate.task_files import read_split
+from llmflow.evaluate.task_files import excerpt, read_split
 
 FIELDS = ("task_id", "prompt", "test", "entry_point")
 LAYOUTS = (("openai_humaneval/{split}-*.parquet", "{split}-*.parquet"), ("HumanEval.jsonl",))
@@ -43,7 +43,7 @@ def humaneval_problem(row: dict[str, Any], where: str) -> Problem:
     values = {name: row.get(name) for name in FIELDS}
     bad = [name for name, value in values.items() if not isinstance(value, str) or not value]
     if bad:
-        raise BenchmarkDataError(f"{where}: expected {bad} as non-empty text, got {str(row)[:300]}")
+        raise BenchmarkDataError(f"{where}: expected {bad} as non-empty text, got {excerpt(row)}")
     return Problem(text=values["prompt"], target=f"{values['test']}\ncheck({values['entry_point']})",
                    task_id=values["task_id"], test=values["test"], entry_point=values["entry_point"])
 

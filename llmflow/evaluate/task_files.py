@@ -31,6 +31,11 @@ def read_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
                     raise BenchmarkDataError(f"{path} line {n}: not JSON ({e.msg})") from None
 
 
+def excerpt(row: dict[str, Any]) -> str:
+    """The start of ``row`` as JSON, for errors about it (values JSON lacks written as text)."""
+    return json.dumps(row, ensure_ascii=False, default=str)[:300]
+
+
 def check_parquet_columns(path: Path, needed: tuple[str, ...], expected: str) -> None:
     """Raise, naming the columns found, when a parquet file lacks any of ``needed``."""
     if path.suffix == ".parquet":
