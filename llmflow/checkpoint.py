@@ -30,17 +30,11 @@ import shutil
 import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel, ConfigDict, Field
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import SavePlanner
-from torch.distributed.tensor import DTensor
 
 from llmflow.artifacts import MANIFEST, atomic_file, read_manifest, replace_directory, with_filename, write_json_atomic
 from llmflow.models.hf_checkpoint import CheckpointError, all_finite
@@ -52,6 +46,14 @@ TOKENIZER_DIR = "tokenizer"
 MODEL_KEY = "model"
 DCP_METADATA = ".metadata"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+# torch.distributed.checkpoint (and the DTensor it brings) is imported where it is used: it
+# costs a second of start-up that commands loading a Hugging Face model never need.
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+    from torch.distributed.checkpoint.planner import SavePlanner
 
 
 class CheckpointMeta(BaseModel):
@@ -137,17 +139,21 @@ def read_meta(step_dir: str | Path) -> CheckpointMeta:
 def stored_tensors(step_dir: str | Path, key: str = MODEL_KEY) -> dict[str, TensorStorageMetadata]:
     """Global shape and dtype of every tensor stored under the top-level ``key`` of a step
     directory, by name within that key (``model.layers.0.self_attn.q_proj.weight``)."""
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
     metadata = read_dcp_metadata(Path(step_dir))
     prefix = f"{key}."
     return {
         fqn.removeprefix(prefix): md
         for fqn, md in metadata.state_dict_metadata.items()
-        if fqn.startswith(prefix) and isinstance(md, TensorStorageMetadata)
+        if fqn.startswith(prefix) and isinstance(md, dcp_metadata.TensorStorageMetadata)
     }
 
 
 def read_dcp_metadata(directory: Path) -> Metadata:
     """The DCP metadata of a step directory; CheckpointError naming the file when it cannot be read."""
+    from torch.distributed.checkpoint import FileSystemReader
+
     try:
         return FileSystemReader(str(directory)).read_metadata()
     except (OSError, EOFError, ValueError, pickle.UnpicklingError) as error:
@@ -219,6 +225,8 @@ def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]], order: list[str] 
     ±Inf on any rank, or None. Looks at each rank's own shards of DTensors. Under a process
     group it is a collective (one all-reduce agrees on the first); ranks may pass different
     names (pipeline stages), and without ``order`` the ranks' names are gathered, rank by rank."""
+    from torch.distributed.tensor import DTensor
+
     names, flags = [], []
     for name, tensor in named:
         names.append(name)
@@ -264,10 +272,13 @@ def dcp_save(state: dict[str, Any], directory: Path, writer: FileSystemWriter | 
              planner: SavePlanner | None = None) -> None:
     """``dcp.save`` of ``state`` into ``directory``: collective under a process group, a
     plain local save without one."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
-            dcp.save(state, storage_writer=writer or FileSystemWriter(str(directory)), planner=planner,
+            dcp.save(state, storage_writer=writer or dcp.FileSystemWriter(str(directory)), planner=planner,
                      no_dist=not _distributed())
         except CheckpointException as error:
             raise _unwrapped(error, directory) from error
@@ -276,11 +287,14 @@ def dcp_save(state: dict[str, Any], directory: Path, writer: FileSystemWriter | 
 def dcp_load(state: dict[str, Any], directory: Path, collective: bool = True) -> None:
     """``dcp.load`` into ``state`` in place; collective under a process group unless
     ``collective`` is False (one process reading for itself)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
     check_dcp_files(directory)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
-            dcp.load(state, storage_reader=FileSystemReader(str(directory)), no_dist=not (collective and _distributed()))
+            dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=not (collective and _distributed()))
         except CheckpointException as error:
             raise _unwrapped(error, directory) from error
 

@@ -6,12 +6,10 @@ from llmflow.models.hf_checkpoint import CheckpointError, load_hf_model, save_hf
 from llmflow.models.lora import (
     LoraConfig,
     LoraLinear,
-    LoraParallel,
     apply_lora,
     init_lora_weights,
     is_lora_param,
     lora_state_dict,
-    lora_tp_plan,
     merge_lora,
 )
 
@@ -21,14 +19,12 @@ __all__ = [
     "ConfigError",
     "LoraConfig",
     "LoraLinear",
-    "LoraParallel",
     "ModelConfig",
     "apply_lora",
     "init_lora_weights",
     "is_lora_param",
     "load_hf_model",
     "lora_state_dict",
-    "lora_tp_plan",
     "merge_lora",
     "save_hf_model",
 ]

@@ -155,13 +155,21 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def embedding_weight(rows: int, dim: int) -> torch.Tensor:
+    """nn.Embedding's initial weight, normal(0, 1); left empty on the meta device, where
+    normal_ would import torch._dynamo (seconds of every model load)."""
+    weight = torch.empty(rows, dim)
+    return weight if weight.is_meta else nn.init.normal_(weight)
+
+
 class DecoderModel(nn.Module):
     """Embedding, decoder layers and final norm: HF's ``model`` submodule."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=embedding_weight(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config) for i in range(config.num_hidden_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)

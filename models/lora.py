@@ -3,7 +3,8 @@
 An adapted Linear keeps its own ``weight`` and ``bias`` (``...q_proj.weight``, so a Hugging
 Face checkpoint still loads into it) and gains ``lora_A`` (in -> r) and ``lora_B`` (r -> out)
 children: ``y = x @ W.T + b + alpha / r * lora_B(lora_A(dropout(x)))``. Adapters go on before
-tensor or data parallelism; a tensor-parallel plan must then come from ``lora_tp_plan``.
+tensor or data parallelism; a tensor-parallel plan must then come from ``lora_tp_plan``
+(``lora_parallel.py``).
 """
 
 from __future__ import annotations
@@ -14,9 +15,6 @@ from collections.abc import Callable
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
-from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-from torch.distributed.tensor.parallel.style import ParallelStyle
 
 ADAPTER_NAMES = ("lora_A", "lora_B")
 
@@ -120,6 +118,8 @@ def _init_adapter(module: LoraLinear, generator: torch.Generator | None) -> None
 
 
 def _fill(param: torch.Tensor, init: Callable[[torch.Tensor], object]) -> None:
+    from torch.distributed.tensor import DTensor, distribute_tensor  # only training needs DTensor (a second to import)
+
     if isinstance(param, DTensor):
         # Initialise the full tensor and hand each rank its shard, so values match one process.
         full = torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device)
@@ -147,56 +147,3 @@ def merge_lora(model: nn.Module) -> None:
         plain.weight, plain.bias = module.weight, module.bias
         parent_name, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent_name), leaf, plain)
-
-
-class LoraParallel(ParallelStyle):
-    """Any parallel style ``base`` made safe for a model with LoRA adapters.
-
-    On a ``LoraLinear`` under ColwiseParallel or RowwiseParallel, the adapters are sharded to
-    match the base weight. Colwise base (W sharded on out): lora_A replicated, lora_B sharded on
-    out. Rowwise base (W sharded on in): lora_A sharded on in, lora_B replicated, so the
-    adapter's output is partial like the base's and both go through the one reduction of ``base``.
-    Frozen parameters stay frozen (SequenceParallel, for one, makes new trainable Parameters).
-    """
-
-    def __init__(self, base: ParallelStyle) -> None:
-        super().__init__()
-        self.base = base
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        self.base.src_data_rank = self.src_data_rank
-        frozen = {name for name, param in module.named_parameters() if not param.requires_grad}
-        if isinstance(module, LoraLinear) and isinstance(self.base, (ColwiseParallel, RowwiseParallel)):
-            self._apply_to_lora_linear(module, device_mesh)
-        else:
-            self.base._apply(module, device_mesh)
-        for name, param in module.named_parameters():
-            param.requires_grad_(name not in frozen)
-        return module
-
-    def _apply_to_lora_linear(self, module: LoraLinear, device_mesh: DeviceMesh) -> None:
-        # The stock styles treat every submodule as a Linear to shard their way: hide the children.
-        children = dict(module._modules)
-        module._modules.clear()
-        try:
-            self.base._apply(module, device_mesh)
-        finally:
-            module._modules.update(children)
-        colwise = isinstance(self.base, ColwiseParallel)
-        placements = {"lora_A": Replicate() if colwise else Shard(1), "lora_B": Shard(0) if colwise else Replicate()}
-        for name, placement in placements.items():
-            adapter = module.get_submodule(name)
-            weight = distribute_tensor(adapter.weight, device_mesh, [placement], src_data_rank=self.src_data_rank)
-            adapter.weight = nn.Parameter(weight)
-
-    def __repr__(self) -> str:
-        return f"LoraParallel({self.base!r})"
-
-
-def lora_tp_plan(base_plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
-    """The tensor-parallel plan for a model with LoRA adapters: every entry of ``base_plan``
-    wrapped in ``LoraParallel``. Use it in place of ``base_plan``
-    (``parallelize_module(layer, mesh, lora_tp_plan(plan))``): the stock Colwise/Rowwise styles
-    fail on an adapted Linear, and SequenceParallel unfreezes the frozen norms.
-    """
-    return {key: LoraParallel(style) for key, style in base_plan.items()}

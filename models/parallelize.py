@@ -37,7 +37,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from llmflow.models.decoder import CausalLM
-from llmflow.models.lora import is_lora_param, lora_tp_plan
+from llmflow.models.lora import is_lora_param
+from llmflow.models.lora_parallel import lora_tp_plan
 
 
 def layer_tp_plan() -> dict[str, ParallelStyle]:

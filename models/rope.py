@@ -12,6 +12,8 @@ from llmflow.models.config import ModelConfig
 def inverse_frequencies(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
     """inv_freq [head_dim // 2] in fp32, computed exactly as transformers does."""
     dim = config.head_dim
+    if torch.empty(0, device=device).is_meta:  # shape only: arithmetic on meta imports torch._dynamo (seconds)
+        return torch.empty(dim // 2, device=device)
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling or {}

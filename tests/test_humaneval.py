@@ -29,9 +29,10 @@ from llmflow.evaluate.generative_engine import (
     evaluate_generative,
     task_results,
 )
-from llmflow.evaluate.humaneval import HUMANEVAL, HUMANEVAL_TASK, read_humaneval
+from llmflow.evaluate.humaneval import HUMANEVAL, HUMANEVAL_64_TASK, HUMANEVAL_TASK, read_humaneval
 from llmflow.evaluate.questions import BenchmarkDataError
-from llmflow.evaluate.sandbox import humaneval_program
+from llmflow.evaluate.sandbox import humaneval_program, pass_at_k
+from llmflow.infer.generate import GenerateConfig
 
 HARNESS_YAML = harness_tasks() / "humaneval" / "humaneval.yaml"
 
@@ -91,7 +92,22 @@ def test_the_task_is_the_harness_yaml():
     assert config["doc_to_text"] == "{{prompt}}" and HUMANEVAL_TASK.exemplars == ()
     assert [f["name"] for f in config["filter_list"]] == [HUMANEVAL.headline_filter]
     assert [(m["aggregation"], m["k"]) for m in config["metric_list"]] == [("mean", [1])]
-    assert HUMANEVAL.headline_metric == "pass_at_1"
+    assert HUMANEVAL.headline_metric(HUMANEVAL_TASK) == "pass_at_1"
+
+
+def test_the_sampling_task_is_the_harness_humaneval_64():
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    config = load_yaml(HARNESS_YAML.parent / "humaneval_64.yaml", resolve_func=False)
+    assert config["task"] == HUMANEVAL_64_TASK.name and config["doc_to_text"] == "{{prompt}}"
+    assert config["repeats"] == HUMANEVAL_64_TASK.repeats == 64
+    assert config["generation_kwargs"] == {"until": list(HUMANEVAL_64_TASK.until), "do_sample": True,
+                                           "max_gen_toks": HUMANEVAL_64_TASK.max_gen_toks,
+                                           "temperature": HUMANEVAL_64_TASK.temperature,
+                                           "top_p": HUMANEVAL_64_TASK.top_p}
+    assert [m["k"] for m in config["metric_list"]] == [list(HUMANEVAL_64_TASK.scorer.ks)]
+    assert HUMANEVAL.headline_metric(HUMANEVAL_64_TASK) == "pass_at_2"
+    assert HUMANEVAL.default_tasks == ("humaneval",) and not HUMANEVAL.aggregate
 
 
 COMPLETIONS = [" return a + b\n", " return a - b\n", " while True:\n  pass\n",
@@ -108,16 +124,28 @@ def test_programs_are_the_harness_predictions_with_its_target(monkeypatch, data)
 
 def test_scoring_runs_each_program_in_the_sandbox(data):
     docs = [read_humaneval(data)[0]] * len(COMPLETIONS)
-    scores = HUMANEVAL_TASK.score(docs, COMPLETIONS, workers=4)
+    scores = HUMANEVAL_TASK.score(docs, [[c] for c in COMPLETIONS], workers=4)
     assert [s.record["result"] for s in scores[:3]] == ["passed", "failed: AssertionError", "timed out"]
     assert scores[3].record["result"].startswith("sandbox: writing /tmp/llmflow-humaneval-escape outside")
     assert not Path("/tmp/llmflow-humaneval-escape").exists()
     assert [s.record["passed"] for s in scores] == [True, False, False, False]
     run = TaskRun(HUMANEVAL_TASK, docs, [d.text for d in docs])
-    generations = [Generation(c, "stop", 10, False) for c in COMPLETIONS]
-    results = task_results(run, generations, scores, 0, list(HUMANEVAL_TASK.until), 32)
+    generations = [[Generation(c, "stop", 10, False)] for c in COMPLETIONS]
+    results = task_results(run, generations, scores, 0, GenerateConfig(max_new_tokens=32, stop=HUMANEVAL_TASK.until))
     assert results["pass_at_1"] == 0.25 and results["samples"] == 4
     assert results["pass_at_1_stderr"] == pytest.approx(0.25)  # sqrt(0.25) / sqrt(4): the harness's mean_stderr
+
+
+def test_pass_at_k_counts_each_problems_passing_samples(data):
+    add, mul = read_humaneval(data)[:2]
+    samples = [[" return a + b\n", " return a - b\n", " return b + a\n", " return 0\n"],
+               [" return a * b\n", " return a + b\n", " return a ** b\n", " return a - b\n"]]
+    scores = HUMANEVAL_64_TASK.score([add, mul], samples, workers=4)
+    assert [s.record["passed"] for s in scores] == [[True, False, True, False], [True, False, False, False]]
+    assert [s.record["correct"] for s in scores] == [2, 1]
+    # k above the number of samples is not reported; pass@2 of n=4, c=2 is 1 - C(2,2)/C(4,2)
+    assert scores[0].values == {"pass_at_2": pytest.approx(5 / 6)} and scores[1].values == {"pass_at_2": 0.5}
+    assert scores[1].values["pass_at_2"] == pass_at_k(4, 1, 2)
 
 
 def test_reads_the_hub_and_the_original_layouts_alike(data, tmp_path):
@@ -139,6 +167,8 @@ def test_bad_data_is_refused_naming_file_and_row_before_the_model_loads(data, tm
                         [ADD, {**MUL, "entry_point": ""}])
     with pytest.raises(BenchmarkDataError, match=rf"{bad} row 2: expected \['entry_point'\] as non-empty text"):
         evaluate_generative(HUMANEVAL, GenerativeEvalConfig(**common, data=tmp_path / "b"))
+    with pytest.raises(ValueError, match="samples=1: humaneval_64's metrics take at least 2 samples"):
+        evaluate_generative(HUMANEVAL, GenerativeEvalConfig(**common, data=data, tasks=["humaneval_64"], samples=1))
     with pytest.raises(FileNotFoundError, match="no-model"):
         evaluate_generative(HUMANEVAL, GenerativeEvalConfig(**common, data=data))
     assert not (tmp_path / "out").exists()
@@ -182,6 +212,40 @@ def test_completions_and_pass_at_1_agree_with_lm_eval(sample_assets, data, tmp_p
         assert theirs == [" return a + b\n"] * 4 and passed == [True, False, False, True]
     assert results["headline"] == {"metric": "pass_at_1", "average": None, "value": task["pass_at_1"],
                                    "stderr": task["pass_at_1_stderr"]}
+
+
+@pytest.mark.parametrize("parrot", [None, " return a + b\n\nprint(1)"], ids=["sample-model", "parrot"])
+def test_sampled_pass_at_k_is_seeded_and_counts_every_sample(sample_assets, data, tmp_path, parrot):
+    """humaneval_64 with 6 samples per problem: the seed fixes the samples, another seed
+    draws others, and pass@k is the estimator of each problem's passing samples. The parrot
+    is so sure of its answer that every sample is it (right for add and total)."""
+    model = sample_assets() / "model"
+    if parrot:
+        model = parrot_model(model, tmp_path / "parrot", parrot)
+
+    def run(seed: int, out: str) -> tuple[dict, list[dict]]:
+        config = GenerativeEvalConfig(model=model, data=data, out=tmp_path / out, device="cpu", max_new_tokens=12,
+                                      batch_size=4, tasks=["humaneval_64"], samples=6, seed=seed)
+        out = evaluate_generative(HUMANEVAL, config)
+        return (json.loads((out / "results.json").read_text()),
+                [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()])
+
+    results, predictions = run(7, "a")
+    again, same = run(7, "b")
+    task = results["tasks"]["humaneval_64"]
+    assert same == predictions and again["tasks"]["humaneval_64"] == task
+    assert [len(p["generated"]) for p in predictions] == [6] * 4
+    assert task["generation"] | {} == {**task["generation"], "samples_per_doc": 6, "temperature": 0.2,
+                                        "top_p": 0.95, "seed": 7}
+    expected = [pass_at_k(6, sum(p["passed"]), 2) for p in predictions]
+    assert task["pass_at_2"] == pytest.approx(sum(expected) / 4) and "pass_at_8" not in task
+    assert results["headline"]["metric"] == "pass_at_2" and "group" not in results
+    if parrot:
+        assert [p["correct"] for p in predictions] == [6, 0, 0, 6] and task["pass_at_2"] == 0.5
+    else:
+        _, other = run(8, "c")
+        assert len({text for p in predictions for text in p["generated"]}) > 4
+        assert [p["generated"] for p in other] != [p["generated"] for p in predictions]
 
 
 def test_the_sample_problems_canonical_solutions_pass(sample_assets):

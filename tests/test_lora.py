@@ -257,7 +257,7 @@ def parallelize(model: CausalLM, mesh) -> None:
         parallelize_module,
     )
 
-    from llmflow.models import lora_tp_plan
+    from llmflow.models.lora_parallel import lora_tp_plan
 
     layer_plan = {
         "input_layernorm": SequenceParallel(),

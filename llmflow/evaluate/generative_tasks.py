@@ -119,8 +119,9 @@ class Scorer(Protocol):
     metric: str
     """The key of its headline metric in results.json."""
 
-    def __call__(self, docs: Sequence[Doc], texts: list[str], workers: int) -> list[Scored]:
-        """Each document's score; ``workers``: how many programs may run at once."""
+    def __call__(self, docs: Sequence[Doc], samples: list[list[str]], workers: int) -> list[Scored]:
+        """Each document's score from its generated texts (one per sample); ``workers``: how
+        many programs may run at once."""
         ...
 
 
@@ -149,6 +150,14 @@ class GenerativeTask:
     """Globs of the Hub files the task reads."""
     read: Callable[[Path], list[Doc]]
     """The evaluated documents, from the task's directory."""
+    repeats: int = 1
+    """Texts generated per document (the harness's ``repeats``)."""
+    temperature: float = 0.0
+    """Sampling temperature (the harness's ``do_sample`` with its temperature); 0: greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling's top_p when sampling."""
+    min_repeats: int = 1
+    """The fewest texts per document its metrics take (pass@2 needs two)."""
     filters: tuple[RegexFilter, ...] = ()
     metric: ExactMatch = ExactMatch()
     scorer: Scorer | None = None
@@ -159,11 +168,12 @@ class GenerativeTask:
         examples = [e.text + self.target_delimiter + e.target + FEWSHOT_DELIMITER for e in self.exemplars[:shots]]
         return self.description + "".join(examples) + doc.text
 
-    def score(self, docs: Sequence[Doc], texts: list[str], workers: int) -> list[Scored]:
-        """Each document's score: its scorer's, else each filter's answer and its exact match."""
+    def score(self, docs: Sequence[Doc], samples: list[list[str]], workers: int) -> list[Scored]:
+        """Each document's score from its generated texts: its scorer's, else each filter's
+        answer from the first text (the harness's take_first) and its exact match."""
         if self.scorer is not None:
-            return self.scorer(docs, texts, workers)
-        return [self.exact_match(doc, text) for doc, text in zip(docs, texts)]
+            return self.scorer(docs, samples, workers)
+        return [self.exact_match(doc, texts[0]) for doc, texts in zip(docs, samples)]
 
     def exact_match(self, doc: Doc, text: str) -> Scored:
         """Each filter's answer and whether it matches the gold."""
@@ -187,16 +197,18 @@ class GenerativeGroup:
     """The filter whose exact match is the headline (a group's: its micro average, the
     harness's size-weighted group score); for a task with a scorer, the harness's filter name
     (the scorer's metric is the headline)."""
+    default_tasks: tuple[str, ...] = ()
+    """The tasks evaluated unless others are asked for (empty: all)."""
+    aggregate: bool = True
+    """Whether the group reports micro and macro averages of its tasks (tasks of one kind)."""
 
     @property
     def stage(self) -> str:
         """The stage name in manifests and MLflow."""
         return f"eval-{self.name}"
 
-    @property
-    def headline_metric(self) -> str:
-        """The key of the headline metric in a task's results."""
-        task = self.tasks[0]
+    def headline_metric(self, task: GenerativeTask) -> str:
+        """The key of the headline metric in ``task``'s results."""
         if task.scorer is not None:
             return task.scorer.metric
         return next(f.metric for f in task.filters if f.name == self.headline_filter)

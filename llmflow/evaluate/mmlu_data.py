@@ -78,7 +78,7 @@ def _parquet_files(path: Path) -> list[Path]:
 
 
 def _read_parquet(path: Path) -> list[Question]:
-    table = pq.read_table(path)
+    table = pq.ParquetFile(path).read()  # read_table would import pyarrow.dataset and pandas
     check_columns(str(path), table.column_names, PARQUET_COLUMNS, EXPECTED_LAYOUTS)
     rows = table.to_pylist()
     folder_subject = path.parent.name

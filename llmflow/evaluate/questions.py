@@ -68,7 +68,7 @@ def csv_questions(stream: TextIO, subject: str, columns: tuple[str, ...], where:
 
 def parquet_questions(path: Path, subject: str, columns: tuple[str, ...], expected: str) -> list[Question]:
     """The questions of a parquet file with ``columns`` (question, A-D, answer)."""
-    table = pq.read_table(path)
+    table = pq.ParquetFile(path).read()  # read_table would import pyarrow.dataset and pandas
     check_columns(str(path), table.column_names, columns, expected)
     return [question_from_row(row, subject, columns, f"{path} row {n}") for n, row in enumerate(table.to_pylist(), 1)]
 

@@ -42,12 +42,12 @@ def group_results(tasks: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def headline(metric: str, tasks: dict[str, dict[str, Any]], group: dict[str, Any] | None) -> dict[str, Any]:
     """The score a run is known by, with its standard error: ``metric``'s micro average over
-    a group, or its one task's value."""
+    a group, or its first task's value."""
     if group is not None:
         return {"metric": metric, "average": "micro", "value": group[metric]["micro"],
                 "stderr": group[metric]["micro_stderr"]}
-    (only,) = tasks.values()
-    return {"metric": metric, "average": None, "value": only[metric], "stderr": only[f"{metric}_stderr"]}
+    first = next(iter(tasks.values()))
+    return {"metric": metric, "average": None, "value": first[metric], "stderr": first[f"{metric}_stderr"]}
 
 
 def format_table(results: dict[str, Any]) -> str:
