@@ -1,4 +1,5 @@
-"""The convert stage: a Hugging Face model directory -> a training checkpoint (llmflow.checkpoint).
+"""The convert stage: a Hugging Face model directory (or a Megatron-LM / MindSpeed-LLM
+checkpoint of the same model) -> a training checkpoint (llmflow.checkpoint).
 
 The output root holds one step directory, ``step_00000000``, with the model's weights under
 the DCP key "model", the vocabulary rows of the embedding (and untied output) matrix padded
@@ -9,7 +10,9 @@ trains, generates and evaluates at any tensor-parallel degree.
 
 Conversion streams: the safetensors files are read with plain file reads, one tensor at a
 time, straight into the DCP writer, one DCP file per tensor. Peak memory is about the
-largest tensor, whatever the model's size.
+largest tensor, whatever the model's size. A Megatron checkpoint (``--megatron``, read by
+``llmflow.megatron``) streams the same way, one layer of one Megatron tensor at a time; the
+Hugging Face directory then gives only the config.json and tokenizer of the model it holds.
 """
 
 from __future__ import annotations
@@ -31,7 +34,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem
 
-from llmflow.artifacts import MANIFEST, atomic_directory, file_record, manifest_payload, write_json_atomic
+from llmflow.artifacts import (
+    MANIFEST,
+    atomic_directory,
+    file_record,
+    manifest_payload,
+    read_manifest,
+    write_json_atomic,
+)
 from llmflow.checkpoint import (
     LATEST,
     META,
@@ -43,6 +53,8 @@ from llmflow.checkpoint import (
     padded_vocab_size,
     step_name,
 )
+from llmflow.megatron.importer import Planned, check_supported, plan_import
+from llmflow.megatron.reader import open_checkpoint
 from llmflow.models.config import ModelConfig
 from llmflow.models.decoder import CausalLM
 from llmflow.models.hf_checkpoint import SAFETENSORS_DTYPES, CheckpointError, check_finite, safetensors_files
@@ -71,7 +83,13 @@ class ConvertConfig(BaseModel):
 
     hf: Path
     """Hugging Face model directory: config.json, safetensors weights (one file or sharded
-    with model.safetensors.index.json) and tokenizer files."""
+    with model.safetensors.index.json) and tokenizer files. With --megatron, only its
+    config.json and tokenizer are read: the model the Megatron checkpoint holds."""
+    megatron: Path | None = None
+    """Read the weights from this Megatron-LM / MindSpeed-LLM checkpoint instead: a root with
+    latest_checkpointed_iteration.txt, or one iteration directory, in megatron-core's torch_dist
+    format or the legacy per-rank layout (mp_rank_*/model_optim_rng.pt), saved at any tensor and
+    pipeline parallel sizes. Optimizer and RNG state are not read."""
     out: Path
     """Checkpoint root to write (latest, step_00000000/, tokenizer/, manifest.json)."""
     pad_vocab_to_multiple: int = Field(default=DEFAULT_VOCAB_MULTIPLE, ge=1)
@@ -86,6 +104,7 @@ class ConvertConfig(BaseModel):
     def params(self) -> dict[str, Any]:
         """The parameters recorded in the manifest."""
         params = {"hf": str(self.hf), "pad_vocab_to_multiple": self.pad_vocab_to_multiple}
+        params |= {"megatron": str(self.megatron)} if self.megatron is not None else {}
         return params | ({"init": self.init, "seed": self.seed} if self.init == "random" else {})
 
 
@@ -196,6 +215,25 @@ class StreamingSavePlanner(DefaultSavePlanner):
         return self._read(write_item.index.fqn)
 
 
+def write_streamed_state(step_dir: Path, meta_state: dict[str, torch.Tensor],
+                         read: Callable[[str], torch.Tensor]) -> None:
+    """The DCP directory of the model state whose shapes and dtypes ``meta_state`` gives (meta
+    tensors), each tensor read by ``read(name)`` only when the writer comes to it."""
+
+    def read_checked(fqn: str) -> torch.Tensor:
+        return read(fqn.removeprefix(f"{MODEL_KEY}."))
+
+    # One file per tensor: the writer keeps every tensor of a file alive until the file is done.
+    writer = FileSystemWriter(str(step_dir), single_file_per_rank=False)
+    try:
+        dcp_save({MODEL_KEY: meta_state}, step_dir, writer=writer, planner=StreamingSavePlanner(read_checked))
+    except CheckpointException as error:  # DCP wraps what read() raised: report that, in one line
+        refused = [e for e, _ in error.failures.values() if isinstance(e, CheckpointError)]
+        if refused:
+            raise refused[0] from None
+        raise
+
+
 def write_model_state(
     step_dir: Path, hf_tensors: dict[str, StoredTensor], sources: dict[str, str], padded: int
 ) -> None:
@@ -206,22 +244,25 @@ def write_model_state(
         shape = (padded, *stored.shape[1:]) if name in VOCAB_PARAMS else stored.shape
         meta_state[name] = torch.empty(shape, dtype=stored.dtype, device="meta")
 
-    def read(fqn: str) -> torch.Tensor:
-        name = fqn.removeprefix(f"{MODEL_KEY}.")
+    def read(name: str) -> torch.Tensor:
         stored = hf_tensors[sources[name]]
         tensor = read_tensor(stored, padded if name in VOCAB_PARAMS else None)
         check_finite(tensor, stored.path, sources[name])  # as it streams: each tensor is read once
         return tensor
 
-    # One file per tensor: the writer keeps every tensor of a file alive until the file is done.
-    writer = FileSystemWriter(str(step_dir), single_file_per_rank=False)
-    try:
-        dcp_save({MODEL_KEY: meta_state}, step_dir, writer=writer, planner=StreamingSavePlanner(read))
-    except CheckpointException as error:  # DCP wraps what read() raised: report that, in one line
-        refused = [e for e, _ in error.failures.values() if isinstance(e, CheckpointError)]
-        if refused:
-            raise refused[0] from None
-        raise
+    write_streamed_state(step_dir, meta_state, read)
+
+
+def write_megatron_state(step_dir: Path, plan: dict[str, Planned], source: Path) -> None:
+    """The DCP directory of the model state, read layer by layer from a Megatron checkpoint."""
+    meta_state = {name: torch.empty(p.shape, dtype=p.dtype, device="meta") for name, p in plan.items()}
+
+    def read(name: str) -> torch.Tensor:
+        tensor = plan[name].read()
+        check_finite(tensor, source, name)
+        return tensor
+
+    write_streamed_state(step_dir, meta_state, read)
 
 
 def write_random_state(step_dir: Path, config: ModelConfig, padded_vocab: int, seed: int) -> None:
@@ -249,14 +290,22 @@ def convert(config: ConvertConfig) -> Path:
         raise CheckpointError(f"--hf {hf_dir}: not a directory")
     model_config = ModelConfig.from_file(hf_dir)
     padded = padded_vocab_size(model_config.vocab_size, config.pad_vocab_to_multiple)
-    if config.init == "weights":
+    if config.megatron is not None:
+        if config.init != "weights":
+            raise ValueError("--megatron reads the checkpoint's weights: init must be 'weights'")
+        megatron = open_checkpoint(config.megatron)
+        check_supported(megatron, model_config, f"{hf_dir / 'config.json'}")
+        megatron_plan = plan_import(megatron, model_config, padded)
+    elif config.init == "weights":
         hf_tensors = index_hf_tensors(hf_dir)
         sources = plan_sources(hf_dir, model_config, hf_tensors, padded)
     check_replaceable(config.out, STAGE)
     meta = CheckpointMeta(hf_config=model_config.hf_config, padded_vocab_size=padded)
     with atomic_directory(config.out) as work:
         step_dir = work / step_name(0)
-        if config.init == "weights":
+        if config.megatron is not None:
+            write_megatron_state(step_dir, megatron_plan, megatron.directory)
+        elif config.init == "weights":
             write_model_state(step_dir, hf_tensors, sources, padded)
         else:
             write_random_state(step_dir, model_config, padded, config.seed)
@@ -267,6 +316,7 @@ def convert(config: ConvertConfig) -> Path:
         payload = manifest_payload(
             STAGE, config.params(), files, step_dir=step_dir.name, padded_vocab_size=padded,
             vocab_size=model_config.vocab_size, model_type=model_config.model_type,
+            **({"megatron": megatron.summary()} if config.megatron is not None else {}),
         )
         write_json_atomic(work / MANIFEST, payload)
     return config.out
@@ -279,6 +329,9 @@ class ConvertCommand(ConvertConfig):
     def cli_cmd(self) -> None:
         start = time.monotonic()
         out = convert(ConvertConfig(**self.model_dump()))
+        if source := read_manifest(out).get("megatron"):
+            print(f"read {source['format']} checkpoint {source['directory']} (iteration {source['iteration']}); "
+                  f"not read: {', '.join(source['skipped']) or 'nothing (it holds the model only)'}")
         size = sum(p.stat().st_size for p in (out / step_name(0)).iterdir())
         elapsed = time.monotonic() - start
         print(f"{out}: {size / 1e9:.3f} GB of weights in {elapsed:.1f} s ({size / 1e9 / elapsed:.2f} GB/s)")

@@ -1,4 +1,5 @@
-"""The export stage: a training checkpoint (llmflow.checkpoint) -> a Hugging Face model directory.
+"""The export stage: a training checkpoint (llmflow.checkpoint) -> a Hugging Face model directory
+(or, with ``megatron``, a Megatron-LM / MindSpeed-LLM checkpoint: ``llmflow.megatron.exporter``).
 
 Any step directory exports, whatever layout it was saved under: DCP reshards while one
 process reads the model tensors (and only those: optimizer state is never read). The
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmflow.artifacts import MANIFEST, atomic_directory, file_record, manifest_payload, write_json_atomic
 from llmflow.checkpoint import (
@@ -41,6 +42,7 @@ from llmflow.checkpoint import (
     stored_tensors,
 )
 from llmflow.convert import StoredTensor, copy_tokenizer_files, index_hf_tensors, read_tensor
+from llmflow.megatron.exporter import write_megatron
 from llmflow.models.config import ModelConfig
 from llmflow.models.decoder import CausalLM
 from llmflow.models.hf_checkpoint import CheckpointError, plan_shards, write_hf_weights, write_safetensors
@@ -67,8 +69,25 @@ class ExportConfig(BaseModel):
 
     ckpt: Path
     """Checkpoint root (its latest step is exported) or one step directory."""
-    out: Path
+    out: Path | None = None
     """Hugging Face directory to write: safetensors, config.json, tokenizer files, manifest.json."""
+    megatron: Path | None = None
+    """Write a Megatron-LM / MindSpeed-LLM checkpoint root here instead of --out: iter_NNNNNNN/
+    (megatron-core's torch_dist format, or the legacy per-rank layout) and
+    latest_checkpointed_iteration.txt, for a GPTModel of the same config."""
+    tp: int = Field(default=1, ge=1)
+    """Megatron: tensor-parallel size the checkpoint is for (its vocabulary is padded to a
+    multiple of vocab_multiple * tp; the legacy layout is split into tp ranks)."""
+    pp: int = Field(default=1, ge=1)
+    """Megatron: pipeline-parallel size (an even split of the layers; the legacy layout has a
+    rank directory per stage)."""
+    megatron_format: Literal["torch_dist", "legacy"] = "torch_dist"
+    """Megatron: torch_dist (megatron-core's distributed checkpoint, resharded on load) or legacy
+    (mp_rank_*/model_optim_rng.pt, Megatron-LM's --ckpt-format torch)."""
+    vocab_multiple: int = Field(default=128, ge=1)
+    """Megatron: make-vocab-size-divisible-by (the padded vocabulary is a multiple of it times tp)."""
+    iteration: int | None = Field(default=None, ge=0)
+    """Megatron: the iteration the checkpoint is saved as (default: the exported step)."""
     step: int | None = None
     """Export this step (CKPT/step_NNNNNNNN) instead of the latest."""
     merge_lora: bool = False
@@ -81,6 +100,12 @@ class ExportConfig(BaseModel):
     base_model: str | None = None
     """PEFT adapters: base_model_name_or_path written to adapter_config.json (default: the
     checkpoint's base_checkpoint)."""
+
+    @model_validator(mode="after")
+    def _one_output(self) -> ExportConfig:
+        if (self.out is None) == (self.megatron is None):
+            raise ValueError("give one output: --out (a Hugging Face directory) or --megatron (a Megatron checkpoint)")
+        return self
 
     def params(self) -> dict[str, Any]:
         """The parameters recorded in the manifest."""
@@ -303,9 +328,34 @@ def copy_tokenizer(work: Path, sources: list[Source]) -> Path | None:
     return None
 
 
+def export_megatron(config: ExportConfig, source: Source) -> Path:
+    """The checkpoint as a Megatron checkpoint root in ``config.megatron``."""
+    if source.meta.lora is not None:
+        raise CheckpointError(f"{source.path}: a LoRA checkpoint; export it with --merge-lora to a Hugging Face "
+                              "directory, convert that, and export the result to Megatron")
+    model_config = ModelConfig.from_hf(source.meta.hf_config, source=str(source.path / META))
+    weight_names(source)
+    out = config.megatron
+    assert out is not None
+    check_replaceable(out, STAGE)
+    iteration = config.iteration if config.iteration is not None else source.meta.step
+    dtype = _DTYPES[config.dtype] if config.dtype else None
+    with atomic_directory(out) as work:
+        padded = write_megatron(work, model_config, source.load, config.tp, config.pp, iteration, config.vocab_multiple,
+                                dtype, config.megatron_format == "legacy")
+        files = [file_record(p, work, with_hash=False) for p in sorted(work.rglob("*")) if p.is_file()]
+        payload = manifest_payload(STAGE, config.params(), files, step_dir=str(source.path), step=source.meta.step,
+                                   kind=f"megatron-{config.megatron_format}", iteration=iteration,
+                                   padded_vocab_size=padded)
+        write_json_atomic(work / MANIFEST, payload)
+    return out
+
+
 def export(config: ExportConfig) -> Path:
     """Run the stage; returns the output directory."""
     source = Source.checkpoint(resolve_step_dir(config.ckpt, config.step))
+    if config.megatron is not None:
+        return export_megatron(config, source)
     vocab_size = ModelConfig.from_hf(source.meta.hf_config, source=str(source.path / META)).vocab_size
     lora = source if source.meta.lora is not None else None
     if lora is not None:  # a malformed LoRA checkpoint fails before anything is written
@@ -339,5 +389,5 @@ class ExportCommand(ExportConfig):
     def cli_cmd(self) -> None:
         start = time.monotonic()
         out = export(ExportConfig(**self.model_dump()))
-        size = sum(p.stat().st_size for p in out.iterdir() if p.suffix == ".safetensors")
+        size = sum(p.stat().st_size for p in out.rglob("*") if p.suffix in (".safetensors", ".distcp", ".pt"))
         print(f"{out}: {size / 1e9:.3f} GB of weights in {time.monotonic() - start:.1f} s")

@@ -1,0 +1,146 @@
+"""A megatron-core GPTModel checkpoint read as llmflow's model state: which Megatron tensor
+(and layer) each of the decoder's tensors comes from, checked against the model's Hugging Face
+config before anything is written.
+
+Supported: the Llama/Qwen2 family as Megatron-LM and MindSpeed-LLM train it — RMSNorm, SwiGLU,
+rotary positions (not interleaved), no linear biases except optional q/k/v biases, tied or
+untied output layer, grouped-query attention. Optimizer and RNG state are not read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from llmflow.megatron.layout import (
+    EMBEDDING,
+    FC1,
+    FC2,
+    FINAL_NORM,
+    INPUT_NORM,
+    LAYERS,
+    MLP_NORM,
+    OUTPUT,
+    PROJ,
+    QKV,
+    QKV_BIAS,
+    Attention,
+)
+from llmflow.megatron.reader import MegatronCheckpoint
+from llmflow.models.config import ModelConfig
+from llmflow.models.hf_checkpoint import CheckpointError
+
+# Megatron-LM argument -> (what llmflow supports, why it matters), checked when args are present.
+_REQUIRED_ARGS: dict[str, tuple[Any, str]] = {
+    "swiglu": (True, "a SwiGLU feed-forward"),
+    "normalization": ("RMSNorm", "RMSNorm"),
+    "position_embedding_type": ("rope", "rotary position embeddings"),
+    "add_bias_linear": (False, "no biases on the linear layers (q/k/v biases aside)"),
+    "apply_layernorm_1p": (False, "plain norm weights (not stored as weight - 1)"),
+    "rotary_interleaved": (False, "rotary embeddings on halves, as Hugging Face applies them"),
+}
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One tensor of llmflow's model state and how it is read."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    read: Callable[[], torch.Tensor]
+
+
+def check_supported(checkpoint: MegatronCheckpoint, config: ModelConfig, source: str) -> None:
+    """Raise, naming what the checkpoint has and what was expected, when it is not a model
+    llmflow can hold or not the model ``config`` describes."""
+    args = checkpoint.args
+    found = []
+    if args is not None:
+        for name, (wanted, meaning) in _REQUIRED_ARGS.items():
+            value = getattr(args, name, wanted)
+            if value != wanted and not (name == "rotary_interleaved" and value is None):
+                found.append(f"args.{name}={value!r} (llmflow reads {meaning}: {name}={wanted!r})")
+        if getattr(args, "num_experts", None):
+            found.append(f"args.num_experts={args.num_experts} (mixture-of-experts models are not supported)")
+        groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
+        expected = {
+            "num_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
+            "ffn_hidden_size": config.intermediate_size, "num_attention_heads": config.num_attention_heads,
+            "num_query_groups": config.num_key_value_heads if groups is not None else None,
+            "kv_channels": config.head_dim, "untie_embeddings_and_output_weights": not config.tie_word_embeddings,
+            "add_qkv_bias": config.qkv_bias,
+        }
+        actual = {**{name: getattr(args, name, None) for name in expected}, "num_query_groups": groups}
+        for name, value in expected.items():
+            if actual[name] is not None and value is not None and actual[name] != value:
+                found.append(f"args.{name}={actual[name]} where {source} has {value}")
+    missing = [key for key in expected_keys(config) if key not in checkpoint.shapes]
+    if missing:
+        found.append(f"no tensors {missing[:4]} (it holds {sorted(checkpoint.shapes)[:8]})")
+    if found:
+        raise CheckpointError(f"--megatron {checkpoint.directory} ({checkpoint.format}): not the model of {source}: "
+                              + "; ".join(found))
+    attention = Attention.of(config)
+    layers, hidden = config.num_hidden_layers, config.hidden_size
+    qkv_rows = (attention.heads + 2 * attention.groups) * attention.head_dim
+    shapes = {
+        LAYERS + QKV: (layers, qkv_rows, hidden), LAYERS + PROJ: (layers, hidden, attention.heads * attention.head_dim),
+        LAYERS + FC1: (layers, 2 * config.intermediate_size, hidden),
+        LAYERS + FC2: (layers, hidden, config.intermediate_size), LAYERS + INPUT_NORM: (layers, hidden),
+        LAYERS + MLP_NORM: (layers, hidden), FINAL_NORM: (hidden,), LAYERS + QKV_BIAS: (layers, qkv_rows),
+    }
+    for key, shape in shapes.items():
+        if key in checkpoint.shapes and checkpoint.shapes[key] != shape:
+            raise CheckpointError(f"--megatron {checkpoint.directory}: {key} has shape {checkpoint.shapes[key]}, "
+                                  f"{source} implies {shape}")
+    for key in (EMBEDDING, OUTPUT):
+        if key in checkpoint.shapes and (checkpoint.shapes[key][0] < config.vocab_size
+                                         or checkpoint.shapes[key][1:] != (hidden,)):
+            raise CheckpointError(f"--megatron {checkpoint.directory}: {key} has shape {checkpoint.shapes[key]}, "
+                                  f"{source} implies ({config.vocab_size} or more rows, {hidden})")
+
+
+def expected_keys(config: ModelConfig) -> list[str]:
+    """The Megatron tensors a model of ``config`` is read from."""
+    keys = [EMBEDDING, FINAL_NORM, *(LAYERS + n for n in (QKV, PROJ, FC1, FC2, INPUT_NORM, MLP_NORM))]
+    return keys + [LAYERS + QKV_BIAS] * config.qkv_bias + [OUTPUT] * (not config.tie_word_embeddings)
+
+
+def plan_import(checkpoint: MegatronCheckpoint, config: ModelConfig, padded: int) -> dict[str, Planned]:
+    """llmflow's model state (``CausalLM.state_dict()`` names of the model padded to ``padded``
+    rows), each tensor read on demand from the checkpoint. Megatron's padding rows are dropped
+    and llmflow's are zeros."""
+    attention = Attention.of(config)
+    vocab, hidden = config.vocab_size, config.hidden_size
+
+    def vocabulary(key: str) -> Planned:
+        def read() -> torch.Tensor:
+            rows = checkpoint.read(key)[:vocab]
+            return torch.cat([rows, rows.new_zeros(padded - vocab, hidden)]) if padded > vocab else rows.clone()
+        return Planned((padded, hidden), checkpoint.dtypes[key], read)
+
+    def whole(key: str, layer: int | None, select: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> Planned:
+        shape = checkpoint.shapes[key][1:] if layer is not None else checkpoint.shapes[key]
+        sample = select(torch.empty(shape, device="meta"))
+        return Planned(tuple(sample.shape), checkpoint.dtypes[key],
+                       lambda: select(checkpoint.read(key, layer)).contiguous().clone())
+
+    plan = {"model.embed_tokens.weight": vocabulary(EMBEDDING), "model.norm.weight": whole(FINAL_NORM, None),
+            "lm_head.weight": vocabulary(EMBEDDING if config.tie_word_embeddings else OUTPUT)}
+    for i in range(config.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        for j, name in enumerate(("q_proj", "k_proj", "v_proj")):
+            plan[f"{prefix}self_attn.{name}.weight"] = whole(LAYERS + QKV, i, lambda t, j=j: attention.split(t)[j])
+            if config.qkv_bias:
+                plan[f"{prefix}self_attn.{name}.bias"] = whole(LAYERS + QKV_BIAS, i,
+                                                               lambda t, j=j: attention.split(t)[j])
+        plan[f"{prefix}self_attn.o_proj.weight"] = whole(LAYERS + PROJ, i)
+        plan[f"{prefix}mlp.gate_proj.weight"] = whole(LAYERS + FC1, i, lambda t: t.chunk(2, dim=0)[0])
+        plan[f"{prefix}mlp.up_proj.weight"] = whole(LAYERS + FC1, i, lambda t: t.chunk(2, dim=0)[1])
+        plan[f"{prefix}mlp.down_proj.weight"] = whole(LAYERS + FC2, i)
+        plan[f"{prefix}input_layernorm.weight"] = whole(LAYERS + INPUT_NORM, i)
+        plan[f"{prefix}post_attention_layernorm.weight"] = whole(LAYERS + MLP_NORM, i)
+    return plan
