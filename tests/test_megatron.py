@@ -1,0 +1,140 @@
+"""Megatron checkpoints without megatron-core: the fused-tensor layouts, export then import in
+both formats (bit-exact back to the Hugging Face files), the torch_dist layout megatron-core
+reads (its chunks, extra states, common.pt and metadata.json), and bad input named before
+anything is written. ``test_megatron_core.py`` checks the same against megatron-core itself."""
+
+from __future__ import annotations
+
+import json
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+import torch
+from test_convert import add_tokenizer, hf_tensors
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+from llmflow.artifacts import read_manifest
+from llmflow.cli import main
+from llmflow.convert import ConvertConfig, convert
+from llmflow.export import ExportConfig, export
+from llmflow.megatron.layout import FC1, FC2, PROJ, QKV, QKV_BIAS, Attention, merge_shards, split_shards
+from llmflow.megatron.reader import load_pickled
+from llmflow.models.hf_checkpoint import CheckpointError
+
+GQA = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4}
+
+
+def test_fused_qkv_and_tensor_parallel_shards_invert():
+    attention = Attention(heads=4, groups=2, head_dim=3)
+    q, k, v = torch.randn(12, 5), torch.randn(6, 5), torch.randn(6, 5)
+    fused = attention.fuse(q, k, v)
+    # group 0: query heads 0 and 1, then its key and value head; then group 1
+    assert torch.equal(fused[:6], q[:6]) and torch.equal(fused[6:9], k[:3]) and torch.equal(fused[9:12], v[:3])
+    assert all(torch.equal(a, b) for a, b in zip(attention.split(fused), (q, k, v)))
+    assert all(torch.equal(a, b) for a, b in zip(attention.split(attention.fuse(q[:, 0], k[:, 0], v[:, 0])),
+                                                  (q[:, 0], k[:, 0], v[:, 0])))
+    fc1 = torch.arange(8.0)[:, None]  # gate rows 0-3, up rows 4-7
+    shards = split_shards(FC1, fc1, 2)
+    assert [s.flatten().tolist() for s in shards] == [[0, 1, 4, 5], [2, 3, 6, 7]]  # each rank: its gate, its up
+    for name, tensor in ((FC1, fc1), (QKV, fused), (QKV_BIAS, fused[:, 0]), (PROJ, torch.randn(4, 6)),
+                         (FC2, torch.randn(4, 6))):
+        assert torch.equal(merge_shards(name, split_shards(name, tensor, 2)), tensor), name
+
+
+@pytest.fixture(params=[("llama", False), ("qwen2", True)], ids=["llama-untied", "qwen2-tied"])
+def model(request, make_hf_model, tmp_path):
+    """A tiny GQA model with a tokenizer, and its llmflow checkpoint."""
+    family, tied = request.param
+    _, hf_dir = make_hf_model(family, tie_word_embeddings=tied, **GQA)
+    add_tokenizer(hf_dir)
+    return hf_dir, convert(ConvertConfig(hf=hf_dir, out=tmp_path / "ckpt"))
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "legacy"])
+def test_export_then_import_is_bit_exact(model, tmp_path, fmt):
+    hf_dir, ckpt = model
+    megatron = tmp_path / "megatron"
+    main(["export", "--ckpt", str(ckpt), "--megatron", str(megatron), "--tp", "2", "--pp", "2",
+          "--megatron-format", fmt, "--iteration", "1000"])
+    assert (megatron / "latest_checkpointed_iteration.txt").read_text() == "1000"
+    if fmt == "legacy":
+        ranks = sorted(p.parent.name for p in (megatron / "iter_0001000").glob("mp_rank_*/model_optim_rng.pt"))
+        assert ranks == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    main(["convert", "--hf", str(hf_dir), "--megatron", str(megatron), "--out", str(tmp_path / "back")])
+    source = read_manifest(tmp_path / "back")["megatron"]
+    assert source["format"] == fmt and source["iteration"] == 1000 and source["skipped"] == []
+    export(ExportConfig(ckpt=tmp_path / "back", out=tmp_path / "hf"))
+    original, exported = hf_tensors(hf_dir), hf_tensors(tmp_path / "hf")
+    assert sorted(exported) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
+
+
+def test_torch_dist_export_is_laid_out_as_megatron_core_saves(model, tmp_path):
+    hf_dir, ckpt = model
+    export(ExportConfig(ckpt=ckpt, megatron=tmp_path / "m", tp=2, pp=2))
+    directory = tmp_path / "m" / "iter_0000000"
+    assert json.loads((directory / "metadata.json").read_text()) == {
+        "sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+        "common_backend_version": 1}
+    hf = json.loads((hf_dir / "config.json").read_text())
+    tied = hf["tie_word_embeddings"]
+    stored = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    qkv = stored["decoder.layers.self_attention.linear_qkv.weight"]
+    assert tuple(qkv.size) == (4, (4 + 2 * 2) * 16, 64)  # layers stacked; heads + 2 * groups of head_dim 16
+    assert [tuple(c.offsets) for c in qkv.chunks] == [(i, 0, 0) for i in range(4)]  # one chunk per layer
+    assert tuple(stored["embedding.word_embeddings.weight"].size) == (256, 64)  # 160 padded to 128 * tp
+    assert ("output_layer.weight" in stored) != tied
+    assert ("decoder.layers.self_attention.linear_qkv.bias" in stored) == (hf["model_type"] == "qwen2")
+    extra = sorted(k for k, v in stored.items() if isinstance(v, BytesStorageMetadata))
+    assert len(extra) == 16 and extra[0] == "decoder.layers.mlp.linear_fc1._extra_state/shard_0_4"
+    common = load_pickled(directory / "common.pt")
+    args = common["args"]
+    assert (common["iteration"], common["checkpoint_version"]) == (0, 3.0)
+    assert (args.num_layers, args.num_query_groups, args.kv_channels, args.padded_vocab_size) == (4, 2, 16, 256)
+    assert (args.untie_embeddings_and_output_weights, args.swiglu, args.normalization) == (not tied, True, "RMSNorm")
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (2, 2)
+
+
+def rewrite_args(directory: Path, **changes) -> None:
+    """Change fields of the args in a torch_dist checkpoint's common.pt."""
+    common = load_pickled(directory / "common.pt")
+    common["args"] = Namespace(**{**vars(common["args"]), **changes})
+    torch.save(common, directory / "common.pt")
+
+
+def test_bad_megatron_input_is_named_before_writing(make_hf_model, tmp_path):
+    _, hf_dir = make_hf_model("llama", **GQA)
+    ckpt = convert(ConvertConfig(hf=hf_dir, out=tmp_path / "ckpt"))
+    out = tmp_path / "out"
+
+    def refused(megatron: Path, match: str, hf: Path = hf_dir) -> None:
+        with pytest.raises(CheckpointError, match=match):
+            convert(ConvertConfig(hf=hf, megatron=megatron, out=out))
+        assert not out.exists()
+
+    refused(tmp_path / "nothing", "not a directory")
+    (tmp_path / "empty").mkdir()
+    refused(tmp_path / "empty", r"no latest_checkpointed_iteration.txt \(expected a Megatron-LM checkpoint root")
+    export(ExportConfig(ckpt=ckpt, megatron=tmp_path / "lg", tp=2, pp=2, megatron_format="legacy"))
+    for rank in (tmp_path / "lg" / "iter_0000000" / "mp_rank_01_001").iterdir():
+        rank.unlink()
+    (tmp_path / "lg" / "iter_0000000" / "mp_rank_01_001").rmdir()
+    refused(tmp_path / "lg", r"ranks \['mp_rank_01_001'\] are missing \(found 3 rank directories of a tp=2, pp=2")
+    export(ExportConfig(ckpt=ckpt, megatron=tmp_path / "td", tp=2))
+    directory = tmp_path / "td" / "iter_0000000"
+    rewrite_args(directory, num_experts=8, swiglu=False)
+    refused(tmp_path / "td", r"args.swiglu=False \(llmflow reads a SwiGLU feed-forward.*args.num_experts=8 "
+                             r"\(mixture-of-experts models are not supported\)")
+    rewrite_args(directory, num_experts=None, swiglu=True)
+    _, other = make_hf_model("llama", **{**GQA, "num_hidden_layers": 2})
+    refused(tmp_path / "td", r"args.num_layers=4 where .*config.json has 2", hf=other)
+    (tmp_path / "td" / "latest_checkpointed_iteration.txt").write_text("7")
+    refused(tmp_path / "td", r"names iteration 7, but .*iter_0000007 does not exist")
+    with pytest.raises(ValueError, match="give one output: --out"):
+        ExportConfig(ckpt=ckpt)
+    with pytest.raises(CheckpointError, match=r"--pp 3: the model's 4 layers do not split evenly"):
+        export(ExportConfig(ckpt=ckpt, megatron=tmp_path / "pp3", pp=3))
+    assert not (tmp_path / "pp3").exists()
