@@ -53,12 +53,15 @@ def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
     outputs are."""
     with stages.open_flow_run(FLOW, params) as run:
         workspace, refresh, sources = run.workspace, run.refresh, run.sources
-        model_dir = sources.model(params.model, params.revision)
+        megatron = stages.megatron_checkpoint(params.model)
+        # A Megatron checkpoint's config and tokenizer come from megatron_hf's Hugging Face model.
+        model_dir = sources.model(params.megatron_hf if megatron else params.model, params.revision)
         check_layout(model_dir, params.train, params.launch)
         data = sources.instruction_data(params.data, params.data_files)
         name = stages.slug(params.model)
 
-        checkpoint = stages.run_convert(run, model_dir, name)
+        checkpoint = stages.run_convert(run, model_dir, name, megatron=megatron)
+        base_model = Path(checkpoint.path) if megatron else model_dir
         data_tag = stages.settings_tag(params.data_files, params.data_format, params.map_keys, params.template,
                                        params.seq_length, params.pack)
         tokenized = stages.run(tokenize_instruction_task, InstructionTokenizeConfig(
@@ -67,7 +70,7 @@ def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
             out=workspace / "data" / name / f"{stages.slug(params.data)}-{data_tag}",
         ), refresh=refresh)
         # Scored before training: an unchanged base model's scores come from cache.
-        before = stages.run_benchmarks(run, params.evaluation, params.benchmark_data, params.benchmarks, model_dir,
+        before = stages.run_benchmarks(run, params.evaluation, params.benchmark_data, params.benchmarks, base_model,
                                        f"base-{name}")
         # The run directory is named by everything the weights depend on: a changed input gets
         # a fresh run instead of "resuming" a finished one.
@@ -79,6 +82,14 @@ def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
         exported = stages.run(export_task, ExportConfig(
             ckpt=Path(trained.path), out=workspace / "models" / run_name, merge_lora=params.train.lora is not None,
         ), refresh=refresh)
+        megatron_export = None
+        if params.megatron_export:
+            target = params.megatron_export
+            megatron_export = stages.run(export_task, ExportConfig(
+                ckpt=Path(trained.path), megatron=workspace / "models" / f"{run_name}-megatron-{target.megatron_format}"
+                f"-tp{target.tp}-pp{target.pp}", tp=target.tp, pp=target.pp, megatron_format=target.megatron_format,
+                merge_lora=params.train.lora is not None,
+            ), refresh=refresh).path
         answers = None
         if params.prompts:
             answers = stages.run(infer_task, InferConfig(
@@ -111,6 +122,7 @@ def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
             "version": run.version,
             "checkpoint": trained.path,
             "model": exported.path,
+            "megatron_model": megatron_export,
             "answers": answers,
             "registered": registered,
             "gate": gate.model_dump() if gate else None,

@@ -33,13 +33,17 @@ from llmflow.train.preflight import batch_problems, parallel_problems, pipeline_
 
 SAMPLE = "sample"
 """Source value that means "the built-in sample assets" (written by the sample stage)."""
+MEGATRON = "megatron://"
+"""Prefix of a model source that is a Megatron-LM / MindSpeed-LLM checkpoint on this machine
+(``megatron:///abs/path``)."""
 
 Benchmark = Literal["mmlu", "ceval", "cmmlu", "boolq", "agieval", "gsm8k", "bbh", "humaneval"]
 """A benchmark's name, as ``llmflow eval`` names it."""
 
 Stage = Literal[
     "sample", "download", "convert", "tokenize-instruction", "tokenize-pretrain", "eval-mmlu", "eval-ceval",
-    "eval-cmmlu", "eval-boolq", "eval-agieval", "eval-gsm8k", "eval-bbh", "eval-humaneval", "train", "export", "infer", "register", "probe-compare",
+    "eval-cmmlu", "eval-boolq", "eval-agieval", "eval-gsm8k", "eval-bbh", "eval-humaneval", "train", "export", "infer",
+    "register", "probe-compare",
 ]
 """A stage's name as the Prefect UI shows it (its task's name)."""
 
@@ -184,6 +188,17 @@ SAMPLE_PROMPTS = (
 )
 
 
+class MegatronExport(Params):
+    """A Megatron-LM / MindSpeed-LLM checkpoint of the finetuned model."""
+
+    tp: int = Field(default=1, ge=1)
+    """Tensor-parallel size it is written for (its vocabulary padding; the legacy layout's ranks)."""
+    pp: int = Field(default=1, ge=1)
+    """Pipeline-parallel size (an even split of the layers)."""
+    megatron_format: Literal["torch_dist", "legacy"] = "torch_dist"
+    """torch_dist (megatron-core's distributed checkpoint) or legacy (mp_rank_*/model_optim_rng.pt)."""
+
+
 class FinetuneEvalParams(Params):
     """Finetune a model on instruction data and measure MMLU before and after."""
 
@@ -191,10 +206,16 @@ class FinetuneEvalParams(Params):
     """Directory of every stage's output (and the default MLflow store); empty: $LLMFLOW_WORKSPACE
     (the deployment's, set by llmflow server)."""
     model: str = SAMPLE
-    """Base model: hf://org/name, ms://org/name, a local Hugging Face directory, or
-    "sample" for the built-in tiny model."""
+    """Base model: hf://org/name, ms://org/name, a local Hugging Face directory, "sample" for
+    the built-in tiny model, or megatron:///abs/path for a Megatron-LM / MindSpeed-LLM checkpoint
+    (torch_dist or legacy, any tp/pp; megatron_hf then names the model it holds)."""
+    megatron_hf: str | None = None
+    """With a megatron:// model: the Hugging Face model (hf://, ms://, a local directory or
+    "sample") whose config.json and tokenizer describe it; its weights are not used."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) of the base model."""
+    megatron_export: MegatronExport | None = None
+    """Also export the finetuned model as a Megatron-LM / MindSpeed-LLM checkpoint (empty: skip)."""
     data: str = SAMPLE
     """Instruction data: hf://org/name or ms://org/name (a dataset repository), a local file
     or directory, or "sample" for the built-in Alpaca-style set."""
@@ -245,6 +266,15 @@ class FinetuneEvalParams(Params):
     def _gate_is_scored(self) -> FinetuneEvalParams:
         if self.gate_benchmark not in self.benchmarks:
             raise ValueError(f"gate_benchmark={self.gate_benchmark!r} is not among benchmarks={self.benchmarks}")
+        return self
+
+    @model_validator(mode="after")
+    def _megatron_has_its_config(self) -> FinetuneEvalParams:
+        if self.model.startswith(MEGATRON) != (self.megatron_hf is not None):
+            raise ValueError(f"model={self.model!r}, megatron_hf={self.megatron_hf!r}: a megatron:// model needs "
+                             "megatron_hf (the Hugging Face model it holds), and only a megatron:// model takes one")
+        if self.model.startswith(MEGATRON) and not Path(self.model.removeprefix(MEGATRON)).is_absolute():
+            raise ValueError(f"model={self.model!r}: expected megatron:///absolute/path")
         return self
 
 

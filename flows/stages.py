@@ -25,7 +25,7 @@ from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig
 from llmflow.download import DownloadConfig, parse_source
 from llmflow.evaluate.engine import EvalConfig
 from llmflow.evaluate.task_groups import TASK_GROUPS, config_type
-from llmflow.flows.params import SAMPLE, BenchmarkSources, EvalParams
+from llmflow.flows.params import MEGATRON, SAMPLE, BenchmarkSources, EvalParams
 from llmflow.sample import SampleConfig
 from llmflow.sample_choice_tasks import AGIEVAL_TASKS as SAMPLE_AGIEVAL_TASKS
 from llmflow.sample_generative_tasks import BBH_SUBTASKS as SAMPLE_BBH_SUBTASKS
@@ -139,12 +139,19 @@ def run_benchmarks(context: FlowRun, evaluation: EvalParams, data: BenchmarkSour
             for benchmark in benchmarks}
 
 
-def run_convert(context: FlowRun, model_dir: Path, name: str, init: str = "weights", seed: int = 0) -> StageArtifact:
-    """The convert stage of ``model_dir`` into ``checkpoints/{name}`` (``-random{seed}`` when
-    initialised from the config): every flow, at every tensor-parallel degree, names a model's
-    checkpoint alike, so they share it."""
+def megatron_checkpoint(source: str) -> Path | None:
+    """The Megatron checkpoint a ``megatron:///path`` model source names; None for other sources."""
+    return Path(source.removeprefix(MEGATRON)) if source.startswith(MEGATRON) else None
+
+
+def run_convert(context: FlowRun, model_dir: Path, name: str, init: str = "weights", seed: int = 0,
+                megatron: Path | None = None) -> StageArtifact:
+    """The convert stage of ``model_dir`` (or of the Megatron checkpoint ``megatron`` of that
+    model) into ``checkpoints/{name}`` (``-random{seed}`` when initialised from the config):
+    every flow, at every tensor-parallel degree, names a model's checkpoint alike, so they share it."""
     suffix = "" if init == "weights" else f"-random{seed}"
-    config = ConvertConfig(hf=model_dir, out=context.workspace / "checkpoints" / f"{name}{suffix}", init=init, seed=seed)
+    config = ConvertConfig(hf=model_dir, megatron=megatron, out=context.workspace / "checkpoints" / f"{name}{suffix}",
+                           init=init, seed=seed)
     return run(convert_task, config, refresh=context.refresh)
 
 

@@ -22,7 +22,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -328,25 +328,46 @@ def copy_tokenizer(work: Path, sources: list[Source]) -> Path | None:
     return None
 
 
+def merged_loader(lora: Source, weights: Source) -> Callable[[list[str]], dict[str, torch.Tensor]]:
+    """Reads ``weights``' tensors by name with ``lora``'s adapters merged into each adapted one."""
+    modules, scale = lora_modules(lora), lora_scale(lora)
+
+    def load(names: list[str]) -> dict[str, torch.Tensor]:
+        tensors = weights.load(names)
+        adapted = [m for m in modules if m + ".weight" in tensors]
+        if adapted:
+            merge_adapters(tensors, lora.load([m + s for m in adapted for s in (LORA_A, LORA_B)]), scale)
+        return tensors
+
+    return load
+
+
 def export_megatron(config: ExportConfig, source: Source) -> Path:
-    """The checkpoint as a Megatron checkpoint root in ``config.megatron``."""
+    """The checkpoint as a Megatron checkpoint root in ``config.megatron`` (a LoRA checkpoint's
+    base with its adapters merged in)."""
+    weights, load = source, source.load
     if source.meta.lora is not None:
-        raise CheckpointError(f"{source.path}: a LoRA checkpoint; export it with --merge-lora to a Hugging Face "
-                              "directory, convert that, and export the result to Megatron")
-    model_config = ModelConfig.from_hf(source.meta.hf_config, source=str(source.path / META))
-    weight_names(source)
+        if not config.merge_lora:
+            raise CheckpointError(f"{source.path}: a LoRA checkpoint; a Megatron checkpoint holds whole weights, so "
+                                  "export it with --merge-lora")
+        weights = base_source(source)
+        load = merged_loader(source, weights)
+    model_config = ModelConfig.from_hf(weights.meta.hf_config, source=str(weights.path))
+    names = weight_names(weights)
+    if source.meta.lora is not None:
+        check_adapter_shapes(source, weights, names, lora_modules(source))
     out = config.megatron
     assert out is not None
     check_replaceable(out, STAGE)
     iteration = config.iteration if config.iteration is not None else source.meta.step
     dtype = _DTYPES[config.dtype] if config.dtype else None
     with atomic_directory(out) as work:
-        padded = write_megatron(work, model_config, source.load, config.tp, config.pp, iteration, config.vocab_multiple,
+        padded = write_megatron(work, model_config, load, config.tp, config.pp, iteration, config.vocab_multiple,
                                 dtype, config.megatron_format == "legacy")
         files = [file_record(p, work, with_hash=False) for p in sorted(work.rglob("*")) if p.is_file()]
         payload = manifest_payload(STAGE, config.params(), files, step_dir=str(source.path), step=source.meta.step,
                                    kind=f"megatron-{config.megatron_format}", iteration=iteration,
-                                   padded_vocab_size=padded)
+                                   padded_vocab_size=padded, base=str(weights.path) if weights is not source else None)
         write_json_atomic(work / MANIFEST, payload)
     return out
 

@@ -8,7 +8,7 @@ from llmflow.convert import STAGE, ConvertConfig, convert
 from llmflow.tasks.common import STAGE_CACHE_POLICY, InputFiles, StageArtifact, run_stage
 
 
-@task(name=STAGE, cache_policy=STAGE_CACHE_POLICY + InputFiles(fields=("hf",)))
+@task(name=STAGE, cache_policy=STAGE_CACHE_POLICY + InputFiles(fields=("hf", "megatron")))
 def convert_task(config: ConvertConfig) -> StageArtifact:
     """Convert ``config.hf`` into the checkpoint root ``config.out``; tracked in MLflow."""
     return run_stage(STAGE, config, convert, ("vocab_size", "padded_vocab_size"))

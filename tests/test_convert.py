@@ -321,6 +321,11 @@ def test_lora_export_merged_and_peft(llama, tokens, tmp_path, monkeypatch, base)
     assert torch.equal(logits(reloaded, ids), logits(hf_model, ids))
     assert (merged / "tokenizer.json").is_file()  # from the base's tokenizer
     assert read_manifest(merged)["kind"] == "merged"
+    # the same merge into a Megatron checkpoint, read back
+    export(ExportConfig(ckpt=tmp_path / "lora", megatron=tmp_path / "megatron", merge_lora=True, tp=2))
+    convert(ConvertConfig(hf=hf_dir, megatron=tmp_path / "megatron", out=tmp_path / "from-megatron"))
+    back = export(ExportConfig(ckpt=tmp_path / "from-megatron", out=tmp_path / "merged-again"))
+    assert all(torch.equal(hf_tensors(back)[n], t) for n, t in hf_tensors(merged).items())
 
     peft = export(ExportConfig(ckpt=tmp_path / "lora", out=tmp_path / "peft", base_model="org/tiny-llama"))
     config = json.loads((peft / "adapter_config.json").read_text())

@@ -192,6 +192,36 @@ def test_a_run_failing_in_its_last_evaluation_reruns_only_that_stage(prefect_env
 
 
 @pytest.mark.slow
+def test_finetune_eval_starts_from_a_megatron_checkpoint_and_exports_one(prefect_env, sample_assets, tmp_path):
+    """model: megatron:///path (the sample model as a tp=2 torch_dist checkpoint) with
+    megatron_hf naming the Hugging Face model it holds; megatron_export writes the finetuned
+    model back as a legacy tp=2 checkpoint, which reads back as the exported model."""
+    import torch
+    from test_convert import hf_tensors
+
+    from llmflow.convert import ConvertConfig, convert
+    from llmflow.export import ExportConfig, export
+
+    sample = sample_assets() / "model"
+    convert(ConvertConfig(hf=sample, out=tmp_path / "ckpt"))
+    megatron = export(ExportConfig(ckpt=tmp_path / "ckpt", megatron=tmp_path / "megatron", tp=2))
+    params = flow_params(tmp_path / "ws", model=f"megatron://{megatron}", megatron_hf=str(sample), prompts=[],
+                         registered_model=None, megatron_export={"tp": 2, "megatron_format": "legacy"})
+    state, states = run_flow(params)
+    assert state.is_completed(), state.message
+    assert states["convert"] == ["Completed"] and states["export"] == ["Completed", "Completed"]
+    result = state.result()
+    checkpoint = next((tmp_path / "ws" / "checkpoints").iterdir())
+    assert json.loads((checkpoint / "manifest.json").read_text())["megatron"]["format"] == "torch_dist"
+    assert (Path(result["megatron_model"]) / "iter_0000008" / "mp_rank_01" / "model_optim_rng.pt").is_file()
+    back = convert(ConvertConfig(hf=sample, megatron=Path(result["megatron_model"]), out=tmp_path / "back"))
+    again = hf_tensors(export(ExportConfig(ckpt=back, out=tmp_path / "again")))
+    assert all(torch.equal(again[name], tensor) for name, tensor in hf_tensors(Path(result["model"])).items())
+    with pytest.raises(ValueError, match="a megatron:// model needs megatron_hf"):
+        flow_params(tmp_path / "ws", model=f"megatron://{megatron}")
+
+
+@pytest.mark.slow
 def test_a_killed_run_leaves_no_worker_and_its_rerun_resumes_training(prefect_env, prefect_server, tmp_path):
     workspace = tmp_path / "ws"
     params = flow_params(workspace, train={"steps": 16, "save_interval": 4, "micro_batch_size": 8, "global_batch_size": 8})
