@@ -138,3 +138,16 @@ def test_bad_megatron_input_is_named_before_writing(make_hf_model, tmp_path):
     with pytest.raises(CheckpointError, match=r"--pp 3: the model's 4 layers do not split evenly"):
         export(ExportConfig(ckpt=ckpt, megatron=tmp_path / "pp3", pp=3))
     assert not (tmp_path / "pp3").exists()
+
+
+def test_optimizer_and_rng_state_are_skipped_and_said(make_hf_model, tmp_path, capsys):
+    _, hf_dir = make_hf_model("llama", **GQA)
+    ckpt = convert(ConvertConfig(hf=hf_dir, out=tmp_path / "ckpt"))
+    export(ExportConfig(ckpt=ckpt, megatron=tmp_path / "lg", megatron_format="legacy"))
+    rank_file = tmp_path / "lg" / "iter_0000000" / "mp_rank_00" / "model_optim_rng.pt"
+    state = load_pickled(rank_file)
+    state |= {"optimizer": {"state": {0: {"exp_avg": torch.zeros(3)}}}, "rng_state": [{"random_rng_state": None}]}
+    torch.save(state, rank_file)
+    main(["convert", "--hf", str(hf_dir), "--megatron", str(tmp_path / "lg"), "--out", str(tmp_path / "back")])
+    assert read_manifest(tmp_path / "back")["megatron"]["skipped"] == ["optimizer", "rng_state"]
+    assert "not read: optimizer, rng_state" in capsys.readouterr().out

@@ -226,12 +226,10 @@ def _open_torch_dist(directory: Path) -> MegatronCheckpoint:
     common = load_pickled(directory / "common.pt") if (directory / "common.pt").is_file() else {}
     shapes, dtypes, skipped = {}, {}, set()
     for key, stored in metadata.state_dict_metadata.items():
-        if not isinstance(stored, TensorStorageMetadata) or "_extra_state" in key:
-            continue
         if key.startswith(("optimizer.", "rng_state", "rerun_state_machine")):
             skipped.add(key.split(".", 1)[0].split("/", 1)[0])
-            continue
-        shapes[key], dtypes[key] = tuple(stored.size), stored.properties.dtype
+        elif isinstance(stored, TensorStorageMetadata) and "_extra_state" not in key:
+            shapes[key], dtypes[key] = tuple(stored.size), stored.properties.dtype
     return MegatronCheckpoint(directory, "torch_dist", common.get("args"), common.get("iteration"), shapes, dtypes,
                               sorted(skipped))
 
