@@ -118,8 +118,9 @@ def plan_import(checkpoint: MegatronCheckpoint, config: ModelConfig, padded: int
 
     def vocabulary(key: str) -> Planned:
         def read() -> torch.Tensor:
-            rows = checkpoint.read(key)[:vocab]
-            return torch.cat([rows, rows.new_zeros(padded - vocab, hidden)]) if padded > vocab else rows.clone()
+            out = torch.zeros(padded, hidden, dtype=checkpoint.dtypes[key])
+            checkpoint.read_rows(key, out[:vocab])
+            return out
         return Planned((padded, hidden), checkpoint.dtypes[key], read)
 
     def whole(key: str, layer: int | None, select: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> Planned:

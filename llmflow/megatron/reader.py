@@ -167,15 +167,28 @@ class MegatronCheckpoint:
             self._recent[(key, layer)] = read(key, layer)
         return self._recent[(key, layer)]
 
+    def read_rows(self, key: str, out: torch.Tensor) -> None:
+        """The first ``len(out)`` rows of ``key`` (a vocabulary matrix) read straight into ``out``."""
+        if self.format == "torch_dist":
+            self._load_box(key, (0,) * out.dim(), out)
+        else:
+            out.copy_(self._read_legacy(key, None)[: out.shape[0]])
+
     def _read_dcp(self, key: str, layer: int | None) -> torch.Tensor:
         shape = self.shapes[key]
-        sizes, offsets = (shape, (0,) * len(shape)) if layer is None else ((1, *shape[1:]), (layer,) + (0,) * (len(shape) - 1))
-        out = torch.empty(sizes, dtype=self.dtypes[key])
+        if layer is None:
+            out = torch.empty(shape, dtype=self.dtypes[key])
+            self._load_box(key, (0,) * len(shape), out)
+            return out
+        out = torch.empty((1, *shape[1:]), dtype=self.dtypes[key])
+        self._load_box(key, (layer,) + (0,) * (len(shape) - 1), out)
+        return out[0]
+
+    def _load_box(self, key: str, offsets: tuple[int, ...], out: torch.Tensor) -> None:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load({}, storage_reader=dcp.FileSystemReader(str(self.directory)),
                      planner=SliceLoadPlanner(key, offsets, out), no_dist=True)
-        return out if layer is None else out[0]
 
     def _read_legacy(self, key: str, layer: int | None) -> torch.Tensor:
         assert self._ranks is not None and self._stage_layers is not None
