@@ -43,9 +43,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "download": ("llmflow.download:DownloadCommand",
                  "Download a model or data set (Hugging Face Hub, ModelScope, local directory) with a manifest."),
     "convert": ("llmflow.convert:ConvertCommand",
-                "Hugging Face model directory -> training checkpoint (DCP, vocabulary padded for tensor parallelism)."),
+                ("Hugging Face model directory (or a Megatron-LM / MindSpeed-LLM checkpoint of it) -> training "
+                 "checkpoint (DCP, vocabulary padded for tensor parallelism).")),
     "export": ("llmflow.export:ExportCommand",
-               "Training checkpoint -> Hugging Face model directory (or PEFT adapter / merged LoRA model)."),
+               ("Training checkpoint -> Hugging Face model directory (or PEFT adapter / merged LoRA model), "
+                "or a Megatron-LM / MindSpeed-LLM checkpoint for --tp/--pp.")),
     "train": ("llmflow.train.command:TrainCommand",
               "Pretrain or finetune (full or LoRA) on torchrun workers; resumes from the run's last checkpoint."),
     "generate": ("llmflow.infer.command:GenerateCommand",

@@ -323,8 +323,9 @@ def convert(config: ConvertConfig) -> Path:
 
 
 class ConvertCommand(ConvertConfig):
-    """Convert a Hugging Face model directory (config.json, safetensors, tokenizer) into a
-    training checkpoint (DCP step directory, vocabulary padded for tensor parallelism)."""
+    """Convert a Hugging Face model directory (config.json, safetensors, tokenizer), or with
+    --megatron a Megatron-LM / MindSpeed-LLM checkpoint of that model, into a training
+    checkpoint (DCP step directory, vocabulary padded for tensor parallelism)."""
 
     def cli_cmd(self) -> None:
         start = time.monotonic()

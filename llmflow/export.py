@@ -405,7 +405,8 @@ def export(config: ExportConfig) -> Path:
 
 class ExportCommand(ExportConfig):
     """Export a training checkpoint (root or step directory) as a Hugging Face model directory
-    that transformers loads, or a LoRA checkpoint as a PEFT adapter or merged model."""
+    that transformers loads (a LoRA checkpoint as a PEFT adapter or merged model), or with
+    --megatron as a Megatron-LM / MindSpeed-LLM checkpoint (torch_dist or legacy) for --tp/--pp."""
 
     def cli_cmd(self) -> None:
         start = time.monotonic()
