@@ -53,7 +53,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("llmflow.infer.command:GenerateCommand",
                  "Continue prompts with a model (greedy or sampled, streamed, optionally in a chat template)."),
     "chat": ("llmflow.infer.command:ChatCommand", "Chat with a model on the terminal (streamed replies; /reset, /exit)."),
-    "eval": ("llmflow.evaluate.commands:EvalCommands", "Evaluate a model on benchmarks (MMLU)."),
+    "eval": ("llmflow.evaluate.commands:EvalCommands", ("Evaluate a model on benchmarks (MMLU, C-Eval, CMMLU, BoolQ, AGIEval, GSM8K, BBH, "
+                                                   "HumanEval).")),
     "probe": ("llmflow.probe.compare.command:ProbeCommands",
               "Debug precision: compare msprobe-format dumps of two runs (a training config's probe: option makes them)."),
     "cluster": ("llmflow.cluster.kubernetes:ClusterCommands",
