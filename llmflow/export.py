@@ -360,7 +360,8 @@ def export_megatron(config: ExportConfig, source: Source) -> Path:
     assert out is not None
     check_replaceable(out, STAGE)
     iteration = config.iteration if config.iteration is not None else source.meta.step
-    dtype = _DTYPES[config.dtype] if config.dtype else None
+    # One dtype for every tensor: the asked one, else the embedding's as stored.
+    dtype = _DTYPES[config.dtype] if config.dtype else weights.tensors[TIED_INPUT].dtype
     with atomic_directory(out) as work:
         padded = write_megatron(work, model_config, load, config.tp, config.pp, iteration, config.vocab_multiple,
                                 dtype, config.megatron_format == "legacy")

@@ -31,24 +31,22 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from llmflow.checkpoint import dcp_save
+from llmflow.checkpoint import dcp_save, padded_vocab_size
 from llmflow.megatron.layout import (
     EMBEDDING,
     EXTRA_STATE_MODULES,
-    FC1,
-    FC2,
     FINAL_NORM,
-    INPUT_NORM,
+    LAYER_SOURCES,
     LAYERS,
     LOCAL_NORM_NAMES,
-    MLP_NORM,
+    OTHER_SOURCES,
     OUTPUT,
-    PROJ,
-    QKV,
-    QKV_BIAS,
     Attention,
     extra_state_key,
-    megatron_padded_vocab,
+    fuse,
+    layer_shapes,
+    layer_tensors,
+    other_tensors,
     split_shards,
 )
 from llmflow.megatron.reader import LEGACY_FILE, TRACKER
@@ -65,57 +63,34 @@ Load = Callable[[list[str]], dict[str, torch.Tensor]]
 
 
 class MegatronModel:
-    """The Megatron tensors of one llmflow model, computed layer by layer from its tensors."""
+    """The Megatron tensors of one llmflow model, computed layer by layer from its tensors, all
+    in one dtype (the torch_dist metadata declares one per tensor)."""
 
-    def __init__(self, config: ModelConfig, load: Load, padded_vocab: int, dtype: torch.dtype | None) -> None:
+    def __init__(self, config: ModelConfig, load: Load, padded_vocab: int, dtype: torch.dtype) -> None:
         self.config, self.load, self.padded_vocab, self.dtype = config, load, padded_vocab, dtype
         self.attention = Attention.of(config)
-
-    def layer_names(self) -> list[str]:
-        """The stacked layer tensors, in megatron-core's order."""
-        return [INPUT_NORM, QKV, *([QKV_BIAS] if self.config.qkv_bias else []), PROJ, MLP_NORM, FC1, FC2]
-
-    def other_keys(self) -> list[str]:
-        return [EMBEDDING, FINAL_NORM, *([] if self.config.tie_word_embeddings else [OUTPUT])]
+        self.layer_shapes = layer_shapes(config)
 
     def layer(self, name: str, i: int) -> torch.Tensor:
         """One layer's megatron tensor ``name``."""
-        p = f"model.layers.{i}."
-        if name in (QKV, QKV_BIAS):
-            kind = "weight" if name == QKV else "bias"
-            names = [f"{p}self_attn.{proj}.{kind}" for proj in ("q_proj", "k_proj", "v_proj")]
-            t = self.load(names)
-            tensor = self.attention.fuse(*(t[n] for n in names))
-        elif name == FC1:
-            t = self.load([f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"])
-            tensor = torch.cat([t[f"{p}mlp.gate_proj.weight"], t[f"{p}mlp.up_proj.weight"]])
-        else:
-            source = {PROJ: "self_attn.o_proj.weight", FC2: "mlp.down_proj.weight", INPUT_NORM: "input_layernorm.weight",
-                      MLP_NORM: "post_attention_layernorm.weight"}[name]
-            tensor = self.load([p + source])[p + source]
-        return self._cast(tensor)
+        names = [f"model.layers.{i}.{part}" for part in LAYER_SOURCES[name]]
+        tensors = self.load(names)
+        return self._cast(fuse(name, [tensors[n] for n in names], self.attention))
 
     def other(self, key: str) -> torch.Tensor:
         """The embedding, output layer (vocabulary padded Megatron's way, with zero rows) or final norm."""
+        name = OTHER_SOURCES[key]
+        tensor = self.load([name])[name]
         if key == FINAL_NORM:
-            return self._cast(self.load(["model.norm.weight"])["model.norm.weight"])
-        name = "model.embed_tokens.weight" if key == EMBEDDING else "lm_head.weight"
-        rows = self.load([name])[name][: self.config.vocab_size]
-        padding = rows.new_zeros(self.padded_vocab - rows.shape[0], rows.shape[1])
-        return self._cast(torch.cat([rows, padding]))
-
-    def layer_shape(self, name: str) -> tuple[int, ...]:
-        a, c = self.attention, self.config
-        qkv_rows = (a.heads + 2 * a.groups) * a.head_dim
-        return {QKV: (qkv_rows, c.hidden_size), QKV_BIAS: (qkv_rows,), PROJ: (c.hidden_size, a.heads * a.head_dim),
-                FC1: (2 * c.intermediate_size, c.hidden_size), FC2: (c.hidden_size, c.intermediate_size),
-                INPUT_NORM: (c.hidden_size,), MLP_NORM: (c.hidden_size,)}[name]
+            return self._cast(tensor)
+        rows = tensor[: self.config.vocab_size]
+        return self._cast(torch.cat([rows, rows.new_zeros(self.padded_vocab - rows.shape[0], rows.shape[1])]))
 
     def other_shape(self, key: str) -> tuple[int, ...]:
         return (self.config.hidden_size,) if key == FINAL_NORM else (self.padded_vocab, self.config.hidden_size)
 
     def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
-        return (tensor.to(self.dtype) if self.dtype is not None else tensor).contiguous()
+        return tensor.to(self.dtype).contiguous()
 
 
 def megatron_args(config: ModelConfig, tp: int, pp: int, padded_vocab: int, vocab_multiple: int, iteration: int,
@@ -146,9 +121,9 @@ class LayerChunkSavePlanner(DefaultSavePlanner):
     """Plans megatron-core's chunks (one per layer of a stacked tensor, one per other tensor,
     and the extra-state objects) and computes each only when the writer asks for it."""
 
-    def __init__(self, model: MegatronModel, dtype: torch.dtype) -> None:
+    def __init__(self, model: MegatronModel) -> None:
         super().__init__()
-        self.model, self.tensor_dtype = model, dtype
+        self.model = model
 
     def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
         super().set_up_planner({}, storage_meta, is_coordinator)
@@ -156,10 +131,10 @@ class LayerChunkSavePlanner(DefaultSavePlanner):
     def create_local_plan(self) -> SavePlan:
         layers = self.model.config.num_hidden_layers
         items = []
-        for key in self.model.other_keys():
+        for key in other_tensors(self.model.config):
             items.append(self._item(key, self.model.other_shape(key), None))
-        for name in self.model.layer_names():
-            items += [self._item(LAYERS + name, (layers, *self.model.layer_shape(name)), i) for i in range(layers)]
+        for name in layer_tensors(self.model.config):
+            items += [self._item(LAYERS + name, (layers, *self.model.layer_shapes[name]), i) for i in range(layers)]
         for module in EXTRA_STATE_MODULES:
             items += [WriteItem(MetadataIndex(extra_state_key(module, i, layers)), WriteItemType.BYTE_IO)
                       for i in range(layers)]
@@ -170,7 +145,7 @@ class LayerChunkSavePlanner(DefaultSavePlanner):
     def _item(self, key: str, shape: tuple[int, ...], layer: int | None) -> WriteItem:
         offsets = torch.Size((0,) * len(shape)) if layer is None else torch.Size((layer,) + (0,) * (len(shape) - 1))
         sizes = torch.Size(shape) if layer is None else torch.Size((1, *shape[1:]))
-        data = TensorWriteData(ChunkStorageMetadata(offsets, sizes), TensorProperties(dtype=self.tensor_dtype),
+        data = TensorWriteData(ChunkStorageMetadata(offsets, sizes), TensorProperties(dtype=self.model.dtype),
                                torch.Size(shape))
         return WriteItem(MetadataIndex(key, offsets), WriteItemType.SHARD, tensor_data=data)
 
@@ -183,11 +158,10 @@ class LayerChunkSavePlanner(DefaultSavePlanner):
         return self.model.other(key)
 
 
-def write_torch_dist(directory: Path, model: MegatronModel, args: Namespace, iteration: int,
-                     dtype: torch.dtype) -> None:
-    """megatron-core's torch_dist checkpoint of ``model`` (its tensors all ``dtype``) in ``directory``."""
+def write_torch_dist(directory: Path, model: MegatronModel, args: Namespace, iteration: int) -> None:
+    """megatron-core's torch_dist checkpoint of ``model`` in ``directory``."""
     writer = FileSystemWriter(str(directory), single_file_per_rank=False)
-    dcp_save({}, directory, writer=writer, planner=LayerChunkSavePlanner(model, dtype))
+    dcp_save({}, directory, writer=writer, planner=LayerChunkSavePlanner(model))
     common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
               "num_floating_point_operations_so_far": 0, "content_metadata": CONTENT_METADATA}
     torch.save(common, directory / "common.pt")
@@ -204,7 +178,7 @@ def rank_state(model: MegatronModel, tp: int, pp: int, tp_rank: int, pp_rank: in
     if pp_rank == 0:
         state[EMBEDDING] = split_shards(EMBEDDING, model.other(EMBEDDING), tp)[tp_rank].clone()
     for local in range(layers):
-        for name in model.layer_names():
+        for name in layer_tensors(model.config):
             tensor = model.layer(name, pp_rank * layers + local)
             state[f"{LAYERS}{local}.{local_names.get(name, name)}"] = split_shards(name, tensor, tp)[tp_rank].clone()
         for module in EXTRA_STATE_MODULES:
@@ -230,9 +204,9 @@ def write_legacy(directory: Path, model: MegatronModel, args: Namespace, iterati
 
 
 def write_megatron(work: Path, config: ModelConfig, load: Load, tp: int, pp: int, iteration: int,
-                   vocab_multiple: int, dtype: torch.dtype | None, legacy: bool) -> int:
+                   vocab_multiple: int, dtype: torch.dtype, legacy: bool) -> int:
     """The checkpoint root in ``work``: ``iter_{iteration:07d}`` in the chosen format and its
-    tracker file. Returns the padded vocabulary."""
+    tracker file, every tensor in ``dtype``. Returns the padded vocabulary."""
     if config.num_hidden_layers % pp:
         raise CheckpointError(f"--pp {pp}: the model's {config.num_hidden_layers} layers do not split evenly into "
                               f"{pp} pipeline stages (Megatron-LM's default split)")
@@ -240,15 +214,14 @@ def write_megatron(work: Path, config: ModelConfig, load: Load, tp: int, pp: int
                         ("feed-forward width", config.intermediate_size)):
         if count % tp:
             raise CheckpointError(f"--tp {tp}: the model's {count} {name} do not divide among {tp} ranks")
-    padded = megatron_padded_vocab(config.vocab_size, vocab_multiple, tp)
+    padded = padded_vocab_size(config.vocab_size, vocab_multiple * tp)  # Megatron-LM's _vocab_size_with_padding
     model = MegatronModel(config, load, padded, dtype)
-    stored = dtype or load(["model.norm.weight"])["model.norm.weight"].dtype
-    args = megatron_args(config, tp, pp, padded, vocab_multiple, iteration, stored)
+    args = megatron_args(config, tp, pp, padded, vocab_multiple, iteration, dtype)
     directory = work / f"iter_{iteration:07d}"
     if legacy:
         write_legacy(directory, model, args, iteration, tp, pp)
     else:
         directory.mkdir(parents=True)
-        write_torch_dist(directory, model, args, iteration, stored)
+        write_torch_dist(directory, model, args, iteration)
     (work / TRACKER).write_text(str(iteration))
     return padded

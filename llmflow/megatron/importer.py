@@ -17,17 +17,16 @@ import torch
 
 from llmflow.megatron.layout import (
     EMBEDDING,
-    FC1,
-    FC2,
     FINAL_NORM,
-    INPUT_NORM,
+    LAYER_SOURCES,
     LAYERS,
-    MLP_NORM,
+    OTHER_SOURCES,
     OUTPUT,
-    PROJ,
-    QKV,
-    QKV_BIAS,
     Attention,
+    layer_shapes,
+    layer_tensors,
+    other_tensors,
+    unfuse,
 )
 from llmflow.megatron.reader import MegatronCheckpoint
 from llmflow.models.config import ModelConfig
@@ -83,15 +82,8 @@ def check_supported(checkpoint: MegatronCheckpoint, config: ModelConfig, source:
     if found:
         raise CheckpointError(f"--megatron {checkpoint.directory} ({checkpoint.format}): not the model of {source}: "
                               + "; ".join(found))
-    attention = Attention.of(config)
     layers, hidden = config.num_hidden_layers, config.hidden_size
-    qkv_rows = (attention.heads + 2 * attention.groups) * attention.head_dim
-    shapes = {
-        LAYERS + QKV: (layers, qkv_rows, hidden), LAYERS + PROJ: (layers, hidden, attention.heads * attention.head_dim),
-        LAYERS + FC1: (layers, 2 * config.intermediate_size, hidden),
-        LAYERS + FC2: (layers, hidden, config.intermediate_size), LAYERS + INPUT_NORM: (layers, hidden),
-        LAYERS + MLP_NORM: (layers, hidden), FINAL_NORM: (hidden,), LAYERS + QKV_BIAS: (layers, qkv_rows),
-    }
+    shapes = {LAYERS + name: (layers, *shape) for name, shape in layer_shapes(config).items()} | {FINAL_NORM: (hidden,)}
     for key, shape in shapes.items():
         if key in checkpoint.shapes and checkpoint.shapes[key] != shape:
             raise CheckpointError(f"--megatron {checkpoint.directory}: {key} has shape {checkpoint.shapes[key]}, "
@@ -105,8 +97,7 @@ def check_supported(checkpoint: MegatronCheckpoint, config: ModelConfig, source:
 
 def expected_keys(config: ModelConfig) -> list[str]:
     """The Megatron tensors a model of ``config`` is read from."""
-    keys = [EMBEDDING, FINAL_NORM, *(LAYERS + n for n in (QKV, PROJ, FC1, FC2, INPUT_NORM, MLP_NORM))]
-    return keys + [LAYERS + QKV_BIAS] * config.qkv_bias + [OUTPUT] * (not config.tie_word_embeddings)
+    return other_tensors(config) + [LAYERS + name for name in layer_tensors(config)]
 
 
 def plan_import(checkpoint: MegatronCheckpoint, config: ModelConfig, padded: int) -> dict[str, Planned]:
@@ -129,19 +120,11 @@ def plan_import(checkpoint: MegatronCheckpoint, config: ModelConfig, padded: int
         return Planned(tuple(sample.shape), checkpoint.dtypes[key],
                        lambda: select(checkpoint.read(key, layer)).contiguous().clone())
 
-    plan = {"model.embed_tokens.weight": vocabulary(EMBEDDING), "model.norm.weight": whole(FINAL_NORM, None),
-            "lm_head.weight": vocabulary(EMBEDDING if config.tie_word_embeddings else OUTPUT)}
+    plan = {OTHER_SOURCES[EMBEDDING]: vocabulary(EMBEDDING), OTHER_SOURCES[FINAL_NORM]: whole(FINAL_NORM, None),
+            OTHER_SOURCES[OUTPUT]: vocabulary(EMBEDDING if config.tie_word_embeddings else OUTPUT)}
     for i in range(config.num_hidden_layers):
-        prefix = f"model.layers.{i}."
-        for j, name in enumerate(("q_proj", "k_proj", "v_proj")):
-            plan[f"{prefix}self_attn.{name}.weight"] = whole(LAYERS + QKV, i, lambda t, j=j: attention.split(t)[j])
-            if config.qkv_bias:
-                plan[f"{prefix}self_attn.{name}.bias"] = whole(LAYERS + QKV_BIAS, i,
-                                                               lambda t, j=j: attention.split(t)[j])
-        plan[f"{prefix}self_attn.o_proj.weight"] = whole(LAYERS + PROJ, i)
-        plan[f"{prefix}mlp.gate_proj.weight"] = whole(LAYERS + FC1, i, lambda t: t.chunk(2, dim=0)[0])
-        plan[f"{prefix}mlp.up_proj.weight"] = whole(LAYERS + FC1, i, lambda t: t.chunk(2, dim=0)[1])
-        plan[f"{prefix}mlp.down_proj.weight"] = whole(LAYERS + FC2, i)
-        plan[f"{prefix}input_layernorm.weight"] = whole(LAYERS + INPUT_NORM, i)
-        plan[f"{prefix}post_attention_layernorm.weight"] = whole(LAYERS + MLP_NORM, i)
+        for name in layer_tensors(config):
+            for j, part in enumerate(LAYER_SOURCES[name]):
+                plan[f"model.layers.{i}.{part}"] = whole(LAYERS + name, i,
+                                                         lambda t, name=name, j=j: unfuse(name, t, attention)[j])
     return plan

@@ -40,6 +40,20 @@ EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv"
 # The local layer spec's own names (a legacy per-rank file keeps them; torch_dist renames them).
 LOCAL_NORM_NAMES = {"input_layernorm.weight": INPUT_NORM, "pre_mlp_layernorm.weight": MLP_NORM}
 
+LAYER_SOURCES: dict[str, tuple[str, ...]] = {
+    INPUT_NORM: ("input_layernorm.weight",),
+    QKV: ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    QKV_BIAS: ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    PROJ: ("self_attn.o_proj.weight",),
+    MLP_NORM: ("post_attention_layernorm.weight",),
+    FC1: ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    FC2: ("mlp.down_proj.weight",),
+}
+"""Each Megatron layer tensor (in megatron-core's order) and the llmflow tensors of the same
+layer (``model.layers.{i}.NAME``) it is made of, in the order they are fused."""
+OTHER_SOURCES = {EMBEDDING: "model.embed_tokens.weight", FINAL_NORM: "model.norm.weight", OUTPUT: "lm_head.weight"}
+"""The Megatron tensors outside the layers and the llmflow tensor each one is."""
+
 COLUMN_PARALLEL = (QKV, QKV_BIAS, FC1)
 """Layer tensors split over tensor-parallel ranks on dim 0 (fc1 per half: see ``merge_shards``)."""
 ROW_PARALLEL = (PROJ, FC2)
@@ -89,6 +103,38 @@ class Attention:
         return torch.cat(parts, dim=1).reshape(-1, *rest)
 
 
+def layer_tensors(config: ModelConfig) -> list[str]:
+    """The Megatron layer tensors of a model of ``config``, in megatron-core's order."""
+    return [name for name in LAYER_SOURCES if name != QKV_BIAS or config.qkv_bias]
+
+
+def other_tensors(config: ModelConfig) -> list[str]:
+    """The Megatron tensors outside the layers of a model of ``config``."""
+    return [EMBEDDING, FINAL_NORM, *([] if config.tie_word_embeddings else [OUTPUT])]
+
+
+def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of one layer of each Megatron layer tensor of a model of ``config``."""
+    a, hidden, ffn = Attention.of(config), config.hidden_size, config.intermediate_size
+    qkv_rows = (a.heads + 2 * a.groups) * a.head_dim
+    return {INPUT_NORM: (hidden,), QKV: (qkv_rows, hidden), QKV_BIAS: (qkv_rows,), PROJ: (hidden, a.heads * a.head_dim),
+            MLP_NORM: (hidden,), FC1: (2 * ffn, hidden), FC2: (hidden, ffn)}
+
+
+def fuse(name: str, parts: list[torch.Tensor], attention: Attention) -> torch.Tensor:
+    """The Megatron layer tensor ``name`` from its llmflow parts (``LAYER_SOURCES[name]``)."""
+    if name in (QKV, QKV_BIAS):
+        return attention.fuse(*parts)
+    return torch.cat(parts) if name == FC1 else parts[0]
+
+
+def unfuse(name: str, tensor: torch.Tensor, attention: Attention) -> tuple[torch.Tensor, ...]:
+    """The llmflow parts of the Megatron layer tensor ``name``, the inverse of ``fuse``."""
+    if name in (QKV, QKV_BIAS):
+        return attention.split(tensor)
+    return tensor.chunk(2, dim=0) if name == FC1 else (tensor,)
+
+
 def merge_shards(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
     """One layer (or vocabulary) tensor whole from its tensor-parallel shards in rank order (a
     legacy per-rank checkpoint): each rank's fc1 holds its slice of gate then its slice of up."""
@@ -117,10 +163,3 @@ def split_shards(name: str, tensor: torch.Tensor, tp: int) -> list[torch.Tensor]
     if name in ROW_PARALLEL:
         return list(tensor.chunk(tp, dim=1))
     return [tensor] * tp
-
-
-def megatron_padded_vocab(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron's padded vocabulary (``_vocab_size_with_padding``): a multiple of
-    ``divisible_by`` times the tensor-parallel size."""
-    multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
