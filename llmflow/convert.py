@@ -220,13 +220,13 @@ def write_streamed_state(step_dir: Path, meta_state: dict[str, torch.Tensor],
     """The DCP directory of the model state whose shapes and dtypes ``meta_state`` gives (meta
     tensors), each tensor read by ``read(name)`` only when the writer comes to it."""
 
-    def read_checked(fqn: str) -> torch.Tensor:
+    def read_fqn(fqn: str) -> torch.Tensor:
         return read(fqn.removeprefix(f"{MODEL_KEY}."))
 
     # One file per tensor: the writer keeps every tensor of a file alive until the file is done.
     writer = FileSystemWriter(str(step_dir), single_file_per_rank=False)
     try:
-        dcp_save({MODEL_KEY: meta_state}, step_dir, writer=writer, planner=StreamingSavePlanner(read_checked))
+        dcp_save({MODEL_KEY: meta_state}, step_dir, writer=writer, planner=StreamingSavePlanner(read_fqn))
     except CheckpointException as error:  # DCP wraps what read() raised: report that, in one line
         refused = [e for e, _ in error.failures.values() if isinstance(e, CheckpointError)]
         if refused:

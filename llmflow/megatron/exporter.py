@@ -64,7 +64,7 @@ Load = Callable[[list[str]], dict[str, torch.Tensor]]
 
 class MegatronModel:
     """The Megatron tensors of one llmflow model, computed layer by layer from its tensors, all
-    in one dtype (the torch_dist metadata declares one per tensor)."""
+    in one dtype (the one the torch_dist plan declares for them)."""
 
     def __init__(self, config: ModelConfig, load: Load, padded_vocab: int, dtype: torch.dtype) -> None:
         self.config, self.load, self.padded_vocab, self.dtype = config, load, padded_vocab, dtype
