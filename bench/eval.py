@@ -46,7 +46,16 @@ import torch
 import yaml
 
 from bench.machine import cpu_model
-from bench.process import BIN, alternate_rounds, bench_env, harness_task, lm_eval_command, lm_eval_tasks, side_imports
+from bench.process import (
+    BIN,
+    alternate_rounds,
+    bench_env,
+    current_row,
+    harness_task,
+    lm_eval_command,
+    lm_eval_tasks,
+    side_imports,
+)
 from bench.results import update_results
 from llmflow.evaluate.provenance import prompts_sha256
 from llmflow.sample import SampleConfig, write_sample
@@ -220,10 +229,8 @@ def record(rows: list[dict], lines: list[str], args, load_after: float) -> None:
     day, harness = time.strftime("%Y-%m-%d"), version("lm_eval")
     loads = ", ".join(f"{x:.1f}" for row in rows for x in row["loads"])
     current = [
-        f"| `bench.eval` {row['group'].name} | real `lm_eval --model hf` ({harness}), whole process, batch "
-        f"{args.batch_size}, fp32, {agreement(row, args)} | {row['ratio']:.2f}x docs/s (CPU time {row['cpu_ratio']:.2f}x) "
-        f"| {min(row['ratios']):.2f}x-{max(row['ratios']):.2f}x over {len(row['ratios'])} rounds | {args.threads} | "
-        f"{', '.join(f'{x:.1f}' for x in row['loads'])} | {day} |"
+        current_row("bench.eval", row["group"].name, f"real `lm_eval --model hf` ({harness}), whole process, batch "
+                    f"{args.batch_size}, fp32, {agreement(row, args)}", "docs/s", row, args.threads, day)
         for row in rows
     ]
     limit = f" --limit {args.limit}" if args.limit else ""

@@ -39,6 +39,7 @@ from bench.process import (
     BIN,
     alternate_rounds,
     bench_env,
+    current_row,
     harness_task,
     lm_eval_command,
     lm_eval_tasks,
@@ -151,10 +152,9 @@ def record(rows: list[dict], lines: list[str], imports: dict[str, float], args, 
     day = time.strftime("%Y-%m-%d")
     loads = ", ".join(f"{x:.1f}" for row in rows for x in row["loads"])
     current = [
-        f"| `bench.mmlu` {row['name']} | real `lm_eval --model hf` (0.4.13), whole process, {args.shots}-shot, batch "
-        f"{args.batch_size}, fp32, {row['questions']} questions, same prompts and predictions | {row['ratio']:.2f}x q/s "
-        f"(CPU time {row['cpu_ratio']:.2f}x) | {min(row['ratios']):.2f}x-{max(row['ratios']):.2f}x over {len(row['ratios'])} "
-        f"rounds | {args.threads} | {', '.join(f'{x:.1f}' for x in row['loads'])} | {day} |"
+        current_row("bench.mmlu", row["name"], f"real `lm_eval --model hf` (0.4.13), whole process, {args.shots}-shot, "
+                    f"batch {args.batch_size}, fp32, {row['questions']} questions, same prompts and predictions", "q/s",
+                    row, args.threads, day)
         for row in rows
     ]
     entry = [

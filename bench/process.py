@@ -139,3 +139,11 @@ def alternate_rounds(name: str, sides: dict[str, Callable[[Path], list[str]]], w
     med = {side: {key: statistics.median(r[key] for r in runs[side]) for key in runs[side][0]} for side in SIDES}
     return {"ratios": ratios, "ratio": statistics.median(ratios), "cpu_ratio": statistics.median(cpu_ratios),
             "median": med, "loads": loads, **checked}
+
+
+def current_row(benchmark: str, name: str, peer: str, unit: str, row: dict, threads: int, day: str) -> str:
+    """The Current-table line of bench/RESULTS.md for one ``alternate_rounds`` result: the median
+    ratio (in ``unit``) with the CPU-time ratio, the spread over the rounds, threads and loads."""
+    return (f"| `{benchmark}` {name} | {peer} | {row['ratio']:.2f}x {unit} (CPU time {row['cpu_ratio']:.2f}x) | "
+            f"{min(row['ratios']):.2f}x-{max(row['ratios']):.2f}x over {len(row['ratios'])} rounds | {threads} | "
+            f"{', '.join(f'{x:.1f}' for x in row['loads'])} | {day} |")
