@@ -99,6 +99,21 @@ def iteration_dir(root: Path) -> Path:
     return directory
 
 
+class OpenedReader(dcp.FileSystemReader):
+    """A DCP reader that reads the checkpoint's metadata once and serves it to every load (a
+    conversion loads each layer of each tensor on its own)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(str(path))
+        self._metadata: Metadata | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None:
+            self._metadata = super().read_metadata(*args, **kwargs)
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+
 class SliceLoadPlanner(LoadPlanner):
     """Loads one box of one tensor of a DCP checkpoint into ``out`` (whose shape is the box's
     ``sizes``), reading only the stored chunks that overlap it."""
@@ -148,6 +163,7 @@ class MegatronCheckpoint:
     dtypes: dict[str, torch.dtype]
     skipped: list[str] = field(default_factory=list)
     """What the checkpoint holds beside the model and is not read (optimizer, RNG states)."""
+    _reader: OpenedReader | None = None
     _ranks: dict[tuple[int, int], dict[str, torch.Tensor]] | None = None
     _stage_layers: list[int] | None = None
     _recent: dict[tuple[str, int | None], torch.Tensor] = field(default_factory=dict)
@@ -187,8 +203,7 @@ class MegatronCheckpoint:
     def _load_box(self, key: str, offsets: tuple[int, ...], out: torch.Tensor) -> None:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({}, storage_reader=dcp.FileSystemReader(str(self.directory)),
-                     planner=SliceLoadPlanner(key, offsets, out), no_dist=True)
+            dcp.load({}, storage_reader=self._reader, planner=SliceLoadPlanner(key, offsets, out), no_dist=True)
 
     def _read_legacy(self, key: str, layer: int | None) -> torch.Tensor:
         assert self._ranks is not None and self._stage_layers is not None
@@ -232,8 +247,9 @@ def open_checkpoint(root: Path) -> MegatronCheckpoint:
 
 
 def _open_torch_dist(directory: Path) -> MegatronCheckpoint:
+    reader = OpenedReader(directory)
     try:
-        metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+        metadata = reader.read_metadata()
     except (OSError, EOFError, ValueError, pickle.UnpicklingError, AttributeError, ModuleNotFoundError) as error:
         raise CheckpointError(f"{directory / '.metadata'}: cannot read the torch_dist metadata ({error})") from error
     common = load_pickled(directory / "common.pt") if (directory / "common.pt").is_file() else {}
@@ -244,7 +260,7 @@ def _open_torch_dist(directory: Path) -> MegatronCheckpoint:
         elif isinstance(stored, TensorStorageMetadata) and "_extra_state" not in key:
             shapes[key], dtypes[key] = tuple(stored.size), stored.properties.dtype
     return MegatronCheckpoint(directory, "torch_dist", common.get("args"), common.get("iteration"), shapes, dtypes,
-                              sorted(skipped))
+                              sorted(skipped), _reader=reader)
 
 
 def _rank_files(directory: Path) -> dict[tuple[int, int], Path]:
