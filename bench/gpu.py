@@ -77,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, help="tokens generated per row (default 128; tiny 8)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction,
                         help="compile both training sides (default: on, off on CPU where a cold compile takes minutes)")
+    parser.add_argument("--liger", action=argparse.BooleanOptionalAction, default=True,
+                        help="Liger-Kernel on the transformers side where installed (--no-liger: Liger-Kernel 0.8.5's "
+                             "fused cross-entropy fails under torch.compile on torch 2.11)")
     parser.add_argument("--work", type=Path, help="scratch directory (default: a temporary one)")
     parser.add_argument("--record", action="store_true", help="append the report to bench/RESULTS.md")
     args = parser.parse_args(argv)
@@ -191,8 +194,8 @@ def mfu_lines(results: dict, flops_per_token: float, device: torch.device, measu
 def run_train(model_dir: Path, data: Path, work: Path, device: torch.device, args: argparse.Namespace) -> list[str]:
     from bench.gpu_train import LIGER_MISSING, liger_available, train_config, train_rounds
 
-    liger = device.type == "cuda" and liger_available()
-    if device.type == "cuda" and not liger:
+    liger = device.type == "cuda" and args.liger and liger_available()
+    if device.type == "cuda" and args.liger and not liger:
         print(LIGER_MISSING, flush=True)
     config = train_config(model_dir, data, work / "run", args.seq, args.micro_batch, args.warmup + args.steps,
                           args.compile)
@@ -203,7 +206,10 @@ def run_train(model_dir: Path, data: Path, work: Path, device: torch.device, arg
     ratios = [o / t for o, t in zip(results["llmflow"].tokens_per_s, results["transformers"].tokens_per_s, strict=True)]
     loss_diff = abs(results["llmflow"].first_loss[0] - results["transformers"].first_loss[0])
     peer = "transformers + torch.compile" if args.compile else "transformers"
-    peer += " + Liger-Kernel" if liger else (" (Liger-Kernel not installed)" if device.type == "cuda" else "")
+    if liger:
+        peer += " + Liger-Kernel"
+    elif device.type == "cuda":
+        peer += " (Liger-Kernel not installed)" if args.liger else " (without Liger-Kernel: --no-liger)"
     lines = ["#### Training step, bf16", "",
              (f"{model.num_hidden_layers} layers, hidden {model.hidden_size}, {model.num_attention_heads} heads "
               f"({model.num_key_value_heads} KV), FFN {model.intermediate_size}, vocabulary {model.vocab_size}, "

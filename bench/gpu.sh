@@ -7,10 +7,13 @@
 #     `make venv` installs (the wheel for the machine's driver from https://download.pytorch.org/whl/,
 #     with the nvidia-* and triton wheels it depends on, installed with pip --no-index --find-links);
 #   - optionally liger-kernel (in the bench extra: pip install -c constraints.txt -e ".[bench]"):
-#     without it the transformers side runs without Liger-Kernel and the report says so.
+#     without it the transformers side runs without Liger-Kernel and the report says so. Liger-Kernel
+#     0.8.5 fails under torch.compile on torch 2.11 (a Dynamo error in its fused cross-entropy):
+#     pass --no-liger there.
 #
 #   bench/gpu.sh                    # every section, 5 rounds; --record appends the report to bench/RESULTS.md
 #   bench/gpu.sh --only train       # one section (kernels, decode, precision, train)
+#   bench/gpu.sh --no-liger         # the transformers side without Liger-Kernel even where installed
 #
 # Each section runs as its own command, so none outlives a 10-minute slot and a failure in
 # one leaves the others' reports.
