@@ -27,6 +27,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
+pytest_plugins = ["suite_times"]  # the time per module at the end of every run
+
 # The small shapes every tiny model shares (override per test through the factory).
 TINY = {
     "vocab_size": 160,
