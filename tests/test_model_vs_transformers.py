@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import llmflow.kernels as K
 from llmflow.models import CausalLM, CheckpointError, ConfigError, ModelConfig, load_hf_model, save_hf_model
-from llmflow.models.rope import inverse_frequencies
+from llmflow.models.blocks.rotary import inverse_frequencies
 
 # Max abs difference between our fp32 logits/losses/grads and transformers' (or the reference path's).
 ATOL = 1e-5
