@@ -361,6 +361,11 @@ def test_unsupported_model_type_raises(make_hf_model):
         load_hf_model(path)
 
 
+def test_unsupported_model_type_names_every_registered_family():
+    with pytest.raises(ConfigError, match=r"model_type='gpt2' is not supported; expected one of \('llama', 'mistral', 'qwen2'\)"):
+        ModelConfig.from_hf({"model_type": "gpt2"})
+
+
 @pytest.mark.parametrize(
     "changes,name",
     [
