@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from llmflow.kernels import REFERENCE, KernelSet, kernels_for
-from llmflow.models.rope import rotary_cos_sin
+from llmflow.models.blocks.rotary import rotary_cos_sin
 
 FP32 = (1e-5, 0.0)
 BF16_FORWARD = (2**-5, 1e-2)

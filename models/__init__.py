@@ -1,5 +1,7 @@
-"""The Llama/Qwen2-family decoder, its configuration, Hugging Face checkpoint I/O and LoRA."""
+"""The decoder and its model families, their configuration, Hugging Face checkpoint I/O and LoRA."""
 
+# Registers every model family, so ModelConfig and CausalLM know them whichever module is imported first.
+from llmflow.models import families  # noqa: F401
 from llmflow.models.config import ConfigError, ModelConfig
 from llmflow.models.decoder import CausalLM
 from llmflow.models.hf_checkpoint import CheckpointError, load_hf_model, save_hf_model

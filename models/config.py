@@ -1,19 +1,23 @@
-"""The decoder's configuration, read from (and written back to) a Hugging Face config.json.
+"""The decoder's configuration, read from (and written back to) a Hugging Face config.json,
+and the registry of model families by HF ``model_type``.
 
-Covers the Llama family (Llama 2/3, Mistral) and the Qwen2 family (Qwen1.5, Qwen2,
-Qwen2.5). Both key spellings are read: ``rope_theta``/``rope_scaling`` (transformers 4)
-and ``rope_parameters`` (transformers 5), ``torch_dtype`` and ``dtype``.
+The keys every family shares (shape, rotary, dtype, token ids) are read here; the keys of
+one family (biases, sliding window, ...) by that family's ``read_options``. Both key
+spellings are read: ``rope_theta``/``rope_scaling`` (transformers 4) and ``rope_parameters``
+(transformers 5), ``torch_dtype`` and ``dtype``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+from torch import nn
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -23,10 +27,10 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    """Shape and numerics of a Llama/Qwen2-family decoder."""
+    """Shape and numerics of a decoder of any registered family."""
 
     model_type: str
-    """HF model_type: llama, mistral or qwen2."""
+    """HF model_type, the key of the model's family in ``FAMILIES``."""
     vocab_size: int
     """Rows of the embedding and output matrices (may exceed the tokenizer's length)."""
     hidden_size: int
@@ -85,11 +89,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
         """Build from a parsed HF config.json; ``source`` names it in error messages."""
-        model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"{source}: model_type={model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
-            )
+        family = family_of(hf.get("model_type"), source)
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"{source}: hidden_act={act!r}; the Llama/Qwen2 decoder uses 'silu'")
@@ -102,16 +102,8 @@ class ModelConfig:
             raise ConfigError(f"{source}: missing required keys {missing}")
         heads = hf["num_attention_heads"]
         rope_theta, rope_scaling = _read_rope(hf, source)
-        if model_type == "qwen2":
-            qkv_bias, o_bias = True, False
-            sliding_window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
-            if sliding_window is not None and hf.get("max_window_layers", 0) < hf["num_hidden_layers"]:
-                raise ConfigError(f"{source}: Qwen2 sliding window on only some layers is not supported")
-        else:
-            qkv_bias = o_bias = bool(hf.get("attention_bias", False))
-            sliding_window = hf.get("sliding_window") if model_type == "mistral" else None
         return cls(
-            model_type=model_type,
+            model_type=family.model_type,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
@@ -124,14 +116,12 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            sliding_window=sliding_window,
             torch_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             hf_config=dict(hf),
+            **family.read_options(hf, source),
         )
 
     @classmethod
@@ -147,6 +137,36 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         return cls.from_hf(hf, source=str(path))
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family: the HF ``model_type`` it reads, its own config.json keys and the
+    decoder layer it assembles from shared blocks (``models/blocks``)."""
+
+    model_type: str
+    read_options: Callable[[dict[str, Any], str], dict[str, Any]]
+    """(config.json, its name for error messages) -> the ``ModelConfig`` fields this family
+    sets from its own keys; raises ``ConfigError`` for what it cannot represent."""
+    build_layer: Callable[[ModelConfig], nn.Module]
+    """One decoder layer: called as ``layer(hidden, cos, sin, document_ids[, (kv_cache, name)])``,
+    returning the hidden states, with Hugging Face's module names inside."""
+
+
+FAMILIES: dict[str, Family] = {}
+"""Every family by model_type, registered by ``llmflow.models.families`` (which
+``llmflow.models`` imports, so the registry is full before any config is read)."""
+
+
+def register_family(family: Family) -> None:
+    FAMILIES[family.model_type] = family
+
+
+def family_of(model_type: str | None, source: str = "config.json") -> Family:
+    """The registered family of ``model_type``; ``ConfigError`` naming the supported ones."""
+    if model_type not in FAMILIES:
+        raise ConfigError(f"{source}: model_type={model_type!r} is not supported; expected one of {tuple(FAMILIES)}")
+    return FAMILIES[model_type]
 
 
 def _read_rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:

@@ -1,4 +1,5 @@
-"""The Llama/Qwen2-family decoder in plain PyTorch.
+"""The decoder every family shares, in plain PyTorch: embedding, the family's layers (built
+by its ``build_layer``, ``models/families``), final norm and output projection.
 
 Module and parameter names are Hugging Face's (``model.layers.0.self_attn.q_proj.weight``),
 so weights, LoRA target names and precision dumps line up with the HF ecosystem. Layers
@@ -7,9 +8,6 @@ names. ``embed_tokens``, ``norm`` and ``lm_head`` may be None, as in a pipeline 
 takes token ids (embedded) or hidden states (floating point: a later stage's input, never
 embedded) and returns logits or, without ``lm_head``, hidden states. Parallelism is applied
 from outside (``models/parallelize.py``, ``models/pipeline.py``), never here.
-
-Shapes are read from the weights at run time (``view(B, S, -1, head_dim)``), so a
-tensor-parallel plan that shards heads needs no change to this file.
 
 Generation passes a ``KVCache``: each attention layer appends its new keys and values to
 preallocated buffers and its queries attend over every cached position. Training passes
@@ -22,137 +20,10 @@ import torch
 from torch import nn
 
 from llmflow import kernels
-from llmflow.models.config import ModelConfig
-from llmflow.models.rope import (
-    inverse_frequencies,
-    positions_from_documents,
-    rotary_cos_sin,
-)
-
-
-class KVCache:
-    """Keys and values of the positions processed so far, in buffers [B, Hkv, max_len, D]
-    allocated on each layer's first write (so their shapes follow the weights, sharded or
-    not), plus the keys' document ids when the batch has any (left padding as a document of
-    its own keeps pad positions out of every real token's attention)."""
-
-    def __init__(self, max_len: int) -> None:
-        self.max_len = max_len
-        self.filled = 0
-        """Positions already written by every layer."""
-        self._keys: dict[str, torch.Tensor] = {}
-        self._values: dict[str, torch.Tensor] = {}
-        self._documents: torch.Tensor | None = None
-
-    def documents(self, document_ids: torch.Tensor | None) -> torch.Tensor | None:
-        """Store the new positions' document ids [B, S]; the ids of every key up to them."""
-        if document_ids is None:
-            return None
-        if self._documents is None:
-            self._documents = document_ids.new_zeros(document_ids.shape[0], self.max_len)
-        end = self.filled + document_ids.shape[1]
-        self._documents[:, self.filled : end] = document_ids
-        return self._documents[:, :end]
-
-    def update(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new k/v [B, Hkv, S, D] of ``layer``; its keys and values up to them."""
-        if layer not in self._keys:
-            shape = (k.shape[0], k.shape[1], self.max_len, k.shape[3])
-            self._keys[layer], self._values[layer] = k.new_empty(shape), v.new_empty(shape)
-        end = self.filled + k.shape[2]
-        if end > self.max_len:
-            raise ValueError(f"KV cache of {self.max_len} positions cannot hold {end}")
-        self._keys[layer][:, :, self.filled : end] = k
-        self._values[layer][:, :, self.filled : end] = v
-        return self._keys[layer][:, :, :end], self._values[layer][:, :, :end]
-
-    def repeat(self, batch: int, max_len: int) -> KVCache:
-        """A cache of ``batch`` rows with room for ``max_len`` positions, each row starting
-        with this one-row cache's positions (a prompt prefix computed once, shared by a batch)."""
-        out = KVCache(max_len)
-        for layer in self._keys:
-            keys, values = self._keys[layer][:, :, : self.filled], self._values[layer][:, :, : self.filled]
-            out.update(layer, keys.expand(batch, -1, -1, -1), values.expand(batch, -1, -1, -1))
-        if self._documents is not None:
-            out.documents(self._documents[:, : self.filled].expand(batch, -1))
-        out.filled = self.filled
-        return out
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
-
-
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        hd = config.head_dim
-        self.head_dim = hd
-        self.scale = hd**-0.5
-        self.sliding_window = config.sliding_window
-        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * hd, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * hd, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * hd, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.num_attention_heads * hd, config.hidden_size, bias=config.o_bias)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        document_ids: torch.Tensor | None,
-        cache: tuple[KVCache, str] | None = None,
-    ) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        q = kernels.apply_rotary(q, cos, sin)
-        k = kernels.apply_rotary(k, cos, sin)
-        if cache is not None:
-            k, v = cache[0].update(cache[1], k, v)
-        out = kernels.attention(q, k, v, self.scale, document_ids, self.sliding_window)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        h, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(h, f, bias=bias)
-        self.up_proj = nn.Linear(h, f, bias=bias)
-        self.down_proj = nn.Linear(f, h, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        document_ids: torch.Tensor | None,
-        cache: tuple[KVCache, str] | None = None,
-    ) -> torch.Tensor:
-        # Tensor-parallel plans give self_attn fixed input layouts: pass a cache only when there is one.
-        cached = (cache,) if cache is not None else ()
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, document_ids, *cached)
-        return x + self.mlp(self.post_attention_layernorm(x))
+from llmflow.models.blocks.norm import RMSNorm
+from llmflow.models.blocks.rotary import inverse_frequencies, positions_from_documents, rotary_cos_sin
+from llmflow.models.config import ModelConfig, family_of
+from llmflow.models.kv_cache import KVCache
 
 
 def embedding_weight(rows: int, dim: int) -> torch.Tensor:
@@ -170,7 +41,8 @@ class DecoderModel(nn.Module):
         self.config = config
         self.embed_tokens: nn.Embedding | None = nn.Embedding(
             config.vocab_size, config.hidden_size, _weight=embedding_weight(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(config) for i in range(config.num_hidden_layers)})
+        build_layer = family_of(config.model_type).build_layer
+        self.layers = nn.ModuleDict({str(i): build_layer(config) for i in range(config.num_hidden_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
 

@@ -11,7 +11,7 @@ import llmflow.kernels as K
 from llmflow.kernels import FUSED, REFERENCE, dispatch
 from llmflow.kernels.cross_entropy import linear_cross_entropy
 from llmflow.kernels.masks import attention_mask, needs_explicit_mask
-from llmflow.models.rope import rotary_cos_sin
+from llmflow.models.blocks.rotary import rotary_cos_sin
 
 # Max abs difference allowed between two fp32 computations of the same quantity.
 FP32_ATOL = 1e-5

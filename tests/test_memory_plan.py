@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from llmflow.models import CausalLM, LoraConfig, ModelConfig, apply_lora
-from llmflow.models.decoder import KVCache
+from llmflow.models.kv_cache import KVCache
 from llmflow.models.parallelize import apply_ac
 from llmflow.train.config import TrainConfig
 from llmflow.train.memory import (

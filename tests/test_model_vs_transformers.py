@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import llmflow.kernels as K
 from llmflow.models import CausalLM, CheckpointError, ConfigError, ModelConfig, load_hf_model, save_hf_model
-from llmflow.models.rope import inverse_frequencies
+from llmflow.models.blocks.rotary import inverse_frequencies
 
 # Max abs difference between our fp32 logits/losses/grads and transformers' (or the reference path's).
 ATOL = 1e-5
@@ -359,6 +359,11 @@ def test_unsupported_model_type_raises(make_hf_model):
     _edit_config(path, model_type="gpt_neox")
     with pytest.raises(ConfigError, match="gpt_neox"):
         load_hf_model(path)
+
+
+def test_unsupported_model_type_names_every_registered_family():
+    with pytest.raises(ConfigError, match=r"model_type='gpt2' is not supported; expected one of \('llama', 'mistral', 'qwen2'\)"):
+        ModelConfig.from_hf({"model_type": "gpt2"})
 
 
 @pytest.mark.parametrize(

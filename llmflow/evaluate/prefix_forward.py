@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from llmflow.models import CausalLM
-from llmflow.models.decoder import KVCache
+from llmflow.models.kv_cache import KVCache
 
 
 @dataclass(frozen=True)

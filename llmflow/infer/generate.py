@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmflow.models.decoder import CausalLM, KVCache
+from llmflow.models.decoder import CausalLM
+from llmflow.models.kv_cache import KVCache
 
 FinishReason = Literal["eos", "stop", "length"]
 

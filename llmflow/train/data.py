@@ -23,7 +23,7 @@ import torch
 
 from llmflow.data.indexed import IndexedDataset, IndexedDatasetError
 from llmflow.data.instruction_dataset import InstructionDataset
-from llmflow.models.rope import positions_from_documents
+from llmflow.models.blocks.rotary import positions_from_documents
 
 
 @dataclass

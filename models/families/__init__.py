@@ -1,0 +1,15 @@
+"""The model families llmflow builds, registered by Hugging Face ``model_type``.
+
+A family is one module here: the config.json keys of its own (``read_options``) and the
+decoder layer it assembles from ``models/blocks`` (``build_layer``), both in a ``Family``.
+Adding one is writing its module (and any block it needs) and registering it below.
+"""
+
+from llmflow.models.config import register_family
+from llmflow.models.families.llama import LLAMA
+from llmflow.models.families.mistral import MISTRAL
+from llmflow.models.families.qwen2 import QWEN2
+
+register_family(LLAMA)
+register_family(MISTRAL)
+register_family(QWEN2)

@@ -1,0 +1,37 @@
+"""Llama 2/3: pre-norm layers of grouped-query attention and a SwiGLU MLP, biases only
+where config.json's ``attention_bias`` asks for them.
+
+``build_layer`` is also the layer of the families that differ from Llama only in their
+config.json (Mistral, Qwen2).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmflow.models.blocks.attention import Attention
+from llmflow.models.blocks.decoder_layer import DecoderLayer
+from llmflow.models.blocks.mlp import MLP
+from llmflow.models.config import Family, ModelConfig
+
+
+def read_options(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    bias = bool(hf.get("attention_bias", False))
+    return {"qkv_bias": bias, "o_bias": bias}
+
+
+def build_layer(config: ModelConfig) -> DecoderLayer:
+    attention = Attention(
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+        qkv_bias=config.qkv_bias,
+        o_bias=config.o_bias,
+        sliding_window=config.sliding_window,
+    )
+    mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+    return DecoderLayer(config.hidden_size, config.rms_norm_eps, attention, mlp)
+
+
+LLAMA = Family("llama", read_options, build_layer)
