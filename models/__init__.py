@@ -1,8 +1,8 @@
-"""The Llama/Qwen2-family decoder, its configuration, Hugging Face checkpoint I/O and LoRA."""
+"""The Llama/Qwen2-family decoder, its configuration and LoRA: pure PyTorch modules (their
+weights are read and written by ``llmflow.weights``)."""
 
 from llmflow.models.config import ConfigError, ModelConfig
 from llmflow.models.decoder import CausalLM
-from llmflow.models.hf_checkpoint import CheckpointError, load_hf_model, save_hf_model
 from llmflow.models.lora import (
     LoraConfig,
     LoraLinear,
@@ -15,7 +15,6 @@ from llmflow.models.lora import (
 
 __all__ = [
     "CausalLM",
-    "CheckpointError",
     "ConfigError",
     "LoraConfig",
     "LoraLinear",
@@ -23,8 +22,6 @@ __all__ = [
     "apply_lora",
     "init_lora_weights",
     "is_lora_param",
-    "load_hf_model",
     "lora_state_dict",
     "merge_lora",
-    "save_hf_model",
 ]

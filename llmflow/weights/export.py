@@ -1,5 +1,5 @@
-"""The export stage: a training checkpoint (llmflow.checkpoint) -> a Hugging Face model directory
-(or, with ``megatron``, a Megatron-LM / MindSpeed-LLM checkpoint: ``llmflow.megatron.exporter``).
+"""The export stage: a training checkpoint (``training_checkpoint.py``) -> a Hugging Face model
+directory (or, with ``megatron``, a Megatron-LM / MindSpeed-LLM checkpoint: ``megatron/exporter.py``).
 
 Any step directory exports, whatever layout it was saved under: DCP reshards while one
 process reads the model tensors (and only those: optimizer state is never read). The
@@ -30,23 +30,26 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmflow.artifacts import MANIFEST, atomic_directory, file_record, manifest_payload, write_json_atomic
-from llmflow.checkpoint import (
+from llmflow.models.config import ModelConfig
+from llmflow.models.decoder import CausalLM
+from llmflow.weights.dcp import dcp_load
+from llmflow.weights.errors import CheckpointError
+from llmflow.weights.hf import index_hf_tensors, write_hf_weights
+from llmflow.weights.hf_names import TIED_INPUT, TIED_OUTPUT, expected_names, ours_to_hf
+from llmflow.weights.megatron.exporter import write_megatron
+from llmflow.weights.safetensors_io import StoredTensor, plan_shards, read_tensor, write_safetensors
+from llmflow.weights.stage_output import check_replaceable
+from llmflow.weights.tokenizer_files import copy_tokenizer_files
+from llmflow.weights.training_checkpoint import (
     META,
     MODEL_KEY,
     TOKENIZER_DIR,
     CheckpointMeta,
-    check_replaceable,
-    dcp_load,
+    lora_base,
     read_meta,
     resolve_step_dir,
     stored_tensors,
 )
-from llmflow.convert import StoredTensor, copy_tokenizer_files, index_hf_tensors, read_tensor
-from llmflow.megatron.exporter import write_megatron
-from llmflow.models.config import ModelConfig
-from llmflow.models.decoder import CausalLM
-from llmflow.models.hf_checkpoint import CheckpointError, plan_shards, write_hf_weights, write_safetensors
-from llmflow.models.hf_names import TIED_INPUT, TIED_OUTPUT, expected_names, ours_to_hf
 
 STAGE = "export"
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
@@ -207,8 +210,7 @@ def base_source(lora: Source) -> Source:
     directory it was trained from."""
     if not lora.meta.base_checkpoint:
         raise CheckpointError(f"{lora.path / META}: LoRA checkpoint names no base_checkpoint to merge into")
-    path = Path(lora.meta.base_checkpoint)
-    path = path if path.is_absolute() else lora.path.parent / path
+    path = lora_base(lora.path, lora.meta)
     base = Source.hf_directory(path) if (path / "config.json").is_file() else Source.checkpoint(resolve_step_dir(path))
     if base.meta.padded_vocab_size != lora.meta.padded_vocab_size:
         raise CheckpointError(
