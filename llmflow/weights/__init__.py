@@ -8,7 +8,7 @@ The formats, side by side:
 - Training checkpoint: ``CKPT/latest`` naming ``CKPT/step_NNNNNNNN/`` (DCP ``.metadata`` and
   ``*.distcp``, ``meta.json``, ``rng/``), and ``CKPT/tokenizer/``; a LoRA run keeps only its
   adapters and names its base. ``training_checkpoint.py`` (layout, meta, save, load),
-  ``dcp.py`` (DCP directories).
+  ``dcp.py`` (DCP directories), ``lora_adapters.py`` (adapters checked and merged).
 - Megatron-LM / MindSpeed-LLM: ``latest_checkpointed_iteration.txt`` naming ``iter_NNNNNNN/``
   (megatron-core's torch_dist, or the legacy ``mp_rank_*/model_optim_rng.pt``). ``megatron/``
   (layout, reader, importer, exporter).
@@ -23,9 +23,9 @@ The ways in and out:
   directory keeps the tokenizer of the model it started from);
 - the stages that move weights between formats, ``llmflow convert`` (Hugging Face or
   Megatron -> training checkpoint, ``convert.py``) and ``llmflow export`` (training
-  checkpoint -> Hugging Face, PEFT adapter or Megatron, ``export.py``). They are imported
-  from their modules: they bring in torch.distributed.checkpoint, which loading a Hugging
-  Face model never needs.
+  checkpoint -> Hugging Face, PEFT adapter or Megatron, ``export.py``, reading through
+  ``tensor_source.py``). They are imported from their modules: they bring in
+  torch.distributed.checkpoint, which loading a Hugging Face model never needs.
 
 A state holding NaN or ±Inf is never saved, and ``load_model`` and convert refuse such
 weights, naming the file and the tensor (``finite.py``).
