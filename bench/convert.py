@@ -91,8 +91,8 @@ def make_model(directory: Path) -> dict[str, int]:
 
 def run_side(side: str, work: Path) -> dict:
     """Runs in a child process: one conversion (or copy, or export), timed, with peak memory."""
-    from llmflow.convert import ConvertConfig, convert
-    from llmflow.export import ExportConfig, export
+    from llmflow.weights.convert import ConvertConfig, convert
+    from llmflow.weights.export import ExportConfig, export
 
     hf, out = work / "hf", work / side
     shutil.rmtree(out, ignore_errors=True)

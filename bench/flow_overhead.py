@@ -30,16 +30,16 @@ REPO = Path(__file__).resolve().parent.parent
 
 def run_direct(workspace: Path, params) -> float:
     """The flow's stages as plain function calls; seconds."""
-    from llmflow.convert import ConvertConfig, convert
     from llmflow.data.tokenize_instruction import InstructionTokenizeConfig, tokenize_instruction
     from llmflow.evaluate.benchmarks import MMLU
     from llmflow.evaluate.engine import EvalConfig, evaluate
-    from llmflow.export import ExportConfig, export
     from llmflow.flows.stages import write_prompts
     from llmflow.infer.batch import InferConfig, run_inference
     from llmflow.sample import SampleConfig, write_sample
     from llmflow.train.command import launch_training
     from llmflow.train.config import DataConfig
+    from llmflow.weights.convert import ConvertConfig, convert
+    from llmflow.weights.export import ExportConfig, export
 
     start = time.perf_counter()
     sample = write_sample(SampleConfig(out=workspace / "sample"))

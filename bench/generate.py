@@ -82,7 +82,7 @@ def llmflow_runner(model_dir: str):
     import transformers  # noqa: F401  (same imports on every side)
 
     from llmflow.infer import GenerateConfig, generate
-    from llmflow.models import load_hf_model
+    from llmflow.weights import load_hf_model
 
     model = load_hf_model(model_dir).eval()
     tokenizer = word_tokenizer()

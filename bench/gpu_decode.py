@@ -21,7 +21,7 @@ def _llmflow(model_dir: Path, device: torch.device, vocab_size: int):
     from tokenizers import Tokenizer, models
 
     from llmflow.infer import GenerateConfig, generate
-    from llmflow.models import load_hf_model
+    from llmflow.weights import load_hf_model
 
     model = load_hf_model(model_dir, dtype=torch.bfloat16, device=device).eval()
     # One word per id: generate decodes its tokens to text as it goes.

@@ -71,8 +71,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
 
-    from llmflow.models import load_hf_model
     from llmflow.sample import SampleConfig, write_sample
+    from llmflow.weights import load_hf_model
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

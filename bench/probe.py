@@ -56,8 +56,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from llmflow.models import load_hf_model
     from llmflow.sample import SampleConfig, write_sample
+    from llmflow.weights import load_hf_model
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

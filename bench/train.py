@@ -80,7 +80,7 @@ def run_pipeline(model: Path, data: Path, work: Path, args) -> float:
 
 
 def run_bare(model_dir: Path, args) -> float:
-    from llmflow.models import load_hf_model
+    from llmflow.weights import load_hf_model
 
     torch.manual_seed(0)
     model = load_hf_model(model_dir)

@@ -77,8 +77,8 @@ def build_side(side: str, model_dir: str, tokens: torch.Tensor):
 
     import transformers  # noqa: F401  (the same imports on every side: equal baseline memory)
 
-    from llmflow.models import load_hf_model
     from llmflow.models.parallelize import apply_compile
+    from llmflow.weights import load_hf_model
 
     model = load_hf_model(model_dir)
     model.train()

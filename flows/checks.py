@@ -8,9 +8,9 @@ from llmflow.cluster.launcher import LaunchSettings, node_problems
 from llmflow.cluster.nodes import NodeLayout
 from llmflow.flows.params import TrainParams
 from llmflow.mesh import LayoutError, ParallelLayout, validate_layout
-from llmflow.model_loading import hf_config_of
 from llmflow.models import ModelConfig
 from llmflow.train.preflight import device_problems, pipeline_problems
+from llmflow.weights import hf_config_of
 
 
 def check_layout(model_dir: Path, train: TrainParams, launch: LaunchSettings | None = None) -> None:

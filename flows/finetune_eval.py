@@ -19,7 +19,6 @@ from prefect.runtime import deployment
 
 from llmflow import tracking
 from llmflow.data.tokenize_instruction import InstructionTokenizeConfig
-from llmflow.export import ExportConfig
 from llmflow.flows import stages
 from llmflow.flows.checks import check_layout
 from llmflow.flows.comparison import (
@@ -40,6 +39,7 @@ from llmflow.tasks.register import register_model_task, registry_gate
 from llmflow.tasks.tokenize import tokenize_instruction_task
 from llmflow.tasks.train import train_task
 from llmflow.train.config import DataConfig
+from llmflow.weights.export import ExportConfig
 
 FLOW = "finetune-eval"
 

@@ -13,7 +13,6 @@ from typing import Any
 
 from prefect import flow
 
-from llmflow.export import ExportConfig
 from llmflow.flows import stages
 from llmflow.flows.checks import check_layout
 from llmflow.flows.params import PretrainParams, flow_parameters
@@ -21,6 +20,7 @@ from llmflow.flows.summary import publish_summary
 from llmflow.tasks.export import export_task
 from llmflow.tasks.train import train_task
 from llmflow.train.config import DataConfig
+from llmflow.weights.export import ExportConfig
 
 FLOW = "pretrain"
 

@@ -19,8 +19,6 @@ from pydantic import BaseModel
 
 from llmflow import tracking
 from llmflow.artifacts import atomic_file, read_manifest
-from llmflow.checkpoint import latest_step_dir
-from llmflow.convert import ConvertConfig
 from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig
 from llmflow.download import DownloadConfig, parse_source
 from llmflow.evaluate.engine import EvalConfig
@@ -36,6 +34,8 @@ from llmflow.tasks.evaluate import EVAL_TASKS
 from llmflow.tasks.sample import sample_task
 from llmflow.tasks.tokenize import tokenize_pretrain_task
 from llmflow.tasks.train import STAGE as TRAIN_STAGE
+from llmflow.weights import latest_step_dir
+from llmflow.weights.convert import ConvertConfig
 from llmflow.workspace import flow_workspace
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv", ".txt", ".arrow")

@@ -42,10 +42,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                  "Tokenize text into training datasets (pretrain text, instruction data)."),
     "download": ("llmflow.download:DownloadCommand",
                  "Download a model or data set (Hugging Face Hub, ModelScope, local directory) with a manifest."),
-    "convert": ("llmflow.convert:ConvertCommand",
+    "convert": ("llmflow.weights.convert:ConvertCommand",
                 ("Hugging Face model directory (or a Megatron-LM / MindSpeed-LLM checkpoint of it) -> training "
                  "checkpoint (DCP, vocabulary padded for tensor parallelism).")),
-    "export": ("llmflow.export:ExportCommand",
+    "export": ("llmflow.weights.export:ExportCommand",
                ("Training checkpoint -> Hugging Face model directory (or PEFT adapter / merged LoRA model), "
                 "or a Megatron-LM / MindSpeed-LLM checkpoint for --tp/--pp.")),
     "train": ("llmflow.train.command:TrainCommand",

@@ -56,9 +56,10 @@ from llmflow.artifacts import MANIFEST, atomic_directory, file_record, manifest_
 from llmflow.data.templates import QWEN
 from llmflow.evaluate.prompts import CONTINUATIONS, FEWSHOT_DELIMITER, MMLU_PROMPT
 from llmflow.evaluate.questions import LETTERS, Question
-from llmflow.models import CausalLM, ModelConfig, save_hf_model
+from llmflow.models import CausalLM, ModelConfig
 from llmflow.sample_choice_tasks import write_choice_tasks
 from llmflow.sample_generative_tasks import write_generative_tasks
+from llmflow.weights import save_hf_model
 
 STAGE = "sample"
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"

@@ -151,6 +151,10 @@ class Family:
     build_layer: Callable[[ModelConfig], nn.Module]
     """One decoder layer: called as ``layer(hidden, cos, sin, document_ids[, (kv_cache, name)])``,
     returning the hidden states, with Hugging Face's module names inside."""
+    architecture: str
+    """The transformers class config.json's ``architectures`` names (``LlamaForCausalLM``)."""
+    write_options: Callable[[ModelConfig], dict[str, Any]]
+    """The inverse of ``read_options``: this family's own config.json keys for an export."""
 
 
 FAMILIES: dict[str, Family] = {}

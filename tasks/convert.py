@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prefect import task
 
-from llmflow.convert import STAGE, ConvertConfig, convert
 from llmflow.tasks.common import STAGE_CACHE_POLICY, InputFiles, StageArtifact, run_stage
+from llmflow.weights.convert import STAGE, ConvertConfig, convert
 
 
 @task(name=STAGE, cache_policy=STAGE_CACHE_POLICY + InputFiles(fields=("hf", "megatron")))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prefect import task
 
-from llmflow.export import STAGE, ExportConfig, export
 from llmflow.tasks.common import STAGE_CACHE_POLICY, InputFiles, StageArtifact, run_stage
+from llmflow.weights.export import STAGE, ExportConfig, export
 
 
 @task(name=STAGE, cache_policy=STAGE_CACHE_POLICY + InputFiles(fields=("ckpt",)))

@@ -25,13 +25,13 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from llmflow import runtime, tracking
-from llmflow.checkpoint import latest_step_dir, read_meta
 from llmflow.cluster.launcher import LaunchSettings
 from llmflow.cluster.nodes import NodeLayout
 from llmflow.tasks.common import STAGE_CACHE_POLICY, InputFiles, StageArtifact
 from llmflow.train.command import launch_training
 from llmflow.train.config import TrainConfig
 from llmflow.train.preflight import check_training
+from llmflow.weights import latest_step_dir, read_meta
 
 STAGE = "train"
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) \|")

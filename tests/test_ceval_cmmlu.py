@@ -25,7 +25,7 @@ from llmflow.evaluate.engine import EvalConfig, evaluate, prompts_for, select_qu
 from llmflow.evaluate.prompts import CONTINUATIONS
 from llmflow.evaluate.questions import BenchmarkDataError
 from llmflow.evaluate.scoring import model_requests, score_loglikelihood
-from llmflow.model_loading import load_model
+from llmflow.weights import load_model
 
 # Subjects and their Chinese names as lm-evaluation-harness's _generate_configs.py lists them.
 CEVAL_NAMES = {"computer_network": "计算机网络", "logic": "逻辑学"}

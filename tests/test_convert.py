@@ -1,4 +1,4 @@
-"""Training checkpoints (llmflow.checkpoint), ``llmflow convert`` and ``llmflow export``:
+"""Training checkpoints (llmflow.weights.training_checkpoint), ``llmflow convert`` and ``llmflow export``:
 HF -> checkpoint -> HF is bit-exact, vocabulary padding, crash safety of save_checkpoint,
 LoRA export (merged and PEFT layout) and clear errors on bad input."""
 
@@ -15,21 +15,21 @@ from safetensors import safe_open
 from torch.testing import assert_close
 
 from llmflow.artifacts import read_manifest
-from llmflow.checkpoint import (
+from llmflow.cli import main
+from llmflow.models import CausalLM, ConfigError, ModelConfig
+from llmflow.weights import (
+    CheckpointError,
     CheckpointMeta,
     latest_step_dir,
     load_checkpoint,
     load_rng_state,
-    padded_vocab_size,
     read_meta,
     save_checkpoint,
-    step_name,
 )
-from llmflow.cli import main
-from llmflow.convert import ConvertConfig, convert
-from llmflow.export import ExportConfig, export
-from llmflow.models import CausalLM, CheckpointError, ConfigError, ModelConfig
-from llmflow.models.hf_checkpoint import safetensors_files
+from llmflow.weights.convert import ConvertConfig, convert
+from llmflow.weights.export import ExportConfig, export
+from llmflow.weights.hf import safetensors_files
+from llmflow.weights.training_checkpoint import padded_vocab_size, step_name
 
 VOCAB = 160
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
@@ -94,7 +94,7 @@ def test_hf_to_checkpoint_to_hf_is_bit_exact(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if shard_mb < 1:  # also read the checkpoint a few tensors at a time
-        monkeypatch.setattr("llmflow.export.READ_BATCH_BYTES", 30_000)
+        monkeypatch.setattr("llmflow.weights.export.READ_BATCH_BYTES", 30_000)
 
     hf_model, hf_dir = make_hf_model(family, tie_word_embeddings=tied, save_kwargs=save_kwargs)
     add_tokenizer(hf_dir)
@@ -150,7 +150,7 @@ def test_a_padded_checkpoint_computes_the_unpadded_models_logits_and_loss(make_h
     and the loss (and get no gradient)."""
     import torch.nn.functional as F
 
-    from llmflow.model_loading import load_model
+    from llmflow.weights import load_model
 
     hf_model, hf_dir = make_hf_model("qwen2", tie_word_embeddings=tied)
     convert(ConvertConfig(hf=hf_dir, out=tmp_path / "ckpt", pad_vocab_to_multiple=24))
@@ -213,14 +213,14 @@ def tiny_state(seed: int) -> tuple[CausalLM, CheckpointMeta]:
     "crash_in, after", [("dcp_save", False), ("dcp_save", True), ("replace_directory", True), ("_write_latest", False)]
 )
 def test_killed_save_leaves_previous_latest_intact(tmp_path, monkeypatch, crash_in, after):
-    from llmflow import checkpoint
+    from llmflow.weights import training_checkpoint
 
     root = tmp_path / "run"
     first, meta = tiny_state(0)
     save_checkpoint(root, 1, {"model": first.state_dict(), "train": {"step": 1, "consumed_samples": 8}}, meta)
     second, _ = tiny_state(1)
 
-    original = getattr(checkpoint, crash_in)
+    original = getattr(training_checkpoint, crash_in)
 
     def crash(*args, **kwargs):
         if after:
@@ -228,7 +228,7 @@ def test_killed_save_leaves_previous_latest_intact(tmp_path, monkeypatch, crash_
         raise KeyboardInterrupt("killed")
 
     with monkeypatch.context() as m:
-        m.setattr(checkpoint, crash_in, crash)
+        m.setattr(training_checkpoint, crash_in, crash)
         with pytest.raises(KeyboardInterrupt):
             save_checkpoint(root, 2, {"model": second.state_dict()}, meta)
 
@@ -298,7 +298,7 @@ def fake_adapters(model: CausalLM, rank: int) -> dict[str, torch.Tensor]:
 def test_lora_export_merged_and_peft(llama, tokens, tmp_path, monkeypatch, base):
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setattr("llmflow.export.READ_BATCH_BYTES", 30_000)
+    monkeypatch.setattr("llmflow.weights.export.READ_BATCH_BYTES", 30_000)
 
     hf_model, hf_dir, ckpt = llama
     base_meta = read_meta(latest_step_dir(ckpt))

@@ -199,8 +199,8 @@ def test_finetune_eval_starts_from_a_megatron_checkpoint_and_exports_one(prefect
     import torch
     from test_convert import hf_tensors
 
-    from llmflow.convert import ConvertConfig, convert
-    from llmflow.export import ExportConfig, export
+    from llmflow.weights.convert import ConvertConfig, convert
+    from llmflow.weights.export import ExportConfig, export
 
     sample = sample_assets() / "model"
     convert(ConvertConfig(hf=sample, out=tmp_path / "ckpt"))

@@ -13,7 +13,7 @@ import torch
 
 from llmflow.data.tokenizer import load_tokenizer
 from llmflow.infer import GenerateConfig, generate, stream_generate
-from llmflow.model_loading import load_model
+from llmflow.weights import load_model
 
 VOCAB = 320
 EOS = "<|im_end|>"
@@ -80,8 +80,8 @@ def llama(make_hf_model) -> Path:
 
 def test_checkpoint_generates_like_its_hf_model(llama, tmp_path, capsys):
     from llmflow.cli import main
-    from llmflow.convert import ConvertConfig, convert
     from llmflow.infer.generator import load_generator
+    from llmflow.weights.convert import ConvertConfig, convert
 
     ckpt = convert(ConvertConfig(hf=llama, out=tmp_path / "ckpt", pad_vocab_to_multiple=256))
     hf, converted = load_generator(llama), load_generator(ckpt)

@@ -60,10 +60,10 @@ def test_sharded_loaders_build_the_model_of_one_process(sample_model, tmp_path, 
     from torch.distributed.tensor import DTensor
 
     from llmflow import runtime
-    from llmflow.convert import ConvertConfig, convert
     from llmflow.infer.__main__ import load_sharded_model
     from llmflow.infer.generator import load_generator, make_generator
     from llmflow.mesh import ParallelLayout, build_mesh
+    from llmflow.weights.convert import ConvertConfig, convert
 
     ckpt = convert(ConvertConfig(hf=sample_model, out=tmp_path / "ckpt", pad_vocab_to_multiple=256))
     config = GenerateConfig(max_new_tokens=12)

@@ -17,11 +17,11 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from llmflow.artifacts import read_manifest
 from llmflow.cli import main
-from llmflow.convert import ConvertConfig, convert
-from llmflow.export import ExportConfig, export
-from llmflow.megatron.layout import FC1, FC2, PROJ, QKV, QKV_BIAS, Attention, merge_shards, split_shards
-from llmflow.megatron.reader import load_pickled
-from llmflow.models.hf_checkpoint import CheckpointError
+from llmflow.weights import CheckpointError
+from llmflow.weights.convert import ConvertConfig, convert
+from llmflow.weights.export import ExportConfig, export
+from llmflow.weights.megatron.layout import FC1, FC2, PROJ, QKV, QKV_BIAS, Attention, merge_shards, split_shards
+from llmflow.weights.megatron.reader import load_pickled
 
 GQA = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4}
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 from test_convert import add_tokenizer, hf_tensors
 
-from llmflow.convert import ConvertConfig, convert
-from llmflow.export import ExportConfig, export
-from llmflow.model_loading import load_model
+from llmflow.weights import load_model
+from llmflow.weights.convert import ConvertConfig, convert
+from llmflow.weights.export import ExportConfig, export
 
 WORKER = Path(__file__).with_name("megatron_worker.py")
 TOLERANCE = 1e-5

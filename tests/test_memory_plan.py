@@ -385,8 +385,8 @@ def measure_training(root: str, hidden: int, layers: int, ffn: int, heads: int, 
     step) above the resident memory after the imports and a warm-up step of a tiny model;
     and the plan of the same run."""
     from llmflow.data.indexed import IndexedDatasetWriter
-    from llmflow.models.hf_checkpoint import save_hf_model
     from llmflow.train.loop import setup, train_step
+    from llmflow.weights import save_hf_model
 
     root_dir = Path(root)
     config = ModelConfig(model_type="qwen2", vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
@@ -452,10 +452,10 @@ def test_plan_within_15_percent_of_the_measured_peak_of_each_rank_at_dp_2_with_a
     embedding is most of its 86M parameters, as Qwen2.5-0.5B's is of its 494M: the peak is at
     the end of the backward pass, where the embedding's dense gradient, the output projection's
     gradient and the gathered root unit are held beside the optimizer state of step 1."""
-    from llmflow.convert import ConvertConfig, convert
     from llmflow.data.indexed import IndexedDatasetWriter
-    from llmflow.models.hf_checkpoint import save_hf_model
     from llmflow.train.memory import BACKWARD, UPDATE
+    from llmflow.weights import save_hf_model
+    from llmflow.weights.convert import ConvertConfig, convert
 
     vocab, seq = 151936, 64
     config = qwen2(vocab_size=vocab, num_hidden_layers=2, tie_word_embeddings=True)

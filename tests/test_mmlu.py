@@ -22,7 +22,7 @@ from llmflow.evaluate.scoring import (
     score_loglikelihood,
     score_requests,
 )
-from llmflow.model_loading import load_model
+from llmflow.weights import load_model
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import llmflow.kernels as K
-from llmflow.models import CausalLM, CheckpointError, ConfigError, ModelConfig, load_hf_model, save_hf_model
+from llmflow.models import CausalLM, ConfigError, ModelConfig
 from llmflow.models.blocks.rotary import inverse_frequencies
+from llmflow.weights import CheckpointError, load_hf_model, save_hf_model
 
 # Max abs difference between our fp32 logits/losses/grads and transformers' (or the reference path's).
 ATOL = 1e-5

@@ -26,17 +26,26 @@ from test_train_tasks import HF_CONFIG as TASK_MODEL
 from test_train_tasks import VOCAB, run_train_flow, step_losses
 
 from llmflow.artifacts import write_json_atomic
-from llmflow.checkpoint import LATEST, META, CheckpointMeta, NonFiniteError, dcp_save, save_checkpoint, step_name
 from llmflow.cli import main as cli_main
-from llmflow.convert import read_safetensors_header
 from llmflow.data.indexed import IndexedDatasetWriter
 from llmflow.launch import WorkerError
-from llmflow.model_loading import load_model
-from llmflow.models import CausalLM, CheckpointError, ModelConfig, load_hf_model, save_hf_model
+from llmflow.models import CausalLM, ModelConfig
 from llmflow.train.command import launch_training
 from llmflow.train.config import TrainConfig
 from llmflow.train.data import PretrainSamples
 from llmflow.train.loop import train
+from llmflow.weights import (
+    CheckpointError,
+    CheckpointMeta,
+    NonFiniteError,
+    load_hf_model,
+    load_model,
+    save_checkpoint,
+    save_hf_model,
+)
+from llmflow.weights.dcp import dcp_save
+from llmflow.weights.safetensors_io import read_safetensors_header
+from llmflow.weights.training_checkpoint import LATEST, META, step_name
 
 HF_CONFIG = {**TASK_MODEL, "tie_word_embeddings": False}
 POISON = VOCAB - 1

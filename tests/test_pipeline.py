@@ -20,14 +20,14 @@ import torch
 import yaml
 from train_helpers import assert_close, config, losses, run, train_in_subprocess, training_assets
 
-from llmflow.checkpoint import latest_step_dir, read_meta, stored_tensors
 from llmflow.cli import main as cli_main
-from llmflow.export import ExportConfig, export
-from llmflow.model_loading import load_model
-from llmflow.models import CausalLM, ModelConfig, is_lora_param, load_hf_model
+from llmflow.models import CausalLM, ModelConfig, is_lora_param
 from llmflow.models.pipeline import layer_split, rank_stages, split_model
 from llmflow.train.config import TrainConfig
 from llmflow.train.preflight import PreflightError, check_training, parallel_problems, pipeline_problems
+from llmflow.weights import latest_step_dir, load_hf_model, load_model, read_meta
+from llmflow.weights.export import ExportConfig, export
+from llmflow.weights.training_checkpoint import stored_tensors
 
 STEPS = 5
 SCHEDULES = [{"pp_schedule": "1F1B"}, {"pp_schedule": "GPipe"}, {"pp_schedule": "Interleaved1F1B", "virtual_stages": 2}]

@@ -16,7 +16,7 @@ from llmflow.evaluate.engine import EvalConfig, evaluate, prompts_for, select_qu
 from llmflow.evaluate.mmlu_data import load_mmlu
 from llmflow.evaluate.prompts import CONTINUATIONS
 from llmflow.evaluate.scoring import Request, model_requests, score_requests
-from llmflow.model_loading import load_model
+from llmflow.weights import load_model
 
 ATOL = 1e-5
 

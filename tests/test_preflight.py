@@ -15,11 +15,11 @@ import pytest
 import torch
 import yaml
 
-from llmflow.checkpoint import latest_step_dir
 from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig, tokenize_pretrain
 from llmflow.train.command import launch_training
 from llmflow.train.config import TrainConfig
 from llmflow.train.preflight import check_training
+from llmflow.weights import latest_step_dir
 
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "LLMFLOW_DEVICE": "cpu"}
 

@@ -373,8 +373,8 @@ def test_training_worker_dumps_the_listed_steps(pretraining_data, tmp_path, dete
 @pytest.mark.slow
 def test_tp2_against_tp1_compares_the_merged_shards_and_fsdp2_records_parameter_gradients(
         pretraining_data, tmp_path, deterministic):
-    from llmflow.convert import ConvertConfig, convert
     from llmflow.train.command import launch_training
+    from llmflow.weights.convert import ConvertConfig, convert
 
     model, data = pretraining_data
     checkpoint = tmp_path / "ckpt"

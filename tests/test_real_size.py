@@ -29,9 +29,11 @@ import torch
 from prefect_helpers import flow_run_logs, mlflow_runs, task_states
 from train_helpers import losses
 
-from llmflow.checkpoint import MODEL_KEY, check_dcp_files, latest_step_dir, read_meta, stored_tensors
 from llmflow.flows.finetune_eval import FinetuneEvalParams, finetune_eval
 from llmflow.sample import TOKENIZER_FILES
+from llmflow.weights import latest_step_dir, read_meta
+from llmflow.weights.dcp import check_dcp_files
+from llmflow.weights.training_checkpoint import MODEL_KEY, stored_tensors
 
 # Qwen/Qwen2.5-0.5B's config.json, as published on the Hub.
 QWEN2_5_0_5B = {
@@ -263,7 +265,7 @@ def assert_transformers_logits(model_dir: Path) -> None:
     give the same logits (max abs difference at most 1e-5) on ids from the whole vocabulary."""
     import transformers
 
-    from llmflow.model_loading import load_model
+    from llmflow.weights import load_model
 
     ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -26,7 +26,6 @@ from pydantic import ValidationError
 from slurm_cluster import SlurmCluster, missing_binaries, start_cluster
 from train_helpers import assert_close, config, losses, run, training_assets
 
-from llmflow.checkpoint import latest_step_dir, read_meta
 from llmflow.cluster.launcher import LaunchSettings, WorkerJob
 from llmflow.cluster.slurm import (
     SCRIPT_NAME,
@@ -41,6 +40,7 @@ from llmflow.data.indexed import IndexedDatasetWriter
 from llmflow.launch import WorkerError
 from llmflow.tasks.train import train_task
 from llmflow.train.config import TrainConfig
+from llmflow.weights import latest_step_dir, read_meta
 
 SUBMITTED = re.compile(r"Slurm job (\d+) submitted")
 FAST = SlurmSettings(poll_s=0.5)

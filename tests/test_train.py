@@ -19,14 +19,14 @@ import pytest
 import torch
 from train_helpers import assert_close, config, losses, run, train_in_subprocess, training_assets
 
-from llmflow.checkpoint import latest_step_dir, load_checkpoint, read_meta, stored_tensors
 from llmflow.data.indexed import IndexedDatasetWriter
-from llmflow.export import ExportConfig, export
-from llmflow.model_loading import load_model
-from llmflow.models import LoraConfig, apply_lora, is_lora_param, load_hf_model, lora_state_dict
+from llmflow.models import LoraConfig, apply_lora, is_lora_param, lora_state_dict
 from llmflow.train.config import load_train_config
 from llmflow.train.data import PretrainSamples, blend_assignments
 from llmflow.train.loop import learning_rate, train
+from llmflow.weights import latest_step_dir, load_checkpoint, load_hf_model, load_model, read_meta
+from llmflow.weights.export import ExportConfig, export
+from llmflow.weights.training_checkpoint import stored_tensors
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def reference(assets) -> dict[str, dict[int, float]]:
 def odd_checkpoint(assets) -> Path:
     """The sample model converted once with its vocabulary padded to 897 rows: a size no
     tensor-parallel degree above 1 divides."""
-    from llmflow.convert import ConvertConfig, convert
+    from llmflow.weights.convert import ConvertConfig, convert
 
     return convert(ConvertConfig(hf=assets["model"], out=assets["root"] / "ckpt-897", pad_vocab_to_multiple=897))
 
@@ -219,8 +219,8 @@ def test_lora_trains_only_adapters_and_merged_export_matches(assets, tmp_path):
 def test_a_checkpoint_with_nested_optimizer_state_still_resumes(assets, tmp_path, monkeypatch):
     """Checkpoints written before the optimizer state was flattened (one param_groups entry
     listing the parameter names) resume exactly; the next save is flattened."""
-    from llmflow.checkpoint import read_dcp_metadata
     from llmflow.train.loop import Run
+    from llmflow.weights.dcp import read_dcp_metadata
 
     flattened = Run.state
     monkeypatch.setattr(Run, "state", lambda run, flatten=True: flattened(run, False))

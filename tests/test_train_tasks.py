@@ -34,18 +34,18 @@ from prefect_helpers import (
 )
 
 from llmflow.artifacts import read_manifest
-from llmflow.checkpoint import read_meta
 from llmflow.cluster.launcher import LaunchSettings
-from llmflow.convert import ConvertConfig
 from llmflow.data.indexed import IndexedDatasetWriter
-from llmflow.export import ExportConfig
-from llmflow.models import CausalLM, ModelConfig, save_hf_model
-from llmflow.models.hf_checkpoint import safetensors_files
+from llmflow.models import CausalLM, ModelConfig
 from llmflow.tasks.common import InputFiles, StageArtifact
 from llmflow.tasks.convert import convert_task
 from llmflow.tasks.export import export_task
 from llmflow.tasks.train import train_task
 from llmflow.train.config import TrainConfig
+from llmflow.weights import read_meta, save_hf_model
+from llmflow.weights.convert import ConvertConfig
+from llmflow.weights.export import ExportConfig
+from llmflow.weights.hf import safetensors_files
 
 VOCAB = 96
 HF_CONFIG = {

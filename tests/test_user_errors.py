@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmflow.convert import ConvertConfig, convert
+from llmflow.weights.convert import ConvertConfig, convert
 
 pytestmark = pytest.mark.slow  # every test starts the CLI (torch, transformers) at least once
 

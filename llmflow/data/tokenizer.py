@@ -33,8 +33,8 @@ def _checkpoint_model_config(directory: Path) -> dict | None:
     """The HF config of the checkpoint whose ``tokenizer/`` folder ``directory`` is, when it has
     no config.json of its own: transformers picks some tokenizer classes by the model type."""
     if (directory / "config.json").is_file():
-        return None  # checked before the import: llmflow.checkpoint brings in torch.distributed.checkpoint
-    from llmflow.checkpoint import LATEST, TOKENIZER_DIR, read_meta, resolve_step_dir
+        return None  # checked before the import: llmflow.weights brings in the model code
+    from llmflow.weights.training_checkpoint import LATEST, TOKENIZER_DIR, read_meta, resolve_step_dir
 
     if directory.name != TOKENIZER_DIR or not (directory.parent / LATEST).is_file():
         return None

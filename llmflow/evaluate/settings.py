@@ -8,8 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmflow.model_loading import load_model, tokenizer_dir
 from llmflow.runtime import detect_device_type, resolve_dtype
+from llmflow.weights import load_model, tokenizer_dir
 
 DEFAULT_MAX_LENGTH = 2048
 

@@ -18,13 +18,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import DeviceMesh
 
 from llmflow import runtime
-from llmflow.checkpoint import load_checkpoint, read_meta, resolve_step_dir
 from llmflow.infer.command import GenerateCommand, run_generate
 from llmflow.infer.generator import make_generator
 from llmflow.mesh import ParallelLayout, build_mesh
-from llmflow.model_loading import is_checkpoint, load_model
 from llmflow.models import CausalLM, ModelConfig
 from llmflow.models.parallelize import apply_tp_inference
+from llmflow.weights import is_checkpoint, load_checkpoint, load_model, read_meta, resolve_step_dir
 
 
 def _empty_sharded_model(config: ModelConfig, mesh: DeviceMesh, device: torch.device) -> CausalLM:

@@ -28,8 +28,8 @@ from llmflow.artifacts import (
 from llmflow.data.templates import ChatTemplate, Message, load_template
 from llmflow.infer.generate import GenerateConfig, GenerationResult, encode_prompts
 from llmflow.infer.generator import Generator, load_generator
-from llmflow.model_loading import tokenizer_dir
 from llmflow.runtime import detect_device_type, resolve_dtype
+from llmflow.weights import tokenizer_dir
 
 STAGE = "infer"
 GENERATIONS = "generations.jsonl"

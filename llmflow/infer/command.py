@@ -15,7 +15,6 @@ from typing import TextIO
 from pydantic import ConfigDict, Field, model_validator
 
 from llmflow import runtime
-from llmflow.checkpoint import read_meta, resolve_step_dir
 from llmflow.cluster.nodes import NodeLayout
 from llmflow.data.templates import ChatTemplate, Message, load_template
 from llmflow.data.tokenizer import load_tokenizer
@@ -28,9 +27,9 @@ from llmflow.infer.generate import (
 from llmflow.infer.generator import Generator, load_generator
 from llmflow.launch import run_workers, torchrun_command
 from llmflow.mesh import ParallelLayout, layout_problems
-from llmflow.model_loading import hf_config_of, is_checkpoint, tokenizer_dir
 from llmflow.models import ModelConfig
 from llmflow.train.memory import MemoryPlan, device_memory, generation_plan, generation_suggestions, refusal
+from llmflow.weights import hf_config_of, is_checkpoint, read_meta, resolve_step_dir, tokenizer_dir
 
 RESET, EXIT = "/reset", "/exit"
 

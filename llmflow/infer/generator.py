@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from llmflow.data.tokenizer import load_tokenizer, tokenizer_info
 from llmflow.infer.generate import GenerateConfig, GenerationResult, generate
-from llmflow.model_loading import load_model, tokenizer_dir
 from llmflow.models import CausalLM
+from llmflow.weights import load_model, tokenizer_dir
 
 
 @dataclass

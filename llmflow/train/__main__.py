@@ -6,9 +6,9 @@ import os
 import sys
 from pathlib import Path
 
-from llmflow.checkpoint import NonFiniteError
 from llmflow.train.config import TrainConfig
 from llmflow.train.loop import train
+from llmflow.weights import NonFiniteError
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -35,21 +35,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPO
 from torch.distributed.tensor import DTensor
 
 from llmflow import runtime
-from llmflow.checkpoint import (
-    TOKENIZER_DIR,
-    CheckpointMeta,
-    NonFiniteError,
-    first_nonfinite,
-    latest_step_dir,
-    load_checkpoint,
-    load_rng_state,
-    read_dcp_metadata,
-    resume_note,
-    save_checkpoint,
-)
-from llmflow.convert import copy_tokenizer_files
 from llmflow.mesh import ParallelLayout, build_mesh, validate_layout
-from llmflow.model_loading import load_model, tokenizer_dir
 from llmflow.models import CausalLM, ModelConfig, apply_lora, is_lora_param
 from llmflow.models.parallelize import parallelize_decoder
 from llmflow.models.pipeline import ScaledLoss, pipeline_schedule, split_model
@@ -58,6 +44,19 @@ from llmflow.train.config import TrainConfig
 from llmflow.train.data import BlendedSamples, PretrainSamples, SftSamples, check_token_ids, collate
 from llmflow.train.metrics import StepTimer, flops_per_token, memory_gib, peak_flops
 from llmflow.train.preflight import batch_problems, pipeline_problems
+from llmflow.weights import (
+    CheckpointMeta,
+    NonFiniteError,
+    carry_tokenizer,
+    first_nonfinite,
+    latest_step_dir,
+    load_checkpoint,
+    load_model,
+    load_rng_state,
+    optimizer_state_flattened,
+    resume_note,
+    save_checkpoint,
+)
 
 # --- model ----------------------------------------------------------------------------------------
 
@@ -218,7 +217,7 @@ def setup(config: TrainConfig) -> Run:
 
     model, hf_config = load_model(config.model, env.device)
     if env.is_main:
-        _copy_tokenizer(Path(config.model), Path(config.out))
+        carry_tokenizer(Path(config.model), Path(config.out))
     topo = topology(config, env, model.config)
     layout = topo.layout
     problems = batch_problems(config.global_batch_size, config.micro_batch_size, layout.dp)
@@ -278,8 +277,7 @@ def resume(run: Run) -> None:
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    # Checkpoints written before optimizer state was flattened number their param_groups.
-    flatten = "optimizer.param_groups.0.lr" not in read_dcp_metadata(resume_dir).state_dict_metadata
+    flatten = optimizer_state_flattened(resume_dir)
     if not flatten and run.topo.layout.pp > 1:
         raise ValueError(
             f"{resume_dir} holds its optimizer state in the layout written before pipeline parallelism, which only "
@@ -487,13 +485,6 @@ def finite_step(step: int, loss: torch.Tensor, grad_norm: torch.Tensor, parts: l
 def _clean_name(name: str) -> str:
     """A parameter's name as the checkpoint stores it (without activation-checkpointing wrappers)."""
     return name.replace(_CHECKPOINT_PREFIX, "")
-
-
-def _copy_tokenizer(source: Path, out: Path) -> None:
-    """The run directory carries the tokenizer, so export and inference find it."""
-    found = tokenizer_dir(source)
-    if found is not None and not (out / TOKENIZER_DIR / "tokenizer.json").is_file():
-        copy_tokenizer_files(found, out / TOKENIZER_DIR)
 
 
 def _save(run: Run, step: int) -> None:

@@ -31,11 +31,9 @@ from pydantic import ValidationError
 
 from llmflow import runtime
 from llmflow.artifacts import MANIFEST, read_manifest, write_json_atomic
-from llmflow.checkpoint import latest_step_dir, read_meta, resolve_step_dir
 from llmflow.data.tokenize_instruction import STAGE as INSTRUCTION_STAGE
 from llmflow.data.tokenize_pretrain import STAGE as PRETRAIN_STAGE
 from llmflow.mesh import ParallelLayout, layout_problems
-from llmflow.model_loading import hf_config_of, is_checkpoint
 from llmflow.models import ModelConfig
 from llmflow.train.config import TrainConfig
 from llmflow.train.data import pretrain_prefix
@@ -48,6 +46,7 @@ from llmflow.train.memory import (
     train_plan,
     train_shape,
 )
+from llmflow.weights import hf_config_of, is_checkpoint, latest_step_dir, read_meta, resolve_step_dir
 
 CONFIG_NAME = "train_config.json"
 """The resolved config of the run, in its run directory (written at every launch)."""

@@ -20,6 +20,10 @@ def read_options(hf: dict[str, Any], source: str) -> dict[str, Any]:
     return {"qkv_bias": bias, "o_bias": bias}
 
 
+def write_options(config: ModelConfig) -> dict[str, Any]:
+    return {"attention_bias": config.qkv_bias, "mlp_bias": config.mlp_bias}
+
+
 def build_layer(config: ModelConfig) -> DecoderLayer:
     attention = Attention(
         config.hidden_size,
@@ -34,4 +38,4 @@ def build_layer(config: ModelConfig) -> DecoderLayer:
     return DecoderLayer(config.hidden_size, config.rms_norm_eps, attention, mlp)
 
 
-LLAMA = Family("llama", read_options, build_layer)
+LLAMA = Family("llama", read_options, build_layer, "LlamaForCausalLM", write_options)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmflow.models.config import Family
+from llmflow.models.config import Family, ModelConfig
 from llmflow.models.families import llama
 
 
@@ -13,4 +13,8 @@ def read_options(hf: dict[str, Any], source: str) -> dict[str, Any]:
     return {**llama.read_options(hf, source), "sliding_window": hf.get("sliding_window")}
 
 
-MISTRAL = Family("mistral", read_options, llama.build_layer)
+def write_options(config: ModelConfig) -> dict[str, Any]:
+    return {**llama.write_options(config), "sliding_window": config.sliding_window}
+
+
+MISTRAL = Family("mistral", read_options, llama.build_layer, "MistralForCausalLM", write_options)

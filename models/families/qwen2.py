@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmflow.models.config import ConfigError, Family
+from llmflow.models.config import ConfigError, Family, ModelConfig
 from llmflow.models.families import llama
 
 
@@ -16,4 +16,8 @@ def read_options(hf: dict[str, Any], source: str) -> dict[str, Any]:
     return {"qkv_bias": True, "o_bias": False, "sliding_window": sliding_window}
 
 
-QWEN2 = Family("qwen2", read_options, llama.build_layer)
+def write_options(config: ModelConfig) -> dict[str, Any]:
+    return {}  # the bias is implied by the family; the sliding-window keys are the original's
+
+
+QWEN2 = Family("qwen2", read_options, llama.build_layer, "Qwen2ForCausalLM", write_options)

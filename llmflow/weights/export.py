@@ -1,5 +1,5 @@
-"""The export stage: a training checkpoint (llmflow.checkpoint) -> a Hugging Face model directory
-(or, with ``megatron``, a Megatron-LM / MindSpeed-LLM checkpoint: ``llmflow.megatron.exporter``).
+"""The export stage: a training checkpoint (``training_checkpoint.py``) -> a Hugging Face model
+directory (or, with ``megatron``, a Megatron-LM / MindSpeed-LLM checkpoint: ``megatron/exporter.py``).
 
 Any step directory exports, whatever layout it was saved under: DCP reshards while one
 process reads the model tensors (and only those: optimizer state is never read). The
@@ -17,12 +17,10 @@ adapter_model.safetensors).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,26 +28,19 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmflow.artifacts import MANIFEST, atomic_directory, file_record, manifest_payload, write_json_atomic
-from llmflow.checkpoint import (
-    META,
-    MODEL_KEY,
-    TOKENIZER_DIR,
-    CheckpointMeta,
-    check_replaceable,
-    dcp_load,
-    read_meta,
-    resolve_step_dir,
-    stored_tensors,
-)
-from llmflow.convert import StoredTensor, copy_tokenizer_files, index_hf_tensors, read_tensor
-from llmflow.megatron.exporter import write_megatron
 from llmflow.models.config import ModelConfig
-from llmflow.models.decoder import CausalLM
-from llmflow.models.hf_checkpoint import CheckpointError, plan_shards, write_hf_weights, write_safetensors
-from llmflow.models.hf_names import TIED_INPUT, TIED_OUTPUT, expected_names, ours_to_hf
+from llmflow.weights.errors import CheckpointError
+from llmflow.weights.hf import write_hf_weights
+from llmflow.weights.hf_names import TIED_INPUT, TIED_OUTPUT, ours_to_hf
+from llmflow.weights.lora_adapters import LORA_A, LORA_B, check_adapter_shapes, lora_modules, lora_scale, merged_loader
+from llmflow.weights.megatron.exporter import write_megatron
+from llmflow.weights.safetensors_io import plan_shards, write_safetensors
+from llmflow.weights.stage_output import check_replaceable
+from llmflow.weights.tensor_source import Source, TensorInfo, base_source, weight_names
+from llmflow.weights.tokenizer_files import copy_tokenizer_files
+from llmflow.weights.training_checkpoint import META, CheckpointMeta, resolve_step_dir
 
 STAGE = "export"
-LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
 PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -112,134 +103,6 @@ class ExportConfig(BaseModel):
         return self.model_dump(mode="json", exclude={"out"})
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorInfo:
-    """Global shape and dtype of a stored tensor."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-@dataclasses.dataclass(frozen=True)
-class Source:
-    """What an export reads weights from: a checkpoint step directory, or (as the base of a
-    LoRA checkpoint trained straight from one) a Hugging Face model directory."""
-
-    path: Path
-    meta: CheckpointMeta
-    tensors: dict[str, TensorInfo]
-    """Model tensors by name (``model.layers.0.self_attn.q_proj.weight``)."""
-    hf_files: dict[str, StoredTensor] | None = None
-    """Where each tensor lies, for a Hugging Face directory; None for a checkpoint."""
-
-    @classmethod
-    def checkpoint(cls, step_dir: Path) -> Source:
-        stored = stored_tensors(step_dir)
-        tensors = {n: TensorInfo(tuple(md.size), md.properties.dtype) for n, md in stored.items()}
-        return cls(step_dir, read_meta(step_dir), tensors)
-
-    @classmethod
-    def hf_directory(cls, directory: Path) -> Source:
-        config = ModelConfig.from_file(directory)
-        files = index_hf_tensors(directory)
-        tensors = {n: TensorInfo(t.shape, t.dtype) for n, t in files.items()}
-        meta = CheckpointMeta(hf_config=config.hf_config, padded_vocab_size=config.vocab_size)
-        return cls(directory, meta, tensors, files)
-
-    @property
-    def tokenizer_dir(self) -> Path:
-        return self.path if self.hf_files is not None else self.path.parent / TOKENIZER_DIR
-
-    def load(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """The full (unsharded) tensors ``names``; DCP reshards them from however they were saved."""
-        if self.hf_files is not None:
-            return {n: read_tensor(self.hf_files[n]) for n in names}
-        state = {n: torch.empty(self.tensors[n].shape, dtype=self.tensors[n].dtype) for n in names}
-        dcp_load({MODEL_KEY: state}, self.path, collective=False)
-        return state
-
-
-def weight_names(source: Source) -> list[str]:
-    """The HF tensors of the model (a tied output projection appears once, as the
-    embedding), checked against what the source stores."""
-    config = ModelConfig.from_hf(source.meta.hf_config, source=str(source.path))
-    with torch.device("meta"):
-        model = CausalLM(config.padded_to(source.meta.padded_vocab_size))
-    names = expected_names(model)
-    missing = [n for n in names if n not in source.tensors]
-    if missing:
-        raise CheckpointError(f"{source.path}: lacks {len(missing)} model tensors, e.g. {missing[:5]}")
-    for name in names:
-        stored, expected = source.tensors[name].shape, tuple(model.get_parameter(name).shape)
-        if stored != expected:
-            raise CheckpointError(f"{source.path}: tensor {name!r} has shape {stored}, its config implies {expected}")
-    return names
-
-
-def lora_modules(source: Source) -> list[str]:
-    """The adapted modules of a LoRA checkpoint (``model.layers.0.self_attn.q_proj``)."""
-    others = sorted(n for n in source.tensors if not n.endswith((LORA_A, LORA_B)))
-    if others:
-        raise CheckpointError(f"{source.path}: LoRA checkpoint holds non-adapter tensors, e.g. {others[:5]}")
-    modules = sorted({n.removesuffix(LORA_A).removesuffix(LORA_B) for n in source.tensors})
-    unpaired = [m for m in modules if m + LORA_A not in source.tensors or m + LORA_B not in source.tensors]
-    if unpaired:
-        raise CheckpointError(f"{source.path}: adapters without both lora_A and lora_B: {unpaired[:5]}")
-    if not modules:
-        raise CheckpointError(f"{source.path}: LoRA checkpoint holds no adapter tensors")
-    return modules
-
-
-def lora_scale(source: Source) -> float:
-    """alpha / rank of a LoRA checkpoint."""
-    lora = source.meta.lora or {}
-    if "rank" not in lora or "alpha" not in lora:
-        raise CheckpointError(f"{source.path / META}: lora {lora} needs 'rank' and 'alpha'")
-    return float(lora["alpha"]) / float(lora["rank"])
-
-
-def base_source(lora: Source) -> Source:
-    """The frozen base weights of a LoRA checkpoint: a checkpoint, or the Hugging Face
-    directory it was trained from."""
-    if not lora.meta.base_checkpoint:
-        raise CheckpointError(f"{lora.path / META}: LoRA checkpoint names no base_checkpoint to merge into")
-    path = Path(lora.meta.base_checkpoint)
-    path = path if path.is_absolute() else lora.path.parent / path
-    base = Source.hf_directory(path) if (path / "config.json").is_file() else Source.checkpoint(resolve_step_dir(path))
-    if base.meta.padded_vocab_size != lora.meta.padded_vocab_size:
-        raise CheckpointError(
-            f"{base.path}: base vocabulary of {base.meta.padded_vocab_size} rows differs from the LoRA "
-            f"checkpoint's padded_vocab_size {lora.meta.padded_vocab_size} ({lora.path})"
-        )
-    return base
-
-
-def check_adapter_shapes(lora: Source, weights: Source, names: list[str], modules: list[str]) -> None:
-    """Every adapter belongs to a written weight W [out, in], with A [r, in] and B [out, r]."""
-    for module in modules:
-        a, b = lora.tensors[module + LORA_A].shape, lora.tensors[module + LORA_B].shape
-        name = module + ".weight"
-        weight = weights.tensors[name].shape if name in names else None
-        if weight is None or len(a) != 2 or len(b) != 2 or a[0] != b[1] or (b[0], a[1]) != weight:
-            raise CheckpointError(
-                f"{lora.path}: adapter of {module} (A {a}, B {b}) does not fit a base weight "
-                f"({'none written' if weight is None else weight}) in {weights.path}"
-            )
-
-
-def merge_adapters(weights: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], scale: float) -> None:
-    """``W += scale * B @ A`` (computed in float32) for every adapted weight in ``weights``."""
-    for name, weight in weights.items():
-        module = name.removesuffix(".weight")
-        if module + LORA_A in adapters:
-            a, b = adapters[module + LORA_A].float(), adapters[module + LORA_B].float()
-            weights[name] = (weight.float() + scale * (b @ a)).to(weight.dtype)
-
-
 def output_info(info: TensorInfo, name: str, vocab_size: int, dtype: torch.dtype | None) -> TensorInfo:
     """Shape and dtype of a tensor as written: vocabulary padding dropped, cast applied."""
     shape = (vocab_size, *info.shape[1:]) if name.endswith(_VOCAB_ROWS) else info.shape
@@ -264,19 +127,15 @@ def write_weights(
     dtype = _DTYPES[config.dtype] if config.dtype else None
     names = weight_names(weights)
     out_info = {n: output_info(weights.tensors[n], n, vocab_size, dtype) for n in names}
-    modules = lora_modules(lora) if lora is not None else []
     if lora is not None:
-        check_adapter_shapes(lora, weights, names, modules)
-    scale = lora_scale(lora) if lora is not None else 0.0
+        check_adapter_shapes(lora, weights, names, lora_modules(lora))
+    load = merged_loader(lora, weights) if lora is not None else weights.load
     read_bytes = {n: weights.tensors[n].nbytes for n in names}
     ours = {ours_to_hf(n): n for n in names}
 
     def read(shard: list[str]) -> Iterator[torch.Tensor]:
         for batch in plan_shards([ours[name] for name in shard], read_bytes, READ_BATCH_BYTES):
-            tensors = weights.load(batch)
-            adapted = [m for m in modules if m + ".weight" in tensors]
-            if adapted:
-                merge_adapters(tensors, lora.load([m + s for m in adapted for s in (LORA_A, LORA_B)]), scale)
+            tensors = load(batch)
             yield from (_finish(name, tensors.pop(name), vocab_size, dtype) for name in batch)
 
     specs = {ours_to_hf(n): (out_info[n].dtype, out_info[n].shape) for n in names}
@@ -326,20 +185,6 @@ def copy_tokenizer(work: Path, sources: list[Source]) -> Path | None:
             return directory
     log.warning("no tokenizer beside %s: the export has no tokenizer files", sources[0].path)
     return None
-
-
-def merged_loader(lora: Source, weights: Source) -> Callable[[list[str]], dict[str, torch.Tensor]]:
-    """Reads ``weights``' tensors by name with ``lora``'s adapters merged into each adapted one."""
-    modules, scale = lora_modules(lora), lora_scale(lora)
-
-    def load(names: list[str]) -> dict[str, torch.Tensor]:
-        tensors = weights.load(names)
-        adapted = [m for m in modules if m + ".weight" in tensors]
-        if adapted:
-            merge_adapters(tensors, lora.load([m + s for m in adapted for s in (LORA_A, LORA_B)]), scale)
-        return tensors
-
-    return load
 
 
 def export_megatron(config: ExportConfig, source: Source) -> Path:

@@ -31,8 +31,10 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from llmflow.checkpoint import dcp_save, padded_vocab_size
-from llmflow.megatron.layout import (
+from llmflow.models.config import ModelConfig
+from llmflow.weights.dcp import dcp_save
+from llmflow.weights.errors import CheckpointError
+from llmflow.weights.megatron.layout import (
     EMBEDDING,
     EXTRA_STATE_MODULES,
     FINAL_NORM,
@@ -49,9 +51,8 @@ from llmflow.megatron.layout import (
     other_tensors,
     split_shards,
 )
-from llmflow.megatron.reader import LEGACY_FILE, TRACKER
-from llmflow.models.config import ModelConfig
-from llmflow.models.hf_checkpoint import CheckpointError
+from llmflow.weights.megatron.reader import LEGACY_FILE, TRACKER
+from llmflow.weights.training_checkpoint import padded_vocab_size
 
 CHECKPOINT_VERSION = 3.0
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",

@@ -1,4 +1,6 @@
-"""Reading and writing Hugging Face checkpoints (config.json + safetensors, sharded or not).
+"""Hugging Face model directories: config.json and safetensors weights (one
+``model.safetensors``, or shards listed by ``model.safetensors.index.json``), tensors named
+as transformers names them (``hf_names.py``).
 
 Loading builds the model on the meta device and fills it one tensor at a time straight
 from the safetensors files, so the weights exist once in memory (plus one tensor in
@@ -12,66 +14,28 @@ import math
 import os
 import secrets
 import shutil
-import struct
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from llmflow.models.config import ModelConfig
+from llmflow.models.config import ModelConfig, family_of
 from llmflow.models.decoder import CausalLM
-from llmflow.models.hf_names import TIED_OUTPUT, expected_names, hf_to_ours, ours_to_hf
+from llmflow.weights.errors import CheckpointError
+from llmflow.weights.finite import check_finite
+from llmflow.weights.hf_names import TIED_OUTPUT, expected_names, hf_to_ours, ours_to_hf
+from llmflow.weights.safetensors_io import (
+    StoredTensor,
+    TensorSpecs,
+    plan_shards,
+    read_safetensors_header,
+    write_safetensors,
+)
 
 SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that does not hold what the model needs."""
-
-
-def all_finite(tensor: torch.Tensor) -> torch.Tensor:
-    """A 0-dim bool tensor on ``tensor``'s device: no value of ``tensor`` is NaN or ±Inf.
-    One reduction pass (min and max propagate NaN), no copy of the tensor and no host sync."""
-    if not tensor.is_floating_point() or tensor.numel() == 0:
-        return torch.ones((), dtype=torch.bool, device=tensor.device)
-    if tensor.element_size() == 1:  # float8: no min/max kernel
-        tensor = tensor.float()
-    return torch.isfinite(torch.stack(torch.aminmax(tensor))).all()
-
-
-def nonfinite_message(tensor: torch.Tensor) -> str:
-    """How many values of ``tensor`` are NaN and how many ±Inf, for an error message."""
-    return f"{int(torch.isnan(tensor).sum())} NaN and {int(torch.isinf(tensor).sum())} Inf values of {tensor.numel()}"
-
-
-def check_finite(tensor: torch.Tensor, where: str | Path, name: str) -> None:
-    """Refuse a weight that holds NaN or ±Inf, naming the file (or directory) and the tensor."""
-    if not bool(all_finite(tensor)):
-        raise CheckpointError(
-            f"{where}: tensor {name!r} holds non-finite numbers ({nonfinite_message(tensor)}); "
-            "the file is damaged or the model diverged"
-        )
-
-
 def safetensors_files(directory: str | Path) -> list[Path]:
     """The weight files of an HF checkpoint directory, from its index when there is one."""
     directory = Path(directory)
@@ -105,6 +69,14 @@ def iter_hf_tensors(directory: str | Path) -> Iterator[tuple[Path, str, torch.Te
         with opened as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has keys() but cannot be iterated
                 yield path, name, f.get_tensor(name)
+
+
+def index_hf_tensors(directory: Path) -> dict[str, StoredTensor]:
+    """Every tensor of an HF checkpoint directory by HF name, from the file headers."""
+    tensors: dict[str, StoredTensor] = {}
+    for path in safetensors_files(directory):
+        tensors.update(read_safetensors_header(path))
+    return tensors
 
 
 def _set_parameter(model: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -157,10 +129,11 @@ def hf_config_dict(config: ModelConfig) -> dict:
     """config.json for ``config``: the original keys, updated with the current shape.
     Rope and dtype are written in the spelling the original used (transformers 4 style
     when there was none), which transformers 4 and 5 both read."""
+    family = family_of(config.model_type)
     hf = dict(config.hf_config)
     hf.update(
         model_type=config.model_type,
-        architectures=[_ARCHITECTURES[config.model_type]],
+        architectures=[family.architecture],
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
@@ -175,11 +148,7 @@ def hf_config_dict(config: ModelConfig) -> dict:
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
     )
-    if config.model_type != "qwen2":
-        hf["attention_bias"] = config.qkv_bias
-        hf["mlp_bias"] = config.mlp_bias
-    if config.model_type == "mistral":
-        hf["sliding_window"] = config.sliding_window
+    hf.update(family.write_options(config))
     if "rope_parameters" in hf:
         hf["rope_parameters"] = {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta}
     else:
@@ -219,58 +188,6 @@ def save_hf_model(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return directory
-
-
-TensorSpecs = dict[str, tuple[torch.dtype, tuple[int, ...]]]
-"""Tensor name -> (dtype, shape), in the order the tensors are written."""
-
-
-def safetensors_header(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> bytes:
-    """The header of a safetensors file whose tensors (name -> dtype, shape) follow it
-    back to back in this order, so the data can be written one tensor at a time after it."""
-    names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, (dtype, shape) in specs.items():
-        nbytes = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
-
-
-def plan_shards(names: list[str], sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
-    """Consecutive groups of ``names`` of at most ``max_bytes`` each (a bigger tensor alone)."""
-    shards: list[list[str]] = [[]]
-    total = 0
-    for name in names:
-        if shards[-1] and total + sizes[name] > max_bytes:
-            shards.append([])
-            total = 0
-        shards[-1].append(name)
-        total += sizes[name]
-    return shards
-
-
-def write_safetensors(path: Path, specs: TensorSpecs, tensors: Iterable[torch.Tensor]) -> None:
-    """A safetensors file of the tensors ``specs`` describes, ``tensors`` yielding them in
-    that order: the header first, then one tensor at a time, so only the tensor being
-    written needs to be in memory. A failed write (a full disk) is an OSError naming ``path``."""
-    try:
-        with open(path, "wb") as f:
-            f.write(safetensors_header(specs))
-            for (name, (dtype, shape)), tensor in zip(specs.items(), tensors, strict=True):
-                if tensor.dtype != dtype or tuple(tensor.shape) != shape:
-                    raise ValueError(f"{path}: tensor {name} is {tensor.dtype} {tuple(tensor.shape)}, "
-                                     f"its header says {dtype} {shape}")
-                f.write(tensor.contiguous().view(-1).view(torch.uint8).numpy())
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as error:
-        if error.filename is not None or error.errno is None:
-            raise
-        raise OSError(error.errno, error.strerror, str(path)) from error
 
 
 def write_hf_weights(directory: Path, specs: TensorSpecs, max_shard_bytes: int,

@@ -1,5 +1,5 @@
 """The convert stage: a Hugging Face model directory (or a Megatron-LM / MindSpeed-LLM
-checkpoint of the same model) -> a training checkpoint (llmflow.checkpoint).
+checkpoint of the same model) -> a training checkpoint (``training_checkpoint.py``).
 
 The output root holds one step directory, ``step_00000000``, with the model's weights under
 the DCP key "model", the vocabulary rows of the embedding (and untied output) matrix padded
@@ -11,17 +11,12 @@ trains, generates and evaluates at any tensor-parallel degree.
 Conversion streams: the safetensors files are read with plain file reads, one tensor at a
 time, straight into the DCP writer, one DCP file per tensor. Peak memory is about the
 largest tensor, whatever the model's size. A Megatron checkpoint (``--megatron``, read by
-``llmflow.megatron``) streams the same way, one layer of one Megatron tensor at a time; the
+``megatron/``) streams the same way, one layer of one Megatron tensor at a time; the
 Hugging Face directory then gives only the config.json and tokenizer of the model it holds.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import fnmatch
-import json
-import shutil
-import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,38 +37,32 @@ from llmflow.artifacts import (
     read_manifest,
     write_json_atomic,
 )
-from llmflow.checkpoint import (
+from llmflow.models.config import ModelConfig
+from llmflow.models.decoder import CausalLM
+from llmflow.weights.dcp import dcp_save
+from llmflow.weights.errors import CheckpointError
+from llmflow.weights.finite import check_finite
+from llmflow.weights.hf import index_hf_tensors
+from llmflow.weights.hf_names import TIED_INPUT, TIED_OUTPUT, hf_to_ours
+from llmflow.weights.megatron.importer import Planned, check_supported, plan_import
+from llmflow.weights.megatron.reader import open_checkpoint
+from llmflow.weights.safetensors_io import StoredTensor, read_tensor
+from llmflow.weights.stage_output import check_replaceable
+from llmflow.weights.tokenizer_files import copy_tokenizer_files
+from llmflow.weights.training_checkpoint import (
     LATEST,
     META,
     MODEL_KEY,
     TOKENIZER_DIR,
     CheckpointMeta,
-    check_replaceable,
-    dcp_save,
     padded_vocab_size,
     step_name,
 )
-from llmflow.megatron.importer import Planned, check_supported, plan_import
-from llmflow.megatron.reader import open_checkpoint
-from llmflow.models.config import ModelConfig
-from llmflow.models.decoder import CausalLM
-from llmflow.models.hf_checkpoint import SAFETENSORS_DTYPES, CheckpointError, check_finite, safetensors_files
-from llmflow.models.hf_names import TIED_INPUT, TIED_OUTPUT, hf_to_ours
 
 STAGE = "convert"
 # Megatron's default for --make-vocab-size-divisible-by.
 DEFAULT_VOCAB_MULTIPLE = 128
 VOCAB_PARAMS = (TIED_INPUT, TIED_OUTPUT)
-TOKENIZER_PATTERNS = (
-    "tokenizer*",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.*",
-    "merges.txt",
-    "*.tiktoken",
-    "chat_template*",
-    "generation_config.json",
-)
 
 
 class ConvertConfig(BaseModel):
@@ -106,70 +95,6 @@ class ConvertConfig(BaseModel):
         params = {"hf": str(self.hf), "pad_vocab_to_multiple": self.pad_vocab_to_multiple}
         params |= {"megatron": str(self.megatron)} if self.megatron is not None else {}
         return params | ({"init": self.init, "seed": self.seed} if self.init == "random" else {})
-
-
-@dataclasses.dataclass(frozen=True)
-class StoredTensor:
-    """Where one tensor lies in a safetensors file."""
-
-    path: Path
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int
-    """Byte offset of the data from the start of the file."""
-    nbytes: int
-
-
-def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
-    """The tensors of a safetensors file, by name, from its header alone."""
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) != 8:
-            raise CheckpointError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
-        (header_len,) = struct.unpack("<Q", prefix)
-        try:
-            header = json.loads(f.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path}: not a safetensors file (header is not JSON: {e})") from None
-    tensors = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
-        if dtype is None:
-            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {entry['dtype']}")
-        begin, end = entry["data_offsets"]
-        tensors[name] = StoredTensor(path, dtype, tuple(entry["shape"]), 8 + header_len + begin, end - begin)
-    needed = max((t.offset + t.nbytes for t in tensors.values()), default=8 + header_len)
-    if path.stat().st_size < needed:
-        raise CheckpointError(f"{path}: {path.stat().st_size} bytes where its header needs {needed}; the file is truncated")
-    return tensors
-
-
-def read_tensor(stored: StoredTensor, rows: int | None = None) -> torch.Tensor:
-    """The tensor, read with a plain file read (no mmap, so the file's pages never count
-    against this process); with ``rows``, zero-padded along dim 0 to that many rows."""
-    shape = (rows or stored.shape[0], *stored.shape[1:]) if stored.shape else ()
-    tensor = torch.empty(shape, dtype=stored.dtype)
-    if rows:
-        tensor[stored.shape[0]:].zero_()
-    target = memoryview(tensor.view(-1).view(torch.uint8).numpy())[: stored.nbytes]
-    with open(stored.path, "rb", buffering=0) as f:
-        f.seek(stored.offset)
-        while target:
-            n = f.readinto(target)
-            if not n:
-                raise CheckpointError(f"{stored.path}: file ends inside a tensor; the file is truncated")
-            target = target[n:]
-    return tensor
-
-
-def index_hf_tensors(directory: Path) -> dict[str, StoredTensor]:
-    """Every tensor of an HF checkpoint directory by HF name, from the file headers."""
-    tensors: dict[str, StoredTensor] = {}
-    for path in safetensors_files(directory):
-        tensors.update(read_safetensors_header(path))
-    return tensors
 
 
 def plan_sources(
@@ -273,14 +198,6 @@ def write_random_state(step_dir: Path, config: ModelConfig, padded_vocab: int, s
         model.model.embed_tokens.weight[config.vocab_size:] = 0
         model.lm_head.weight[config.vocab_size:] = 0
     dcp_save({MODEL_KEY: model.state_dict()}, step_dir)
-
-
-def copy_tokenizer_files(source: Path, target: Path) -> None:
-    """Copy the tokenizer (and generation config) files of an HF directory into ``target``."""
-    target.mkdir(parents=True, exist_ok=True)
-    for path in sorted(source.iterdir()):
-        if path.is_file() and any(fnmatch.fnmatch(path.name, pattern) for pattern in TOKENIZER_PATTERNS):
-            shutil.copyfile(path, target / path.name)
 
 
 def convert(config: ConvertConfig) -> Path:

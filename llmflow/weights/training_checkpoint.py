@@ -22,38 +22,29 @@ at any point leaves the previous ``latest`` and its step directory intact.
 
 from __future__ import annotations
 
-import errno
-import os
-import pickle
 import re
 import shutil
-import warnings
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmflow.artifacts import MANIFEST, atomic_file, read_manifest, replace_directory, with_filename, write_json_atomic
-from llmflow.models.hf_checkpoint import CheckpointError, all_finite
+from llmflow.artifacts import atomic_file, replace_directory, write_json_atomic
+from llmflow.weights.dcp import dcp_load, dcp_save, read_dcp_metadata
+from llmflow.weights.errors import CheckpointError, NonFiniteError
+from llmflow.weights.finite import check_finite, first_nonfinite, named_tensors
+from llmflow.weights.process_group import barrier, global_rank
 
 LATEST = "latest"
 META = "meta.json"
 RNG_DIR = "rng"
 TOKENIZER_DIR = "tokenizer"
 MODEL_KEY = "model"
-DCP_METADATA = ".metadata"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
-# torch.distributed.checkpoint (and the DTensor it brings) is imported where it is used: it
-# costs a second of start-up that commands loading a Hugging Face model never need.
 if TYPE_CHECKING:
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-    from torch.distributed.checkpoint.planner import SavePlanner
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 
 class CheckpointMeta(BaseModel):
@@ -94,6 +85,25 @@ def padded_vocab_size(vocab_size: int, multiple: int) -> int:
     if vocab_size < 1 or multiple < 1:
         raise ValueError(f"padded_vocab_size: vocab_size={vocab_size}, multiple={multiple} must be >= 1")
     return -(-vocab_size // multiple) * multiple
+
+
+def is_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint root (``latest``) or a step directory (meta.json)."""
+    return (path / LATEST).is_file() or (path / META).is_file()
+
+
+def checkpoint_root(step_dir: Path) -> Path:
+    """The checkpoint root a step directory belongs to."""
+    return step_dir if (step_dir / LATEST).is_file() else step_dir.parent
+
+
+def lora_base(step_dir: Path, meta: CheckpointMeta) -> Path:
+    """Where a LoRA checkpoint's frozen base weights are (``meta.base_checkpoint``, a relative
+    path taken from the checkpoint's root)."""
+    if meta.base_checkpoint is None:
+        raise CheckpointError(f"{step_dir}: a LoRA checkpoint without base_checkpoint")
+    base = Path(meta.base_checkpoint)
+    return base if base.is_absolute() else checkpoint_root(step_dir) / base
 
 
 def latest_step_dir(root: str | Path) -> Path | None:
@@ -150,153 +160,12 @@ def stored_tensors(step_dir: str | Path, key: str = MODEL_KEY) -> dict[str, Tens
     }
 
 
-def read_dcp_metadata(directory: Path) -> Metadata:
-    """The DCP metadata of a step directory; CheckpointError naming the file when it cannot be read."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        return FileSystemReader(str(directory)).read_metadata()
-    except (OSError, EOFError, ValueError, pickle.UnpicklingError) as error:
-        raise CheckpointError(
-            f"{directory / DCP_METADATA}: cannot read the checkpoint's metadata ({type(error).__name__}: {error}); "
-            "the step directory is incomplete or damaged"
-        ) from error
-
-
-def check_dcp_files(directory: Path) -> None:
-    """Refuse a DCP directory whose data files are missing or shorter than its metadata says
-    (a copy cut short), naming the first such file, before anything is read."""
-    needed: dict[str, int] = {}
-    for info in read_dcp_metadata(directory).storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
-        path = directory / name
-        if not path.is_file():
-            raise CheckpointError(f"{path}: missing; the checkpoint step directory is incomplete")
-        if path.stat().st_size < size:
-            raise CheckpointError(
-                f"{path}: {path.stat().st_size} bytes where the checkpoint's metadata needs {size}; the file is truncated"
-            )
-
-
-def _unwrapped(error: CheckpointException, directory: Path) -> BaseException:
-    """The error of the first failed rank when it is the user's (a file that cannot be read or
-    written, a CheckpointError), else ``error`` itself: DCP wraps every failure in its own type."""
-    failure = next(iter(error.failures.values()))[0]
-    if isinstance(failure, OSError):
-        return with_filename(failure, directory)
-    if isinstance(failure, RuntimeError) and directory.exists() and os.statvfs(directory).f_bavail == 0:
-        # torch.save's writer reports a write that hit a full disk as a RuntimeError without errno
-        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
-    return failure if isinstance(failure, CheckpointError) else error
-
-
-def check_replaceable(out: Path, stage: str) -> None:
-    """Refuse to replace ``out`` unless it is absent, empty or an earlier output of ``stage``,
-    so that a mistyped path never wipes a training checkpoint or a model."""
-    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
-        return
-    manifest = read_manifest(out) if out.is_dir() else None
-    if manifest is None or manifest.get("stage") != stage:
-        raise CheckpointError(
-            f"{out} exists and is not the output of an earlier 'llmflow {stage}' (no {MANIFEST} with "
-            f"stage '{stage}'); remove it or choose another output directory"
-        )
-
-
-class NonFiniteError(RuntimeError):
-    """Training produced NaN or ±Inf (a loss, a gradient norm, or a value about to be saved)."""
-
-
-def named_tensors(state: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor in a nested state dict (dicts and lists), by dotted path."""
-    if isinstance(state, torch.Tensor):
-        yield prefix, state
-    elif isinstance(state, dict):
-        for key, value in state.items():
-            yield from named_tensors(value, f"{prefix}.{key}" if prefix else str(key))
-    elif isinstance(state, (list, tuple)):
-        for i, value in enumerate(state):
-            yield from named_tensors(value, f"{prefix}.{i}" if prefix else str(i))
-
-
-def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]], order: list[str] | None = None) -> str | None:
-    """The first name, in ``order`` (every name any rank passes), whose tensor holds NaN or
-    ±Inf on any rank, or None. Looks at each rank's own shards of DTensors. Under a process
-    group it is a collective (one all-reduce agrees on the first); ranks may pass different
-    names (pipeline stages), and without ``order`` the ranks' names are gathered, rank by rank."""
-    from torch.distributed.tensor import DTensor
-
-    names, flags = [], []
-    for name, tensor in named:
-        names.append(name)
-        flags.append(all_finite(tensor.to_local() if isinstance(tensor, DTensor) else tensor))
-    if order is None:
-        order = names
-        if _distributed():
-            gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
-            dist.all_gather_object(gathered, names)
-            order = list(dict.fromkeys(name for rank_names in gathered for name in rank_names))
-    device = flags[0].device if flags else None
-    finite = torch.stack(flags).tolist() if flags else []
-    first = torch.tensor(min((order.index(n) for n, ok in zip(names, finite, strict=True) if not ok), default=len(order)),
-                         device=device)
-    if _distributed():
-        dist.all_reduce(first, op=dist.ReduceOp.MIN)
-    index = int(first)
-    return order[index] if index < len(order) else None
-
-
 def resume_note(root: str | Path) -> str:
     """Where a rerun of the run in ``root`` starts from, for an error message."""
     pointer = Path(root) / LATEST
     if pointer.is_file():
         return f"{pointer} still names {pointer.read_text().strip()}, where a rerun resumes"
     return f"no checkpoint is saved in {root}; a rerun starts from the beginning"
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def _barrier() -> None:
-    if _distributed():
-        dist.barrier()
-
-
-def dcp_save(state: dict[str, Any], directory: Path, writer: FileSystemWriter | None = None,
-             planner: SavePlanner | None = None) -> None:
-    """``dcp.save`` of ``state`` into ``directory``: collective under a process group, a
-    plain local save without one."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        try:
-            dcp.save(state, storage_writer=writer or dcp.FileSystemWriter(str(directory)), planner=planner,
-                     no_dist=not _distributed())
-        except CheckpointException as error:
-            raise _unwrapped(error, directory) from error
-
-
-def dcp_load(state: dict[str, Any], directory: Path, collective: bool = True) -> None:
-    """``dcp.load`` into ``state`` in place; collective under a process group unless
-    ``collective`` is False (one process reading for itself)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    check_dcp_files(directory)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        try:
-            dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=not (collective and _distributed()))
-        except CheckpointException as error:
-            raise _unwrapped(error, directory) from error
 
 
 def save_checkpoint(
@@ -324,25 +193,25 @@ def save_checkpoint(
     final = root / step_name(step)
     # Every rank derives the same temporary path; rank 0 clears what a killed save left there.
     tmp = root / f".{final.name}.tmp"
-    if _rank() == 0:
+    if global_rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-    _barrier()
+    barrier()
     dcp_save(state, tmp)
     if rng_state is not None:
-        rng_path = tmp / RNG_DIR / f"rank_{_rank():05d}.pt"
+        rng_path = tmp / RNG_DIR / f"rank_{global_rank():05d}.pt"
         rng_path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_file(rng_path) as f:
             torch.save(rng_state, f)
-    _barrier()
-    if _rank() == 0:
+    barrier()
+    if global_rank() == 0:
         meta = meta.model_copy(update={"step": step, "contents": list(state)})
         write_json_atomic(tmp / META, meta.model_dump(mode="json"))
         replace_directory(tmp, final)
         _write_latest(root, final.name)
         if keep is not None:
             _prune(root, keep, final.name)
-    _barrier()
+    barrier()
     return final
 
 
@@ -371,6 +240,20 @@ def load_checkpoint(step_dir: str | Path, state: dict[str, Any]) -> CheckpointMe
         raise CheckpointError(f"{step_dir} holds {meta.contents}; it has no {absent}")
     dcp_load(state, Path(step_dir))
     return meta
+
+
+def load_model_weights(step_dir: Path, state: dict[str, torch.Tensor]) -> None:
+    """Load the model tensors of a step directory into ``state`` in place, refusing NaN or
+    ±Inf (naming the step directory and the tensor)."""
+    load_checkpoint(step_dir, {MODEL_KEY: state})
+    for name, tensor in state.items():
+        check_finite(tensor, step_dir, f"{MODEL_KEY}.{name}")
+
+
+def optimizer_state_flattened(step_dir: Path) -> bool:
+    """Whether the step's optimizer state is flattened (one entry per parameter); checkpoints
+    written before that number their param_groups."""
+    return "optimizer.param_groups.0.lr" not in read_dcp_metadata(step_dir).state_dict_metadata
 
 
 def load_rng_state(step_dir: str | Path, rank: int) -> dict[str, Any] | None:

@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
-from llmflow.megatron.layout import (
+from llmflow.models.config import ModelConfig
+from llmflow.weights.errors import CheckpointError
+from llmflow.weights.megatron.layout import (
     EMBEDDING,
     FINAL_NORM,
     LAYER_SOURCES,
@@ -28,9 +30,7 @@ from llmflow.megatron.layout import (
     other_tensors,
     unfuse,
 )
-from llmflow.megatron.reader import MegatronCheckpoint
-from llmflow.models.config import ModelConfig
-from llmflow.models.hf_checkpoint import CheckpointError
+from llmflow.weights.megatron.reader import MegatronCheckpoint
 
 # Megatron-LM argument -> (what llmflow supports, why it matters), checked when args are present.
 _REQUIRED_ARGS: dict[str, tuple[Any, str]] = {

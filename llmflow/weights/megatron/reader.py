@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from llmflow.megatron.layout import LAYERS, LOCAL_NORM_NAMES, OUTPUT, merge_shards
-from llmflow.models.hf_checkpoint import CheckpointError
+from llmflow.weights.errors import CheckpointError
+from llmflow.weights.megatron.layout import LAYERS, LOCAL_NORM_NAMES, OUTPUT, merge_shards
 
 TRACKER = "latest_checkpointed_iteration.txt"
 LEGACY_FILE = "model_optim_rng.pt"
