@@ -16,7 +16,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from llmflow import runtime
 from llmflow.checkpoint import read_meta, resolve_step_dir
-from llmflow.cluster.nodes import NodeLayout
+from llmflow.cluster.nodes import NodeLayout, torchrun_command
 from llmflow.data.templates import ChatTemplate, Message, load_template
 from llmflow.data.tokenizer import load_tokenizer
 from llmflow.infer.batch import read_prompts
@@ -26,7 +26,7 @@ from llmflow.infer.generate import (
     encode_prompts,
 )
 from llmflow.infer.generator import Generator, load_generator
-from llmflow.launch import run_workers, torchrun_command
+from llmflow.launch import run_workers
 from llmflow.mesh import ParallelLayout, layout_problems
 from llmflow.model_loading import hf_config_of, is_checkpoint, tokenizer_dir
 from llmflow.models import ModelConfig
