@@ -37,7 +37,7 @@ def run_direct(workspace: Path, params) -> float:
     from llmflow.export import ExportConfig, export
     from llmflow.flows.stages import write_prompts
     from llmflow.infer.batch import InferConfig, run_inference
-    from llmflow.sample import SampleConfig, write_sample
+    from llmflow.sample.assets import SampleConfig, write_sample
     from llmflow.train.command import launch_training
     from llmflow.train.config import DataConfig
 

@@ -72,7 +72,7 @@ def main() -> None:
     device = torch.device(args.device)
 
     from llmflow.models import load_hf_model
-    from llmflow.sample import SampleConfig, write_sample
+    from llmflow.sample.assets import SampleConfig, write_sample
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

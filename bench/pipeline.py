@@ -129,7 +129,7 @@ def prepare(work: Path, args) -> tuple[Path, Path, int]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig, tokenize_pretrain
-    from llmflow.sample import SampleConfig, write_sample
+    from llmflow.sample.assets import SampleConfig, write_sample
 
     sample = write_sample(SampleConfig(out=work / "sample")) / "model"
     tokenize_pretrain(PretrainTokenizeConfig(input=[work / "sample" / "pretrain" / "corpus.parquet"], tokenizer=sample,

@@ -57,7 +57,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from llmflow.models import load_hf_model
-    from llmflow.sample import SampleConfig, write_sample
+    from llmflow.sample.assets import SampleConfig, write_sample
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -31,7 +31,7 @@ from train_helpers import losses
 
 from llmflow.checkpoint import MODEL_KEY, check_dcp_files, latest_step_dir, read_meta, stored_tensors
 from llmflow.flows.finetune_eval import FinetuneEvalParams, finetune_eval
-from llmflow.sample import TOKENIZER_FILES
+from llmflow.sample.tokenizer import TOKENIZER_FILES
 
 # Qwen/Qwen2.5-0.5B's config.json, as published on the Hub.
 QWEN2_5_0_5B = {
