@@ -3,7 +3,7 @@ against the real lm-evaluation-harness (``lm_eval --model hf``), same model, dat
 batch size and ``--limit``, each a command of its own timed by the wall clock from start to
 exit.
 
-The data and model are the sample assets (``llmflow.sample.write_sample``): BoolQ in
+The data and model are the sample assets (``llmflow.sample.assets.write_sample``): BoolQ in
 aps/super_glue's layout, two AGIEval tasks in hails/agieval-*'s, GSM8K in openai/gsm8k's and
 two BBH subtasks in SaylorTwift/bbh's; ``--limit`` takes the first N documents of each task
 (both sides). lm-evaluation-harness reads them through its own task yamls, included
@@ -58,9 +58,9 @@ from bench.process import (
 )
 from bench.results import update_results
 from llmflow.evaluate.provenance import prompts_sha256
-from llmflow.sample import SampleConfig, write_sample
-from llmflow.sample_choice_tasks import AGIEVAL_TASKS
-from llmflow.sample_generative_tasks import BBH_SUBTASKS
+from llmflow.sample.assets import SampleConfig, write_sample
+from llmflow.sample.choice_tasks import AGIEVAL_TASKS
+from llmflow.sample.generative_tasks import BBH_SUBTASKS
 
 PREFIX = "llmflow_"  # lm-eval's name of a local task: the prefix and the harness's own name
 

@@ -35,7 +35,7 @@ def run_direct(workspace: Path, params) -> float:
     from llmflow.evaluate.engine import EvalConfig, evaluate
     from llmflow.flows.stages import write_prompts
     from llmflow.infer.batch import InferConfig, run_inference
-    from llmflow.sample import SampleConfig, write_sample
+    from llmflow.sample.assets import SampleConfig, write_sample
     from llmflow.train.command import launch_training
     from llmflow.train.config import DataConfig
     from llmflow.weights.convert import ConvertConfig, convert

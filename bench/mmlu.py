@@ -50,7 +50,7 @@ from llmflow.evaluate.benchmarks import MMLU
 from llmflow.evaluate.engine import prompts_for, select_questions
 from llmflow.evaluate.mmlu_data import load_mmlu
 from llmflow.evaluate.questions import LETTERS
-from llmflow.sample import SampleConfig, write_sample
+from llmflow.sample.assets import SampleConfig, write_sample
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 LARGE_VOCAB = {"vocab_size": 151936, "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4,

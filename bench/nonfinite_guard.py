@@ -71,7 +71,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
 
-    from llmflow.sample import SampleConfig, write_sample
+    from llmflow.sample.assets import SampleConfig, write_sample
     from llmflow.weights import load_hf_model
 
     with tempfile.TemporaryDirectory() as tmp:

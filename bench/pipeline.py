@@ -129,7 +129,7 @@ def prepare(work: Path, args) -> tuple[Path, Path, int]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig, tokenize_pretrain
-    from llmflow.sample import SampleConfig, write_sample
+    from llmflow.sample.assets import SampleConfig, write_sample
 
     sample = write_sample(SampleConfig(out=work / "sample")) / "model"
     tokenize_pretrain(PretrainTokenizeConfig(input=[work / "sample" / "pretrain" / "corpus.parquet"], tokenizer=sample,
@@ -207,7 +207,8 @@ def parse_steps(lines: list[str], args, tokens: int) -> dict:
 
 def run_layout(model: Path, data: Path, work: Path, pipeline: dict, args) -> dict:
     """pp=1 (dp=2, pipeline empty) or pp=2 on 2 torchrun ranks, the whole global batch."""
-    from llmflow.launch import run_workers, torchrun_command
+    from llmflow.cluster.nodes import torchrun_command
+    from llmflow.launch import run_workers
 
     dp = 2 // pipeline.get("pp", 1)
     samples = args.micro_batch * args.microbatches

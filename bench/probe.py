@@ -56,7 +56,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from llmflow.sample import SampleConfig, write_sample
+    from llmflow.sample.assets import SampleConfig, write_sample
     from llmflow.weights import load_hf_model
 
     with tempfile.TemporaryDirectory() as tmp:

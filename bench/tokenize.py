@@ -70,7 +70,7 @@ def make_corpus(work: Path, mb: float) -> tuple[Path, Path, float, int]:
     already holds them) and their corpus as JSON lines. Returns (jsonl, tokenizer dir,
     MB of text, documents)."""
     from llmflow.artifacts import read_manifest
-    from llmflow.sample import SampleConfig, write_sample
+    from llmflow.sample.assets import SampleConfig, write_sample
 
     documents = max(1, round(mb * 1e6 / ARTICLE_BYTES))
     sample = work / "sample"

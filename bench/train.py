@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 def prepare(work: Path) -> tuple[Path, Path]:
     """Sample assets and their tokenized corpus; returns (model dir, data prefix)."""
     from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig, tokenize_pretrain
-    from llmflow.sample import SampleConfig, write_sample
+    from llmflow.sample.assets import SampleConfig, write_sample
 
     sample = write_sample(SampleConfig(out=work / "sample"))
     model = sample / "model"

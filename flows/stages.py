@@ -24,9 +24,9 @@ from llmflow.download import DownloadConfig, parse_source
 from llmflow.evaluate.engine import EvalConfig
 from llmflow.evaluate.task_groups import TASK_GROUPS, config_type
 from llmflow.flows.params import MEGATRON, SAMPLE, BenchmarkSources, EvalParams
-from llmflow.sample import SampleConfig
-from llmflow.sample_choice_tasks import AGIEVAL_TASKS as SAMPLE_AGIEVAL_TASKS
-from llmflow.sample_generative_tasks import BBH_SUBTASKS as SAMPLE_BBH_SUBTASKS
+from llmflow.sample.assets import SampleConfig
+from llmflow.sample.choice_tasks import AGIEVAL_TASKS as SAMPLE_AGIEVAL_TASKS
+from llmflow.sample.generative_tasks import BBH_SUBTASKS as SAMPLE_BBH_SUBTASKS
 from llmflow.tasks.common import StageArtifact
 from llmflow.tasks.convert import convert_task
 from llmflow.tasks.download import download_task

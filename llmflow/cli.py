@@ -36,7 +36,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "server": ("llmflow.server:ServerCommand",
                ("Start the Prefect server and UI, a worker, llmflow's deployments and the MLflow UI "
                 "(loopback; Ctrl-C stops).")),
-    "sample": ("llmflow.sample:SampleCommand",
+    "sample": ("llmflow.sample.assets:SampleCommand",
                "Write the built-in sample assets: tokenizer, tiny model, corpus, instructions, MMLU-style set."),
     "tokenize": ("llmflow.data.commands:TokenizeCommands",
                  "Tokenize text into training datasets (pretrain text, instruction data)."),

@@ -16,13 +16,14 @@ and ``HF_HUB_OFFLINE`` are read by huggingface_hub itself.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
-import hashlib
 import shutil
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
+from huggingface_hub.utils import filter_repo_objects
+from huggingface_hub.utils.sha import git_hash
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import CliPositionalArg
 
@@ -38,6 +39,7 @@ from llmflow.artifacts import (
 )
 
 STAGE = "download"
+T = TypeVar("T")
 SCHEMES = ("hf", "ms")
 # Bookkeeping that lives inside the output directory but is not part of it.
 _SKIP_DIRS = (".cache", ".git")
@@ -97,11 +99,10 @@ def parse_source(source: str) -> tuple[str, str]:
     return "local", str(path.resolve())
 
 
-def _matches(rel: str, include: list[str]) -> bool:
-    # The hub's rule: a pattern ending in "/" means everything under that folder.
-    if not include:
-        return True
-    return any(fnmatch.fnmatch(rel, p + "*" if p.endswith("/") else p) for p in include)
+def _included(paths: Iterable[T], include: list[str], key: Callable[[T], str] | None = None) -> list[T]:
+    """The ``paths`` that ``include`` selects, matched as ``snapshot_download``'s
+    ``allow_patterns`` are (a pattern ending in "/" means everything under that folder)."""
+    return list(filter_repo_objects(paths, allow_patterns=include or None, key=key))
 
 
 def _output_files(out: Path) -> list[Path]:
@@ -123,15 +124,6 @@ def bad_files(out: Path, manifest: dict[str, Any]) -> list[str]:
         if not path.is_file() or path.stat().st_size != record["size"] or sha256_file(path) != record["sha256"]:
             bad.append(record["path"])
     return bad
-
-
-def _git_blob_sha1(path: Path) -> str:
-    """Git's object id of a file (the hub's ``oid`` for files not stored in LFS)."""
-    digest = hashlib.sha1(f"blob {path.stat().st_size}\0".encode())
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _holds_data(out: Path) -> bool:
@@ -175,11 +167,9 @@ def _download_hf(config: DownloadConfig, repo_id: str, out: Path) -> dict[str, A
         api = HfApi()
         info = api.repo_info(repo_id, repo_type=config.repo_type, revision=config.revision)
         commit = info.sha
-        expected = {
-            entry.path: entry
-            for entry in api.list_repo_tree(repo_id, recursive=True, revision=commit, repo_type=config.repo_type)
-            if isinstance(entry, RepoFile) and _matches(entry.path, include)
-        }
+        tree = api.list_repo_tree(repo_id, recursive=True, revision=commit, repo_type=config.repo_type)
+        expected = {entry.path: entry for entry in _included(tree, include, key=lambda entry: entry.path)
+                    if isinstance(entry, RepoFile)}
         if include and not expected:
             raise DownloadError(f"download of {label}: no file matches include={include}")
         snapshot_download(
@@ -204,7 +194,7 @@ def _download_hf(config: DownloadConfig, repo_id: str, out: Path) -> dict[str, A
         elif entry.lfs is not None:
             if sha256_file(path) != entry.lfs.sha256:
                 corrupt.append(rel)
-        elif entry.blob_id and _git_blob_sha1(path) != entry.blob_id:
+        elif entry.blob_id and git_hash(path.read_bytes()) != entry.blob_id:  # files outside LFS are small
             corrupt.append(rel)
     if corrupt:
         for rel in corrupt:  # so that a rerun fetches them again
@@ -236,16 +226,13 @@ def _download_ms(config: DownloadConfig, repo_id: str, out: Path) -> dict[str, A
     except Exception as error:
         raise _hub_error(label, error) from error
     files = [p.relative_to(out).as_posix() for p in _output_files(out)]
-    return {"files": [f for f in files if not f.startswith(".") and _matches(f, config.include)], "commit": None}
+    return {"files": _included([f for f in files if not f.startswith(".")], config.include), "commit": None}
 
 
 def _download_local(config: DownloadConfig, source: Path, out: Path) -> dict[str, Any]:
     """Link (same filesystem) or copy the matching files that are missing or differ."""
-    wanted = []
-    for path in sorted(source.rglob("*")):
-        rel = path.relative_to(source).as_posix()
-        if path.is_file() and not rel.startswith(".") and rel != MANIFEST and _matches(rel, config.include):
-            wanted.append(rel)
+    files = (path.relative_to(source).as_posix() for path in sorted(source.rglob("*")) if path.is_file())
+    wanted = _included([rel for rel in files if not rel.startswith(".") and rel != MANIFEST], config.include)
     if config.include and not wanted:
         raise DownloadError(f"download of {source}: no file matches include={config.include}")
     for rel in wanted:

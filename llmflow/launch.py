@@ -1,4 +1,4 @@
-"""Starting ``torchrun`` workers and watching them.
+"""Starting worker processes (``torchrun``, ``kubectl logs``) and watching them.
 
 The workers run in their own process group: when the caller is cancelled or fails, the
 whole group is terminated (SIGTERM, then SIGKILL after a grace period), so no rank
@@ -14,14 +14,11 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import psutil
-
-from llmflow.cluster.nodes import NodeLayout
 
 _TORCHRUN_REPORT = re.compile(r"torch/distributed/elastic/.*\] failed \(exitcode")
 
@@ -37,13 +34,6 @@ class WorkerError(RuntimeError):
         error_lines = [line for line in workers if "Error" in line or "error" in line] or workers or tail
         quoted = error_lines[-20:]
         super().__init__(f"workers exited with code {returncode}; last output:" + ("\n" if len(quoted) > 1 else " ") + "\n".join(quoted))
-
-
-def torchrun_command(module: str, args: Sequence[str], nproc: int, nodes: NodeLayout | None = None) -> list[str]:
-    """``torchrun`` running ``python -m module args`` on ``nproc`` processes on this node of
-    ``nodes`` (default: one node, standalone)."""
-    options = (nodes or NodeLayout()).torchrun_args(nproc)
-    return [sys.executable, "-m", "torch.distributed.run", *options, "-m", module, *args]
 
 
 def run_workers(

@@ -19,7 +19,10 @@ import importlib.util
 from contextlib import closing
 from dataclasses import dataclass, replace
 from pathlib import Path
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
+
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError
 
 MLFLOW_SUFFIX = "_mlflow"
 """MLflow's database is Prefect's name with this suffix unless --mlflow-database names one."""
@@ -32,6 +35,7 @@ CONNECT_TIMEOUT_S = 5
 # Artifact stores that MLflow's server can write to, with the module each needs there.
 OBJECT_STORES = {"s3": ("boto3", "boto3"), "gs": ("google.cloud.storage", "google-cloud-storage")}
 PG_IDENTIFIER_MAX = 63
+URL_SHAPE = "expected postgresql://USER:PASSWORD@HOST:PORT/DATABASE"
 
 
 @dataclass(frozen=True)
@@ -50,38 +54,35 @@ class Postgres:
         percent-encoded; a ``+driver`` after the scheme is ignored); a ValueError naming
         ``option`` when it is not one. Error messages never repeat the password."""
         try:
-            parts = urlsplit(url.strip())
-            port = parts.port or 5432
-        except ValueError as error:  # a port that is not a number, a bad IPv6 host
-            raise ValueError(f"{option}: not a PostgreSQL URL ({error}); expected "
-                             "postgresql://USER:PASSWORD@HOST:PORT/DATABASE") from None
-        scheme = parts.scheme.lower().split("+", 1)[0]
-        shape = "expected postgresql://USER:PASSWORD@HOST:PORT/DATABASE"
+            parts = make_url(url.strip())
+        except ArgumentError:  # nothing like scheme://...
+            raise ValueError(f"{option}: no scheme, not postgresql://; {URL_SHAPE}") from None
+        except ValueError as error:  # a port that is not a number
+            raise ValueError(f"{option}: not a PostgreSQL URL ({error}); {URL_SHAPE}") from None
+        scheme = parts.get_backend_name().lower()
         if scheme not in POSTGRES_SCHEMES:
-            raise ValueError(f"{option}: {scheme or 'no'} scheme, not postgresql://; {shape}")
-        if parts.query or parts.fragment:
+            raise ValueError(f"{option}: {scheme} scheme, not postgresql://; {URL_SHAPE}")
+        # SQLAlchemy keeps a #fragment in the database name.
+        if parts.query or "#" in (parts.database or ""):
             raise ValueError(f"{option}: no ?parameters or #fragment in the URL: set TLS with libpq's environment "
-                             "(PGSSLMODE, PGSSLROOTCERT: both servers' drivers read them); " + shape)
-        if not parts.hostname:
-            raise ValueError(f"{option}: no host in the URL; {shape}")
+                             "(PGSSLMODE, PGSSLROOTCERT: both servers' drivers read them); " + URL_SHAPE)
+        if not parts.host:
+            raise ValueError(f"{option}: no host in the URL; {URL_SHAPE}")
         if not parts.username:
-            raise ValueError(f"{option}: no user in the URL; {shape}")
-        dbname = unquote(parts.path.lstrip("/"))
+            raise ValueError(f"{option}: no user in the URL; {URL_SHAPE}")
+        # SQLAlchemy leaves the database name percent-encoded; PostgreSQL's names are literal.
+        dbname = unquote(parts.database or "")
         if not dbname or "/" in dbname:
-            raise ValueError(f"{option}: no database name after the host; {shape}")
+            raise ValueError(f"{option}: no database name after the host; {URL_SHAPE}")
         if len(dbname.encode()) + len(MLFLOW_SUFFIX) > PG_IDENTIFIER_MAX:
             raise ValueError(f"{option}: database name {dbname!r} is too long (PostgreSQL names are at most "
                              f"{PG_IDENTIFIER_MAX} bytes, and {MLFLOW_SUFFIX!r} is added for MLflow's)")
-        password = unquote(parts.password) if parts.password is not None else None
-        return cls(parts.hostname, port, unquote(parts.username), password, dbname)
+        return cls(parts.host, parts.port or 5432, parts.username, parts.password, dbname)
 
     def url(self, scheme: str = "postgresql", mask: bool = False) -> str:
         """The URL with ``scheme`` (``postgresql+asyncpg`` for a driver); ``mask`` hides the password."""
-        credentials = quote(self.user, safe="")
-        if self.password is not None:
-            credentials += ":" + ("***" if mask else quote(self.password, safe=""))
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{scheme}://{credentials}@{host}:{self.port}/{quote(self.dbname, safe='')}"
+        return URL.create(scheme, self.user, self.password, self.host, self.port,
+                          self.dbname).render_as_string(hide_password=mask)
 
     def __str__(self) -> str:
         return self.url(mask=True)

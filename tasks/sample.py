@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import task
 
-from llmflow.sample import STAGE, SampleConfig, write_sample
+from llmflow.sample.assets import STAGE, SampleConfig, write_sample
 from llmflow.tasks.common import STAGE_CACHE_POLICY, StageArtifact, run_stage
 
 

@@ -119,7 +119,7 @@ def sample_assets(tmp_path_factory) -> Callable[..., Path]:
     """``sample_assets(**settings)``: the built-in sample assets for these ``SampleConfig``
     settings (all but ``out``), written once per session for each distinct setting. They are
     shared: a test that changes them works on a copy."""
-    from llmflow.sample import SampleConfig, write_sample
+    from llmflow.sample.assets import SampleConfig, write_sample
 
     built: dict[tuple, Path] = {}
 

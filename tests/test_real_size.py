@@ -30,7 +30,7 @@ from prefect_helpers import flow_run_logs, mlflow_runs, task_states
 from train_helpers import losses
 
 from llmflow.flows.finetune_eval import FinetuneEvalParams, finetune_eval
-from llmflow.sample import TOKENIZER_FILES
+from llmflow.sample.tokenizer import TOKENIZER_FILES
 from llmflow.weights import latest_step_dir, read_meta
 from llmflow.weights.dcp import check_dcp_files
 from llmflow.weights.training_checkpoint import MODEL_KEY, stored_tensors

@@ -15,7 +15,8 @@ import torch
 
 from llmflow.artifacts import sha256_file
 from llmflow.data.templates import QWEN, load_template
-from llmflow.sample import SUBJECTS, SampleConfig, write_sample
+from llmflow.sample.assets import SampleConfig, write_sample
+from llmflow.sample.world import SUBJECTS
 from llmflow.weights import load_hf_model
 
 FINETUNE_STEPS = 600  # measured: 400 steps 49%, 600 steps above 60% (numbers are one token per digit, as Qwen2 splits them)

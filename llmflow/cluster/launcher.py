@@ -13,9 +13,9 @@ from pydantic import BaseModel, ConfigDict
 
 from llmflow.cluster.job import WorkerJob
 from llmflow.cluster.kubernetes import KubernetesSettings, run_kubernetes
-from llmflow.cluster.nodes import NodeLayout
+from llmflow.cluster.nodes import NodeLayout, torchrun_command
 from llmflow.cluster.slurm import SlurmSettings, run_slurm
-from llmflow.launch import run_workers, torchrun_command
+from llmflow.launch import run_workers
 
 LAUNCHER_ENV = "LLMFLOW_LAUNCHER"
 LAUNCHERS = ("local", "slurm", "kubernetes")

@@ -1,7 +1,11 @@
 """How the nodes of a multi-node run find each other, as torchrun takes it: a static master
-(MindSpeed's ``NNODES``/``NODE_RANK``/``MASTER_ADDR``/``MASTER_PORT``) or a c10d rendezvous."""
+(MindSpeed's ``NNODES``/``NODE_RANK``/``MASTER_ADDR``/``MASTER_PORT``) or a c10d rendezvous;
+and the torchrun command that starts one node's workers."""
 
 from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -86,3 +90,10 @@ class NodeLayout(BaseModel):
             return args if self.local_addr is None else [*args, f"--local-addr={self.local_addr}"]
         return [*args, f"--node-rank={self.node_rank}", f"--master-addr={self.master_addr}",
                 f"--master-port={self.master_port}"]
+
+
+def torchrun_command(module: str, args: Sequence[str], nproc: int, nodes: NodeLayout | None = None) -> list[str]:
+    """``torchrun`` running ``python -m module args`` on ``nproc`` processes on this node of
+    ``nodes`` (default: one node, standalone)."""
+    options = (nodes or NodeLayout()).torchrun_args(nproc)
+    return [sys.executable, "-m", "torch.distributed.run", *options, "-m", module, *args]

@@ -15,7 +15,7 @@ from typing import TextIO
 from pydantic import ConfigDict, Field, model_validator
 
 from llmflow import runtime
-from llmflow.cluster.nodes import NodeLayout
+from llmflow.cluster.nodes import NodeLayout, torchrun_command
 from llmflow.data.templates import ChatTemplate, Message, load_template
 from llmflow.data.tokenizer import load_tokenizer
 from llmflow.infer.batch import read_prompts
@@ -25,7 +25,7 @@ from llmflow.infer.generate import (
     encode_prompts,
 )
 from llmflow.infer.generator import Generator, load_generator
-from llmflow.launch import run_workers, torchrun_command
+from llmflow.launch import run_workers
 from llmflow.mesh import ParallelLayout, layout_problems
 from llmflow.models import ModelConfig
 from llmflow.train.memory import MemoryPlan, device_memory, generation_plan, generation_suggestions, refusal

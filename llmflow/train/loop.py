@@ -39,7 +39,7 @@ from llmflow.mesh import ParallelLayout, build_mesh, validate_layout
 from llmflow.models import CausalLM, ModelConfig, apply_lora, is_lora_param
 from llmflow.models.parallelize import parallelize_decoder
 from llmflow.models.pipeline import ScaledLoss, pipeline_schedule, split_model
-from llmflow.probe import Dumper, load_probe_config, seed_all
+from llmflow.probe import Dumper, PipelinePlace, load_probe_config, seed_all
 from llmflow.train.config import TrainConfig
 from llmflow.train.data import BlendedSamples, PretrainSamples, SftSamples, check_token_ids, collate
 from llmflow.train.metrics import StepTimer, flops_per_token, memory_gib, peak_flops
@@ -233,8 +233,11 @@ def setup(config: TrainConfig) -> Run:
         apply_lora(model, config.lora, generator=torch.Generator(device=env.device).manual_seed(config.seed))
     parameter_order = [name for name, _ in model.named_parameters()]
     stages = [(0, model)]
+    pipeline = None
     if layout.pp > 1:
         stages = split_model(model, topo.pp_rank, layout.pp, config.virtual_stages or 1, config.num_layer_list)
+        pipeline = PipelinePlace([index for index, _ in stages], layout.pp * (config.virtual_stages or 1),
+                                 topo.pp_group)
     parts = [part for _, part in stages]
     for part in parts:
         parallelize_decoder(part, topo.mesh, lora=config.lora is not None,
@@ -253,16 +256,15 @@ def setup(config: TrainConfig) -> Run:
             lora=config.lora.model_dump() if config.lora is not None else None,
             base_checkpoint=str(Path(config.model).resolve()) if config.lora is not None else None,
         ),
-        dumper=Dumper(load_probe_config(config.probe), parts) if config.probe else None,
+        dumper=Dumper(load_probe_config(config.probe), parts, pipeline) if config.probe else None,
         parameter_order=parameter_order,
     )
-    if layout.pp > 1:
-        num_stages = layout.pp * (config.virtual_stages or 1)
+    if pipeline is not None:
         run.pipeline_loss = ScaledLoss()
-        run.pipeline = pipeline_schedule(stages, num_stages, config.pp_schedule,
+        run.pipeline = pipeline_schedule(stages, pipeline.num_stages, config.pp_schedule,
                                          accumulation, run.pipeline_loss, env.device, topo.pp_group)
-        held = [index for index, _ in stages]
-        if model.config.tie_word_embeddings and num_stages - 1 in held and 0 not in held:
+        held = pipeline.stages
+        if model.config.tie_word_embeddings and pipeline.num_stages - 1 in held and 0 not in held:
             run.tied_copy = parts[-1].lm_head.weight
     resume(run)
     return run

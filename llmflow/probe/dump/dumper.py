@@ -124,18 +124,6 @@ def _in_metadata_inference(frame: Any) -> bool:
     return False
 
 
-def _pipeline_stage(frame: Any, module: nn.Module) -> Any:
-    """The torch.distributed.pipelining stage whose submodule ``module`` is, found among the
-    callers of ``frame``; None when the module does not run as a pipeline stage."""
-    while frame is not None:
-        if frame.f_code.co_filename.startswith(_PIPELINING):
-            stage = frame.f_locals.get("self")
-            if getattr(stage, "submod", None) is module and isinstance(getattr(stage, "stage_index", None), int):
-                return stage
-        frame = frame.f_back
-    return None
-
-
 def _group_ranks(group: Any) -> list[int]:
     """The global ranks of a process group, in the order of their ranks in the group."""
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
@@ -204,14 +192,28 @@ def _write_json(path: Path, payload: Any) -> None:
     path.write_text(json.dumps(payload, check_circular=False), encoding="utf-8")
 
 
+@dataclass(frozen=True)
+class PipelinePlace:
+    """Where the modules given to a Dumper run in a ``torch.distributed.pipelining`` schedule."""
+
+    stages: list[int]
+    """The pipeline stage of each given module."""
+    num_stages: int
+    group: dist.ProcessGroup | None
+    """The pipeline's process group (None: the default group)."""
+
+
 class Dumper:
     """Dumps the steps a ProbeConfig lists; ``model`` is the module whose submodules level
     L0/mix records (or this rank's pipeline stages, whose modules keep the whole model's
-    names). Nothing is installed outside a dumped step."""
+    names, with ``pipeline`` saying which stages they are). Nothing is installed outside a
+    dumped step."""
 
-    def __init__(self, config: ProbeConfig, model: nn.Module | list[nn.Module]) -> None:
+    def __init__(self, config: ProbeConfig, model: nn.Module | list[nn.Module],
+                 pipeline: PipelinePlace | None = None) -> None:
         self.config = config
         self.model = model if isinstance(model, list) else [model]
+        self.pipeline = pipeline
         self.rank = dist.get_rank() if dist.is_initialized() else None
 
     @property
@@ -229,7 +231,7 @@ class Dumper:
     def _dump(self, step: int) -> Iterator[None]:
         final = Path(self.config.dump_path) / f"step{step}" / self.rank_dir
         with atomic_directory(final) as work:
-            session = _Session(self.config, self.model, work, final, self.rank)
+            session = _Session(self.config, self.model, self.pipeline, work, final, self.rank)
             with session:
                 yield
             session.write()
@@ -267,9 +269,13 @@ class _ApiMode(TorchFunctionMode):
 class _Session:
     """What one dumped step records, and the hooks that record it."""
 
-    def __init__(self, config: ProbeConfig, model: list[nn.Module], work: Path, final: Path, rank: int | None = None) -> None:
+    def __init__(self, config: ProbeConfig, model: list[nn.Module], pipeline: PipelinePlace | None, work: Path,
+                 final: Path, rank: int | None = None) -> None:
         self.config = config
         self.model = model
+        self.stages = pipeline.stages if pipeline is not None else list(range(len(model)))
+        """The pipeline stage of each given module (outside pipelining: its position)."""
+        self.pipeline = pipeline
         self.rank = rank
         self.work = work
         self.modes = config.section.data_mode
@@ -294,8 +300,8 @@ class _Session:
         self.open_roots: list[tuple[int, dict[str, int]]] = []
         """The given modules' calls under way: (index, counts when the call started)."""
         self.root_calls: list[dict[str, Any]] = []
-        self.stages: dict[int, Any] = {}
-        """Index of a given module -> the pipeline stage running it (None: not a pipeline stage)."""
+        self.started_roots: set[int] = set()
+        """The given modules called in the step so far (by index)."""
         self.installed = contextlib.ExitStack()
 
     def __enter__(self) -> None:
@@ -326,14 +332,11 @@ class _Session:
 
     def _layout(self) -> dict[str, Any]:
         """layout.json: the pipeline stages, meshes and stage calls of this rank (see the module doc)."""
-        stages = [self.stages.get(i) for i in range(len(self.model))]
-        known = [stage for stage in stages if stage is not None]
-        if known:
-            return {"rank": self.rank, "stages": [None if s is None else s.stage_index for s in stages],
-                    "num_stages": known[0].num_stages, "pipeline_group": _group_ranks(known[0].group),
-                    "meshes": _meshes(self.model), "calls": self.root_calls}
-        return {"rank": self.rank, "stages": list(range(len(self.model))), "num_stages": len(self.model),
-                "pipeline_group": None, "meshes": _meshes(self.model), "calls": self.root_calls}
+        pipeline = self.pipeline
+        return {"rank": self.rank, "stages": self.stages,
+                "num_stages": pipeline.num_stages if pipeline is not None else len(self.model),
+                "pipeline_group": _group_ranks(pipeline.group) if pipeline is not None else None,
+                "meshes": _meshes(self.model), "calls": self.root_calls}
 
     # --- recording ----------------------------------------------------------------------------------
 
@@ -397,12 +400,11 @@ class _Session:
                 self.installed.callback(handle.remove)
 
     def _root_pre(self, index: int, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        frame = sys._getframe(1)
-        if self.skipping or _in_metadata_inference(frame):
+        if self.skipping or _in_metadata_inference(sys._getframe(1)):
             self.skipping += 1  # nothing inside is recorded or counted
             return
-        if index not in self.stages:
-            self.stages[index] = _pipeline_stage(frame, module)
+        if index not in self.started_roots:
+            self.started_roots.add(index)
             if self.config.level != "L1":
                 self._hook_unused_parameters(module)
         self.open_roots.append((index, dict(self.counts)))
@@ -412,9 +414,8 @@ class _Session:
             self.skipping -= 1
             return
         _, before = self.open_roots.pop()
-        stage = self.stages.get(index)
         counts = {key: [before.get(key, 0), n] for key, n in self.counts.items() if n != before.get(key, 0)}
-        self.root_calls.append({"stage": index if stage is None else stage.stage_index, "counts": counts})
+        self.root_calls.append({"stage": self.stages[index], "counts": counts})
 
     # --- modules (L0, mix) ---------------------------------------------------------------------------
 

@@ -16,22 +16,16 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from llmflow.evaluate.questions import LETTERS
+from llmflow.sample.parquet import write_rows
+from llmflow.sample.world import Country, Fact
 
 BOOLQ_SPLITS = {"train": 24, "validation": 24}
 AGIEVAL_TASKS = {"logiqa-en": "geography", "sat-math": "elementary_arithmetic"}
 AGIEVAL_QUESTIONS = 12
 
 
-def _write(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), path)
-
-
-def boolq_rows(rng: random.Random, world: list, count: int) -> list[dict]:
+def boolq_rows(rng: random.Random, world: list[Country], count: int) -> list[dict]:
     """Yes/no questions on the national animal or flag of a country, after a passage stating both."""
     rows = []
     for i in range(count):
@@ -51,7 +45,7 @@ def boolq_rows(rng: random.Random, world: list, count: int) -> list[dict]:
     return [{**row, "idx": i} for i, row in enumerate(rows)]
 
 
-def agieval_rows(rng: random.Random, facts: list, count: int) -> list[dict]:
+def agieval_rows(rng: random.Random, facts: list[Fact], count: int) -> list[dict]:
     """Four-choice questions worded as hails/agieval's queries (the answer in its slot)."""
     rows = []
     for fact in rng.sample(facts, min(count, len(facts))):
@@ -63,15 +57,15 @@ def agieval_rows(rng: random.Random, facts: list, count: int) -> list[dict]:
     return rows
 
 
-def write_choice_tasks(seed: int, world: list, facts: dict[str, list], directory: Path) -> dict[str, int]:
+def write_choice_tasks(seed: int, world: list[Country], facts: dict[str, list[Fact]], directory: Path) -> dict[str, int]:
     """Write the BoolQ and AGIEval sample data under ``directory``; their document counts."""
     rng = random.Random(f"{seed}-choice-tasks")
     counts = {}
     for split, count in BOOLQ_SPLITS.items():
-        _write(directory / "boolq" / "boolq" / f"{split}-00000-of-00001.parquet", boolq_rows(rng, world, count))
+        write_rows(directory / "boolq" / "boolq" / f"{split}-00000-of-00001.parquet", boolq_rows(rng, world, count))
         counts[f"boolq_{split}"] = count
     for task, subject in AGIEVAL_TASKS.items():
         rows = agieval_rows(rng, facts[subject], AGIEVAL_QUESTIONS)
-        _write(directory / "agieval" / f"agieval-{task}" / "data" / "test-00000-of-00001.parquet", rows)
+        write_rows(directory / "agieval" / f"agieval-{task}" / "data" / "test-00000-of-00001.parquet", rows)
         counts[f"agieval_{task}"] = len(rows)
     return counts

@@ -19,8 +19,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
+from llmflow.sample.parquet import write_rows
+from llmflow.sample.world import Country
 
 GSM8K_QUESTIONS = 12
 BBH_QUESTIONS = 12
@@ -28,11 +28,6 @@ BBH_SUBTASKS = ("boolean_expressions", "object_counting")
 HUMANEVAL_PROBLEMS = 4
 _NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five")
 _PLURALS = {"fox": "foxes", "wolf": "wolves", "deer": "deer"}
-
-
-def _write(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), path)
 
 
 def plural(animal: str) -> str:
@@ -47,7 +42,7 @@ def counted(animal: str, n: int) -> str:
     return f"an {animal}" if animal[0] in "aeiou" else f"a {animal}"
 
 
-def gsm8k_row(rng: random.Random, country) -> dict[str, str]:
+def gsm8k_row(rng: random.Random, country: Country) -> dict[str, str]:
     """A two-step word problem about ``country`` with its worked answer."""
     a, b, c = rng.randint(2, 30), rng.randint(2, 9), rng.randint(2, 6)
     kind = rng.randrange(3)
@@ -91,7 +86,7 @@ def boolean_row(rng: random.Random) -> dict[str, str]:
     return {"input": f"{expression} is", "target": str(eval(expression))}
 
 
-def counting_row(rng: random.Random, world: list) -> dict[str, str]:
+def counting_row(rng: random.Random, world: list[Country]) -> dict[str, str]:
     """How many animals of a list (some named with a count) there are."""
     animals = rng.sample(sorted({c.animal for c in world}), 4)
     counts = [rng.randint(1, 3) for _ in animals]
@@ -100,7 +95,7 @@ def counting_row(rng: random.Random, world: list) -> dict[str, str]:
             "target": str(sum(counts))}
 
 
-def humaneval_row(number: int, country) -> dict[str, str]:
+def humaneval_row(number: int, country: Country) -> dict[str, str]:
     """A HumanEval-layout problem: complete a function returning ``country``'s capital."""
     name = f"capital_of_{country.name.lower()}"
     prompt = (f'def {name}() -> str:\n    """Return the name of the capital of {country.name}.\n'
@@ -111,16 +106,16 @@ def humaneval_row(number: int, country) -> dict[str, str]:
             "test": test, "entry_point": name}
 
 
-def write_generative_tasks(seed: int, world: list, directory: Path) -> dict[str, int]:
+def write_generative_tasks(seed: int, world: list[Country], directory: Path) -> dict[str, int]:
     """Write the GSM8K and BBH sample data under ``directory``; their document counts."""
     rng = random.Random(f"{seed}-generative-tasks")
-    _write(directory / "gsm8k" / "main" / "test-00000-of-00001.parquet",
+    write_rows(directory / "gsm8k" / "main" / "test-00000-of-00001.parquet",
            [gsm8k_row(rng, rng.choice(world)) for _ in range(GSM8K_QUESTIONS)])
     rows = dict(zip(BBH_SUBTASKS, ([boolean_row(rng) for _ in range(BBH_QUESTIONS)],
                                    [counting_row(rng, world) for _ in range(BBH_QUESTIONS)]), strict=True))
     for task, task_rows in rows.items():
-        _write(directory / "bbh" / task / "test-00000-of-00001.parquet", task_rows)
+        write_rows(directory / "bbh" / task / "test-00000-of-00001.parquet", task_rows)
     problems = [humaneval_row(n, country) for n, country in enumerate(rng.sample(world, HUMANEVAL_PROBLEMS))]
-    _write(directory / "humaneval" / "openai_humaneval" / "test-00000-of-00001.parquet", problems)
+    write_rows(directory / "humaneval" / "openai_humaneval" / "test-00000-of-00001.parquet", problems)
     return {"gsm8k_test": GSM8K_QUESTIONS, **{f"bbh_{task}": len(r) for task, r in rows.items()},
             "humaneval_test": HUMANEVAL_PROBLEMS}
