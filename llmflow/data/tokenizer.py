@@ -14,19 +14,12 @@ from pathlib import Path
 from pydantic import BaseModel
 from tokenizers import Tokenizer
 
+from llmflow.hf_files import TOKENIZER_FILES, has_tokenizer
+
 
 class TokenizeError(ValueError):
     """The tokenizer or the tokens do not fit the request (missing files, no EOD, ids
     outside the model's vocabulary)."""
-
-
-# Files from which transformers can build a tokenizer (one of them must be in the directory).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tekken.json")
-
-
-def has_tokenizer(directory: str | Path) -> bool:
-    """Whether ``directory`` holds files transformers builds a tokenizer from."""
-    return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
 
 
 def _checkpoint_model_config(directory: Path) -> dict | None:

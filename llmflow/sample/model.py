@@ -11,8 +11,8 @@ import tokenizers
 import torch
 
 from llmflow.models import CausalLM, ModelConfig
-from llmflow.weights import save_hf_model
 from llmflow.sample.tokenizer import ENDOFTEXT, IM_END, MAX_POSITIONS
+from llmflow.weights import save_hf_model
 
 
 def model_hf_config(tokenizer: tokenizers.Tokenizer) -> dict[str, Any]:

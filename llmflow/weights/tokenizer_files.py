@@ -8,7 +8,7 @@ import fnmatch
 import shutil
 from pathlib import Path
 
-from llmflow.data.tokenizer import has_tokenizer
+from llmflow.hf_files import has_tokenizer
 from llmflow.weights.training_checkpoint import (
     TOKENIZER_DIR,
     checkpoint_root,
