@@ -28,6 +28,7 @@ from llmflow.data.templates import load_template
 from llmflow.evaluate.choice_tasks import ChoiceTask, Doc, TaskGroup
 from llmflow.evaluate.fewshot import HARNESS_SEED, fewshot_indices
 from llmflow.evaluate.hub_data import is_hub_source, local_data
+from llmflow.evaluate.progress import Progress, no_progress
 from llmflow.evaluate.provenance import prompts_sha256
 from llmflow.evaluate.reporting import group_results, headline, run_record, write_outputs
 from llmflow.evaluate.scoring import model_requests, score_requests
@@ -127,8 +128,9 @@ def task_results(run: TaskRun, outcomes: list[dict[str, Any]], shots: int, seed:
     return results
 
 
-def evaluate_choices(group: TaskGroup, config: ChoiceEvalConfig) -> Path:
-    """Evaluate ``config.model`` on ``group``'s tasks; writes the results into ``config.out`` and returns it."""
+def evaluate_choices(group: TaskGroup, config: ChoiceEvalConfig, progress: Progress = no_progress) -> Path:
+    """Evaluate ``config.model`` on ``group``'s tasks; writes the results into ``config.out`` and returns it.
+    ``progress`` hears how many documents are scored."""
     if config.device != "auto":
         available_device(config.device)  # a device that is not there is refused before any download
     tasks = select_tasks(group.title, group.tasks, config.tasks)
@@ -141,7 +143,7 @@ def evaluate_choices(group: TaskGroup, config: ChoiceEvalConfig) -> Path:
         contexts = [template.prompt(c) for c in contexts]
     start = time.monotonic()
     requests = model_requests(tok_dir, contexts, [continuations(d) for run in runs for d in run.docs])
-    scores, _ = score_requests(model, requests, config.batch_size, max_length, config.padding_side)
+    scores, _ = score_requests(model, requests, config.batch_size, max_length, config.padding_side, progress=progress)
     seconds = time.monotonic() - start
     rows = iter(scores.tolist())
     tasks_out, lines = {}, []
