@@ -47,7 +47,7 @@ def evaluate_benchmark(benchmark: Benchmark, config: engine.EvalConfig) -> Stage
     run; the per-subject table goes to MLflow and to a Prefect table artifact."""
     from mlflow import MlflowClient
 
-    progress = progress_artifact(f"{benchmark.stage}-progress", f"{benchmark.title} of {config.model}: evaluation progress")
+    progress = progress_artifact(f"{benchmark.title} of {config.model}", f"{benchmark.stage}-progress")
     with tracking.stage_run(benchmark.stage, config.model_dump(mode="json")) as run_id:
         artifact = artifact_for(benchmark.stage, engine.evaluate(benchmark, config, progress))
         results = json.loads((Path(artifact.path) / "results.json").read_text())
@@ -94,7 +94,7 @@ def evaluate_group(group: TaskGroup | GenerativeGroup, config: ChoiceEvalConfig 
     from mlflow import MlflowClient
 
     evaluate = evaluate_choices if isinstance(group, TaskGroup) else evaluate_generative
-    progress = progress_artifact(f"{group.stage}-progress", f"{group.title} of {config.model}: evaluation progress")
+    progress = progress_artifact(f"{group.title} of {config.model}", f"{group.stage}-progress")
     with tracking.stage_run(group.stage, config.model_dump(mode="json")) as run_id:
         artifact = artifact_for(group.stage, evaluate(group, config, progress))
         results = json.loads((Path(artifact.path) / "results.json").read_text())

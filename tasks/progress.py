@@ -1,26 +1,24 @@
-"""An evaluation's progress shown in the Prefect UI: a progress artifact of the running task."""
+"""A stage's progress shown in the Prefect UI: a progress artifact of the running task."""
 
 from __future__ import annotations
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from llmflow.evaluate.progress import Progress, percent
+from llmflow.progress import Progress, percent
 
 
-def progress_artifact(key: str, description: str) -> Progress:
-    """A ``Progress`` that creates a progress artifact (``key``: lowercase letters, digits and
-    dashes) at the first call and updates it each time another whole percent is done: one API
-    call per percent, however many batches."""
-    artifact_id = None
-    shown = -1
+def progress_artifact(description: str, key: str | None = None) -> Progress:
+    """A ``Progress`` backed by a progress artifact, created now at 0% (``key``: lowercase
+    letters, digits and dashes; none shows it on the task run only) and updated each time
+    another whole percent is done: one API call per percent, however many batches or steps."""
+    artifact_id = create_progress_artifact(progress=0.0, key=key, description=description)
+    shown = 0
 
     def report(done: int, total: int) -> None:
-        nonlocal artifact_id, shown
+        nonlocal shown
         now = percent(done, total)
-        if artifact_id is None:
-            artifact_id = create_progress_artifact(progress=float(now), key=key, description=description)
-        elif now > shown:
+        if now > shown:
             update_progress_artifact(artifact_id, progress=float(now))
-        shown = now
+            shown = now
 
     return report

@@ -14,7 +14,7 @@ from llmflow.evaluate.benchmarks import MMLU
 from llmflow.evaluate.engine import EvalConfig, evaluate
 from llmflow.evaluate.generative_engine import GenerativeEvalConfig, evaluate_generative
 from llmflow.evaluate.generative_tasks import GSM8K
-from llmflow.evaluate.progress import TerminalProgress
+from llmflow.progress import TerminalProgress
 
 
 class Terminal(io.StringIO):

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from prefect import flow
-from prefect_helpers import mlflow_runs, outcome
+from prefect_helpers import flow_run_artifacts, mlflow_runs, outcome
 
 from llmflow.artifacts import read_manifest, sha256_file
 from llmflow.data.tokenize_instruction import InstructionTokenizeConfig
@@ -285,17 +285,14 @@ def test_instruction_task_logs_counts_and_is_cached(prefect_env, tiny_tokenizer,
 
 def test_evaluation_progress_reaches_the_prefect_ui(sample_assets, tmp_path):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
     sample = sample_assets()
     config = ChoiceEvalConfig(model=sample / "model", data=sample / "boolq", out=tmp_path / "eval", limit=3,
                               batch_size=1, device="cpu")
     result = boolq_flow(config)
     assert result["completed"], result["message"]
+    (progress,) = flow_run_artifacts(result["flow_run_id"], "progress")
     with get_client(sync_client=True) as client:
-        (progress,) = client.read_artifacts(artifact_filter=ArtifactFilter(
-            key=ArtifactFilterKey(any_=["eval-boolq-progress"]),
-            flow_run_id=ArtifactFilterFlowRunId(any_=[result["flow_run_id"]])))
         task_run = client.read_task_run(progress.task_run_id)
-    assert progress.type == "progress" and progress.data == 100.0
+    assert progress.key == "eval-boolq-progress" and progress.data == 100.0
     assert task_run.name.startswith("eval-boolq") and str(config.model) in progress.description

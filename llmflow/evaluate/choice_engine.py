@@ -28,13 +28,13 @@ from llmflow.data.templates import load_template
 from llmflow.evaluate.choice_tasks import ChoiceTask, Doc, TaskGroup
 from llmflow.evaluate.fewshot import HARNESS_SEED, fewshot_indices
 from llmflow.evaluate.hub_data import is_hub_source, local_data
-from llmflow.evaluate.progress import Progress, no_progress
 from llmflow.evaluate.provenance import prompts_sha256
 from llmflow.evaluate.reporting import group_results, headline, run_record, write_outputs
 from llmflow.evaluate.scoring import model_requests, score_requests
 from llmflow.evaluate.settings import EvalSettings, load_for_eval
 from llmflow.evaluate.statistics import stderr_of_mean
 from llmflow.evaluate.task_selection import check_task_directories, select_tasks
+from llmflow.progress import Progress, no_progress
 from llmflow.runtime import available_device
 
 TARGET_DELIMITER = " "

@@ -1,7 +1,7 @@
 """``llmflow eval mmlu|ceval|cmmlu`` (four-choice benchmarks), ``llmflow eval boolq|agieval``
 (tasks whose documents carry their own choices), ``llmflow eval gsm8k|bbh`` (generative
 chain-of-thought tasks) and ``llmflow eval humaneval`` (generated code run in the sandbox): one
-command per benchmark. Each shows its progress on stderr (``llmflow.evaluate.progress``)."""
+command per benchmark. Each shows its progress on stderr (``llmflow.progress``)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from llmflow.evaluate.engine import EvalConfig, evaluate, format_table
 from llmflow.evaluate.generative_engine import GenerativeEvalConfig, evaluate_generative
 from llmflow.evaluate.generative_tasks import BBH, GSM8K, GenerativeGroup
 from llmflow.evaluate.humaneval import HUMANEVAL
-from llmflow.evaluate.progress import TerminalProgress
+from llmflow.progress import TerminalProgress
 
 
 class EvalCommand(EvalConfig):

@@ -29,13 +29,13 @@ from llmflow.artifacts import (
 from llmflow.data.templates import load_template
 from llmflow.evaluate.benchmarks import Benchmark
 from llmflow.evaluate.hub_data import local_data
-from llmflow.evaluate.progress import Progress, no_progress
 from llmflow.evaluate.prompts import CONTINUATIONS
 from llmflow.evaluate.provenance import llmflow_version, model_identity, prompts_sha256
 from llmflow.evaluate.questions import LETTERS, BenchmarkData, Question
 from llmflow.evaluate.scoring import model_requests, score_requests
 from llmflow.evaluate.settings import EvalSettings, load_for_eval
 from llmflow.evaluate.statistics import stderr_of_mean
+from llmflow.progress import Progress, no_progress
 from llmflow.runtime import available_device
 
 

@@ -38,7 +38,6 @@ from llmflow.data.templates import load_template
 from llmflow.data.tokenizer import hf_tokenizer
 from llmflow.evaluate.generative_tasks import Doc, GenerativeGroup, GenerativeTask, Scored
 from llmflow.evaluate.hub_data import local_data
-from llmflow.evaluate.progress import Progress, no_progress
 from llmflow.evaluate.provenance import prompts_sha256
 from llmflow.evaluate.questions import BenchmarkDataError
 from llmflow.evaluate.reporting import group_results, headline, run_record, write_outputs
@@ -48,6 +47,7 @@ from llmflow.evaluate.statistics import stderr_of_mean
 from llmflow.evaluate.task_selection import check_task_directories, select_tasks
 from llmflow.infer.generate import FinishReason, GenerateConfig
 from llmflow.infer.generator import Generator, make_generator
+from llmflow.progress import Progress, no_progress
 from llmflow.runtime import available_device
 
 

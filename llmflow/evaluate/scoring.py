@@ -30,8 +30,8 @@ import torch
 
 from llmflow.data.tokenizer import load_tokenizer, tokenizer_info
 from llmflow.evaluate.prefix_forward import Row, run_rows
-from llmflow.evaluate.progress import Progress, no_progress
 from llmflow.models import CausalLM
+from llmflow.progress import Progress, no_progress
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
-"""How far an evaluation has got, reported as it runs.
+"""How far a long stage has got, reported as it runs.
 
-The engines call a ``Progress`` with (items done, items in all): once before the first batch,
-then as each batch finishes. ``TerminalProgress`` shows it on stderr for ``llmflow eval``; the
-Prefect task passes one that updates its progress artifact (``tasks/evaluate.py``).
+A stage calls a ``Progress`` with (items done, items in all): the evaluation engines once
+before their first batch, then as each batch finishes. ``TerminalProgress`` shows it on stderr
+(``llmflow eval``); the Prefect tasks pass one that updates a progress artifact
+(``tasks/progress.py``).
 """
 
 from __future__ import annotations
