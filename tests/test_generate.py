@@ -179,6 +179,14 @@ def test_chat_says_which_model_and_template_it_loaded_and_how_to_leave(llama, tm
     assert captured.out == "> "
 
 
+def test_a_missing_prompt_is_one_line(llama):
+    from llmflow.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["generate", "--model", str(llama)])
+    assert stopped.value.code == "llmflow generate: give exactly one of --prompt and --prompts"
+
+
 def test_chat_loop_keeps_history_and_resets(llama):
     from llmflow.data.templates import load_template
     from llmflow.infer.command import chat_loop

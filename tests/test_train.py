@@ -113,6 +113,8 @@ def test_command_line_overrides_keep_their_commas(tmp_path, assets):
     ("steps=abc", "steps: Input should be a valid integer, unable to parse string as an integer (got 'abc')"),
     ("steps", "override 'steps': expected key=value"),
     ("--nprocs", "unknown option --nprocs"),
+    ("--nproc=0", "--nproc: Input should be greater than or equal to 1 (got '0')"),
+    ("--slurm.poll-s=abc", "--slurm.poll-s: Input should be a valid number, unable to parse string as a number (got 'abc')"),
 ])
 def test_unreadable_override_is_one_line_naming_it(tmp_path, assets, argument, problem):
     message = llmflow_train_error(str(config_file(tmp_path, assets)), argument)

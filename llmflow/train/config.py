@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llmflow.models.lora import LoraConfig
+from llmflow.validation import one_line
 
 
 class DataConfig(BaseModel):
@@ -206,14 +207,4 @@ def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> Tra
     try:
         return TrainConfig.model_validate(tree)
     except ValidationError as error:
-        raise ValueError(f"training config{f' {path}' if path is not None else ''}: {_validation_problems(error)}") from None
-
-
-def _validation_problems(error: ValidationError) -> str:
-    """Each problem of ``error`` as ``dotted.key: message (got value)``, in one line."""
-    problems = []
-    for item in error.errors():
-        where = ".".join(str(part) for part in item["loc"]) or "(top level)"
-        got = f" (got {item['input']!r})" if item["type"] not in ("missing", "value_error") else ""
-        problems.append(f"{where}: {item['msg']}{got}")
-    return "; ".join(problems)
+        raise ValueError(f"training config{f' {path}' if path is not None else ''}: {one_line(error)}") from None
