@@ -11,8 +11,10 @@ import errno
 import importlib
 import os
 import sys
+from collections.abc import Sequence
+from functools import partial
 
-from pydantic import BaseModel, Field, create_model
+from pydantic import BaseModel, Field, ValidationError, create_model
 from pydantic_settings import (
     BaseSettings,
     CliApp,
@@ -24,6 +26,7 @@ from pydantic_settings import (
 
 from llmflow.download import DownloadError
 from llmflow.launch import WorkerError
+from llmflow.validation import Location, dotted, one_line
 
 # Each subcommand's model is imported only when that subcommand runs (every one of them for
 # ``llmflow --help``): the models' modules import torch, torch.distributed.checkpoint or
@@ -62,6 +65,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+ROOT_NAME = "LLMFlow"
+"""The name of the ``llmflow`` command's model, the title of the errors of its options."""
+
+
 class _Root(BaseSettings):
     """llmflow: download, convert, tokenize, train, generate, evaluate and debug LLMs as
     Prefect flows on Ascend NPU, CUDA and CPU."""
@@ -93,7 +100,7 @@ def root_command(names: list[str] | None = None) -> type[BaseSettings]:
     """The ``llmflow`` command with the subcommands ``names`` (default: all of them)."""
     fields = {name.replace("-", "_"): (CliSubCommand[_command_model(name)], Field(description=SUBCOMMANDS[name][1]))
               for name in names or SUBCOMMANDS}
-    root = create_model("LLMFlow", __base__=_Root, **fields)
+    root = create_model(ROOT_NAME, __base__=_Root, **fields)
     root.__doc__ = _Root.__doc__
     return root
 
@@ -107,10 +114,24 @@ USER_ERRORS = (ValueError, OSError, DownloadError, SettingsError, WorkerError)
 _WRITE_ERRNOS = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
-def error_message(error: BaseException) -> str:
-    """The one-line message of a user error: for an OSError the file it concerns and why."""
+def option_name(command: Sequence[str], location: Location) -> str:
+    """The command-line option of a field of the ``llmflow`` command (``--slurm.poll-s``), its
+    location stripped of the subcommand words ``command`` (``train``, ``eval boolq``) starts with."""
+    words = [word.replace("-", "_") for word in command]
+    depth = 0
+    while depth < min(len(location), len(words)) and location[depth] == words[depth]:
+        depth += 1
+    rest = location[depth:]
+    return "--" + dotted(rest).replace("_", "-") if rest else ""
+
+
+def error_message(error: BaseException, command: Sequence[str] = ()) -> str:
+    """The one-line message of a user error: for an OSError the file it concerns and why, for
+    an invalid option the option (``command``: the words of the command line)."""
     if isinstance(error, SettingsError):
         return str(error.__cause__ or error)
+    if isinstance(error, ValidationError):
+        return one_line(error, partial(option_name, command) if error.title == ROOT_NAME else dotted)
     if isinstance(error, OSError) and error.filename is not None:
         where = str(error.filename) + (f" -> {error.filename2}" if error.filename2 is not None else "")
         why = error.strerror or str(error)
@@ -128,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     except USER_ERRORS as error:
         if os.environ.get("LLMFLOW_DEBUG"):
             raise
-        sys.exit(f"llmflow {command}: {error_message(error)}")
+        sys.exit(f"llmflow {command}: {error_message(error, args)}")
     except KeyboardInterrupt:
         if os.environ.get("LLMFLOW_DEBUG"):
             raise

@@ -1,7 +1,7 @@
 """Prefect tasks of the evaluation stages: the four-choice benchmarks (MMLU, C-Eval, CMMLU)
 with accuracy per subject, and the lm-evaluation-harness task groups (BoolQ, AGIEval, GSM8K,
 BBH, HumanEval) with each task's metrics; the scores as MLflow metrics, the table in MLflow and as a
-Prefect artifact."""
+Prefect artifact, and, while it runs, how far it has got as a Prefect progress artifact."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from llmflow.evaluate.generative_tasks import GenerativeGroup
 from llmflow.evaluate.reporting import metrics_of
 from llmflow.evaluate.task_groups import TASK_GROUPS
 from llmflow.tasks.common import STAGE_CACHE_POLICY, InputFiles, StageArtifact, artifact_for
+from llmflow.tasks.progress import progress_artifact
 
 
 def accuracy_metrics(results: dict[str, Any]) -> dict[str, float]:
@@ -46,8 +47,9 @@ def evaluate_benchmark(benchmark: Benchmark, config: engine.EvalConfig) -> Stage
     run; the per-subject table goes to MLflow and to a Prefect table artifact."""
     from mlflow import MlflowClient
 
+    progress = progress_artifact(f"{benchmark.title} of {config.model}", f"{benchmark.stage}-progress")
     with tracking.stage_run(benchmark.stage, config.model_dump(mode="json")) as run_id:
-        artifact = artifact_for(benchmark.stage, engine.evaluate(benchmark, config))
+        artifact = artifact_for(benchmark.stage, engine.evaluate(benchmark, config, progress))
         results = json.loads((Path(artifact.path) / "results.json").read_text())
         tracking.log_metrics(run_id, accuracy_metrics(results))
         table = results_table(results)
@@ -92,8 +94,9 @@ def evaluate_group(group: TaskGroup | GenerativeGroup, config: ChoiceEvalConfig 
     from mlflow import MlflowClient
 
     evaluate = evaluate_choices if isinstance(group, TaskGroup) else evaluate_generative
+    progress = progress_artifact(f"{group.title} of {config.model}", f"{group.stage}-progress")
     with tracking.stage_run(group.stage, config.model_dump(mode="json")) as run_id:
-        artifact = artifact_for(group.stage, evaluate(group, config))
+        artifact = artifact_for(group.stage, evaluate(group, config, progress))
         results = json.loads((Path(artifact.path) / "results.json").read_text())
         tracking.log_metrics(run_id, task_metrics(results))
         table = task_table(results)

@@ -22,12 +22,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from llmflow import runtime, tracking
 from llmflow.cluster.launcher import LaunchSettings
 from llmflow.cluster.nodes import NodeLayout
 from llmflow.tasks.common import STAGE_CACHE_POLICY, InputFiles, StageArtifact
+from llmflow.tasks.progress import progress_artifact
 from llmflow.train.command import launch_training
 from llmflow.train.config import TrainConfig
 from llmflow.train.preflight import check_training
@@ -65,13 +65,13 @@ def train_task(config: TrainConfig, nproc: int = 1, device: str | None = None, n
 def progress_reporter(log: Callable[[str], None], out: Path) -> Callable[[str], None]:
     """A worker-line handler that logs each line and moves a Prefect progress artifact with
     every ``step N/M`` line."""
-    artifact_id = create_progress_artifact(progress=0.0, description=f"training {out}")
+    progress = progress_artifact(f"training {out}")
 
     def on_line(line: str) -> None:
         log(line)
         match = STEP_LINE.match(line)
         if match:
-            update_progress_artifact(artifact_id, progress=100.0 * int(match[1]) / int(match[2]))
+            progress(int(match[1]), int(match[2]))
 
     return on_line
 

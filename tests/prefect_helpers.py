@@ -42,6 +42,16 @@ def flow_run_logs(flow_run_id) -> list[str]:
     return messages
 
 
+def flow_run_artifacts(flow_run_id, kind: str) -> list:
+    """The artifacts of type ``kind`` (progress, table, markdown) of the flow run and its tasks."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType
+
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), type=ArtifactFilterType(any_=[kind])))
+
+
 def task_states(flow_run_id) -> dict[str, list[str]]:
     """Task name -> the state names of its runs in the flow run, in start order."""
     from prefect.client.orchestration import get_client

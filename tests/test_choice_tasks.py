@@ -33,8 +33,15 @@ def sentence(rng: random.Random, n: int) -> str:
 
 
 def boolq_rows(rng: random.Random, n: int) -> list[dict]:
-    return [{"question": sentence(rng, 6), "passage": sentence(rng, 30).capitalize() + ".", "idx": i,
-             "label": rng.randint(0, 1)} for i in range(n)]
+    """super_glue's rows: the passage starts with its title and " -- "."""
+    return [{"question": sentence(rng, 6), "passage": f"{sentence(rng, 2).title()} -- {sentence(rng, 30).capitalize()}.",
+             "idx": i, "label": rng.randint(0, 1)} for i in range(n)]
+
+
+# Train rows that copy validation rows: under another idx (the harness keeps such a copy among
+# the few-shot examples) and under the same idx (an equal row, which it leaves out).
+COPY_ELSEWHERE = {"train": 5, "validation": 3}
+COPY_SAME_IDX = 7
 
 
 def agieval_rows(rng: random.Random, n: int, choices: int) -> list[dict]:
@@ -51,8 +58,11 @@ def data(tmp_path_factory) -> Path:
     """BoolQ in aps/super_glue's layout and two AGIEval tasks in hails' layout."""
     root = tmp_path_factory.mktemp("choice-data")
     rng = random.Random(0)
-    write_parquet(root / "boolq" / "boolq" / "train-00000-of-00001.parquet", boolq_rows(rng, 12))
-    write_parquet(root / "boolq" / "boolq" / "validation-00000-of-00001.parquet", boolq_rows(rng, 10))
+    train, validation = boolq_rows(rng, 12), boolq_rows(rng, 10)
+    train[COPY_ELSEWHERE["train"]] = validation[COPY_ELSEWHERE["validation"]] | {"idx": COPY_ELSEWHERE["train"]}
+    train[COPY_SAME_IDX] = validation[COPY_SAME_IDX]
+    write_parquet(root / "boolq" / "boolq" / "train-00000-of-00001.parquet", train)
+    write_parquet(root / "boolq" / "boolq" / "validation-00000-of-00001.parquet", validation)
     write_parquet(root / "agieval" / "agieval-lsat-ar" / "data" / "test-00000-of-00001.parquet", agieval_rows(rng, 7, 5))
     write_parquet(root / "agieval" / "agieval-sat-math" / "data" / "test-00000-of-00001.parquet", agieval_rows(rng, 9, 4))
     return root
@@ -67,9 +77,12 @@ def test_boolq_reads_the_super_glue_and_the_original_layouts_alike(data, tmp_pat
     assert hub[0].text.endswith("?\nAnswer:") and "\nQuestion: " in hub[0].text
     rows = pq.read_table(next((data / "boolq").rglob("validation-*.parquet"))).to_pylist()
     original = tmp_path / "dev.jsonl"
-    original.write_text("".join(json.dumps({"question": r["question"], "title": "t", "answer": bool(r["label"]),
-                                            "passage": r["passage"]}) + "\n" for r in rows))
+    # google/boolq keeps the title apart from the passage, in super_glue's order and without idx.
+    original.write_text("".join(json.dumps({"question": r["question"], "title": r["passage"].split(" -- ")[0],
+                                            "answer": bool(r["label"]), "passage": r["passage"].split(" -- ", 1)[1]})
+                                + "\n" for r in rows))
     assert read_boolq(tmp_path, "validation") == hub
+    assert [doc.row for doc in hub] == rows
 
 
 def test_bad_rows_and_missing_splits_name_the_file_and_what_was_expected(data, tmp_path):
@@ -104,6 +117,24 @@ def test_fewshot_draws_are_the_harness_samplers():
     assert fewshot_indices(docs[:2], pool, 0) == [[], []]
     with pytest.raises(ValueError, match="12 shots asked for, the few-shot split has 12 documents"):
         fewshot_indices(docs[:1], pool, 12)
+
+
+def test_boolq_fewshot_leaves_out_equal_rows_only_as_the_harness_does(data):
+    """The harness compares whole rows: a train copy of the evaluated question under another idx
+    stays among its examples, one under the same idx does not."""
+    from lm_eval.api.samplers import ContextSampler
+
+    def rows(split: str) -> list[dict]:
+        return pq.read_table(next((data / "boolq").rglob(f"{split}-*.parquet"))).to_pylist()
+
+    pool, docs = rows("train"), rows("validation")
+    sampler = ContextSampler(pool, rnd=None).set_rnd(1234)
+    theirs = [[pool.index(d) for d in sampler.sample(3, eval_doc=doc)] for doc in docs]
+    mine = fewshot_indices(read_boolq(data / "boolq", "validation"), read_boolq(data / "boolq", "train"), 3)
+    assert mine == theirs
+    copy_elsewhere = COPY_ELSEWHERE["train"]
+    assert copy_elsewhere in mine[COPY_ELSEWHERE["validation"]]
+    assert COPY_SAME_IDX not in mine[COPY_SAME_IDX]
 
 
 def test_standard_errors_are_the_harness_formulas():

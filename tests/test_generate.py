@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -160,6 +161,30 @@ def test_cli_streams_a_templated_prompt(llama, capsys):
     rendered = load_template(llama, "chatml").render([{"role": "user", "content": "hello"}], add_generation_prompt=True)
     expected = gen.run([gen.tokenizer.encode(rendered, add_special_tokens=False).ids], GenerateConfig(max_new_tokens=8))
     assert capsys.readouterr().out == expected[0].text + "\n"
+
+
+@pytest.mark.parametrize("template", ["chatml", None])
+def test_chat_says_which_model_and_template_it_loaded_and_how_to_leave(llama, tmp_path, monkeypatch, capsys, template):
+    from llmflow.cli import main
+
+    model = tmp_path / "model"
+    shutil.copytree(llama, model)
+    (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    monkeypatch.setattr("sys.stdin", io.StringIO("/exit\n"))
+    main(["chat", "--model", str(model), *(["--template", template] if template else [])])
+    captured = capsys.readouterr()
+    which = template or f"the tokenizer's own ({model})"
+    assert captured.err == (f"model: {model.resolve()}\nchat template: {which}\n"
+                            "/exit or Ctrl-D quits, /reset starts a new conversation, Ctrl-C stops a reply\n")
+    assert captured.out == "> "
+
+
+def test_a_missing_prompt_is_one_line(llama):
+    from llmflow.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["generate", "--model", str(llama)])
+    assert stopped.value.code == "llmflow generate: give exactly one of --prompt and --prompts"
 
 
 def test_chat_loop_keeps_history_and_resets(llama):

@@ -96,6 +96,7 @@ def test_torch_dist_export_is_laid_out_as_megatron_core_saves(model, tmp_path):
     assert (args.num_layers, args.num_query_groups, args.kv_channels, args.padded_vocab_size) == (4, 2, 16, 256)
     assert (args.untie_embeddings_and_output_weights, args.swiglu, args.normalization) == (not tied, True, "RMSNorm")
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (2, 2)
+    assert (args.no_save_optim, args.no_save_rng) == (True, True)  # an export holds no optimizer or RNG state
 
 
 def rewrite_args(directory: Path, **changes) -> None:

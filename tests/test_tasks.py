@@ -18,14 +18,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from prefect import flow
-from prefect_helpers import mlflow_runs, outcome
+from prefect_helpers import flow_run_artifacts, mlflow_runs, outcome
 
 from llmflow.artifacts import read_manifest, sha256_file
 from llmflow.data.tokenize_instruction import InstructionTokenizeConfig
 from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig, output_paths
 from llmflow.download import DownloadConfig
+from llmflow.evaluate.choice_engine import ChoiceEvalConfig
 from llmflow.tasks.common import StageArtifact
 from llmflow.tasks.download import download_task
+from llmflow.tasks.evaluate import EVAL_TASKS
 from llmflow.tasks.tokenize import tokenize_instruction_task, tokenize_pretrain_task
 
 pytestmark = pytest.mark.usefixtures("prefect_env")
@@ -80,6 +82,13 @@ def download_flow(config: DownloadConfig) -> dict[str, Any]:
 @flow(name="test-tokenize-pretrain-stage")
 def tokenize_flow(config: PretrainTokenizeConfig) -> dict[str, Any]:
     return outcome(tokenize_pretrain_task(config, return_state=True))
+
+
+@flow(name="test-eval-boolq-stage")
+def boolq_flow(config: ChoiceEvalConfig) -> dict[str, Any]:
+    from prefect.runtime import flow_run
+
+    return {**outcome(EVAL_TASKS["boolq"](config, return_state=True)), "flow_run_id": flow_run.id}
 
 
 @flow(name="test-tokenize-instruction-stage")
@@ -269,3 +278,21 @@ def test_instruction_task_logs_counts_and_is_cached(prefect_env, tiny_tokenizer,
     assert run.data.metrics["trained_tokens"] == manifest["trained_tokens"] > 0
     assert instruction_flow(config)["name"] == "Cached"
     assert len(mlflow_runs(prefect_env, "tokenize-instruction")) == 1
+
+
+# --- evaluation ---------------------------------------------------------------------------------
+
+
+def test_evaluation_progress_reaches_the_prefect_ui(sample_assets, tmp_path):
+    from prefect.client.orchestration import get_client
+
+    sample = sample_assets()
+    config = ChoiceEvalConfig(model=sample / "model", data=sample / "boolq", out=tmp_path / "eval", limit=3,
+                              batch_size=1, device="cpu")
+    result = boolq_flow(config)
+    assert result["completed"], result["message"]
+    (progress,) = flow_run_artifacts(result["flow_run_id"], "progress")
+    with get_client(sync_client=True) as client:
+        task_run = client.read_task_run(progress.task_run_id)
+    assert progress.key == "eval-boolq-progress" and progress.data == 100.0
+    assert task_run.name.startswith("eval-boolq") and str(config.model) in progress.description

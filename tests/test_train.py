@@ -19,6 +19,7 @@ import pytest
 import torch
 from train_helpers import assert_close, config, losses, run, train_in_subprocess, training_assets
 
+from llmflow.cli import main
 from llmflow.data.indexed import IndexedDatasetWriter
 from llmflow.models import LoraConfig, apply_lora, is_lora_param, lora_state_dict
 from llmflow.train.config import load_train_config
@@ -84,6 +85,47 @@ def test_config_file_and_overrides(tmp_path, assets):
         load_train_config(path, ['data.paths=["a", "b"]', "data.weights=[1]"])
     with pytest.raises(ValueError, match="expected key=value"):
         load_train_config(path, ["steps"])
+
+
+def llmflow_train_error(*args: str) -> str:
+    """The message ``llmflow train ARGS`` exits with (run in-process, as the console script runs it)."""
+    with pytest.raises(SystemExit) as stopped:
+        main(["train", *args])
+    return str(stopped.value.code)
+
+
+def config_file(tmp_path: Path, assets) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model: {assets['model']}\nout: {tmp_path / 'o'}\ndata: {{paths: [{assets['wiki']}]}}\nsteps: 3\n")
+    return path
+
+
+def test_command_line_overrides_keep_their_commas(tmp_path, assets):
+    path = config_file(tmp_path, assets)
+    # As `llmflow train c.yaml data.paths='[a,b]' ...` hands them over after the shell's quoting.
+    message = llmflow_train_error(str(path), "data.paths=[a,b]", "pp=2", "num_layer_list=[3,2]", "--nproc", "2")
+    assert "data a: no pretraining dataset" in message and "data b: no pretraining dataset" in message
+    assert "num_layer_list [3, 2] sums to 5 layers but the model has 4" in message
+
+
+@pytest.mark.parametrize("argument, problem", [
+    ("num_layer_list=[3", "override num_layer_list=[3: not valid YAML (expected ',' or ']', but got '<stream end>')"),
+    ("steps=abc", "steps: Input should be a valid integer, unable to parse string as an integer (got 'abc')"),
+    ("steps", "override 'steps': expected key=value"),
+    ("--nprocs", "unknown option --nprocs"),
+    ("--nproc=0", "--nproc: Input should be greater than or equal to 1 (got '0')"),
+    ("--slurm.poll-s=abc", "--slurm.poll-s: Input should be a valid number, unable to parse string as a number (got 'abc')"),
+])
+def test_unreadable_override_is_one_line_naming_it(tmp_path, assets, argument, problem):
+    message = llmflow_train_error(str(config_file(tmp_path, assets)), argument)
+    assert message.startswith("llmflow train ") and problem in message and "\n" not in message
+
+
+def test_unreadable_config_file_is_one_line_naming_it(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: [a\n")
+    message = llmflow_train_error(str(path))
+    assert f": training config {path}: not valid YAML (expected ',' or ']'" in message and "\n" not in message
 
 
 def test_batch_that_does_not_divide_is_refused(assets, tmp_path):

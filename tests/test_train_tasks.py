@@ -25,6 +25,7 @@ from mlflow import MlflowClient
 from prefect import flow
 from prefect_helpers import (
     checkpoint_after_cancel,
+    flow_run_artifacts,
     flow_run_logs,
     metric_history,
     mlflow_runs,
@@ -40,7 +41,7 @@ from llmflow.models import CausalLM, ModelConfig
 from llmflow.tasks.common import InputFiles, StageArtifact
 from llmflow.tasks.convert import convert_task
 from llmflow.tasks.export import export_task
-from llmflow.tasks.train import train_task
+from llmflow.tasks.train import progress_reporter, train_task
 from llmflow.train.config import TrainConfig
 from llmflow.weights import read_meta, save_hf_model
 from llmflow.weights.convert import ConvertConfig
@@ -188,6 +189,25 @@ def test_train_cache_key_covers_model_and_data_files_not_the_checkpoints(assets,
     assert key() == first
     write_corpus(corpus, [np.arange(60) % VOCAB])  # the dataset rewritten in place, same prefix
     assert key() != first
+
+
+@flow(name="test-train-progress")
+def step_lines_flow(lines: list[str]) -> tuple[Any, list[str]]:
+    from prefect.runtime import flow_run
+
+    logged: list[str] = []
+    on_line = progress_reporter(logged.append, Path("run"))
+    for line in lines:
+        on_line(line)
+    return flow_run.id, logged
+
+
+def test_train_progress_follows_the_workers_step_lines():
+    lines = ["loading", *(f"step {s}/4 | loss 1.0" for s in range(1, 4))]
+    flow_run_id, logged = step_lines_flow(lines)
+    assert logged == lines
+    (progress,) = flow_run_artifacts(flow_run_id, "progress")
+    assert progress.data == 75.0 and progress.description == "training run"
 
 
 @pytest.mark.slow

@@ -34,6 +34,7 @@ from llmflow.evaluate.scoring import model_requests, score_requests
 from llmflow.evaluate.settings import EvalSettings, load_for_eval
 from llmflow.evaluate.statistics import stderr_of_mean
 from llmflow.evaluate.task_selection import check_task_directories, select_tasks
+from llmflow.progress import Progress, no_progress
 from llmflow.runtime import available_device
 
 TARGET_DELIMITER = " "
@@ -127,8 +128,9 @@ def task_results(run: TaskRun, outcomes: list[dict[str, Any]], shots: int, seed:
     return results
 
 
-def evaluate_choices(group: TaskGroup, config: ChoiceEvalConfig) -> Path:
-    """Evaluate ``config.model`` on ``group``'s tasks; writes the results into ``config.out`` and returns it."""
+def evaluate_choices(group: TaskGroup, config: ChoiceEvalConfig, progress: Progress = no_progress) -> Path:
+    """Evaluate ``config.model`` on ``group``'s tasks; writes the results into ``config.out`` and returns it.
+    ``progress`` hears how many documents are scored."""
     if config.device != "auto":
         available_device(config.device)  # a device that is not there is refused before any download
     tasks = select_tasks(group.title, group.tasks, config.tasks)
@@ -141,7 +143,7 @@ def evaluate_choices(group: TaskGroup, config: ChoiceEvalConfig) -> Path:
         contexts = [template.prompt(c) for c in contexts]
     start = time.monotonic()
     requests = model_requests(tok_dir, contexts, [continuations(d) for run in runs for d in run.docs])
-    scores, _ = score_requests(model, requests, config.batch_size, max_length, config.padding_side)
+    scores, _ = score_requests(model, requests, config.batch_size, max_length, config.padding_side, progress=progress)
     seconds = time.monotonic() - start
     rows = iter(scores.tolist())
     tasks_out, lines = {}, []

@@ -9,7 +9,8 @@ lm-evaluation-harness 0.4.13 words them:
 
 A reader takes a local directory in the Hub layout of the task's dataset (``aps/super_glue``'s
 ``boolq/{split}-*.parquet``; ``hails/agieval-*``'s ``{split}-*.parquet`` anywhere below the
-task's directory) or, for BoolQ, the original ``train.jsonl``/``dev.jsonl`` of google/boolq.
+task's directory) or, for BoolQ, the original ``train.jsonl``/``dev.jsonl`` of google/boolq,
+whose rows are read as super_glue's rows of them (below).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class Doc:
     """The answers scored, each after the target delimiter " "."""
     gold: tuple[int, ...]
     """Indices of the right choices (AGIEval's gold is a list; BoolQ's label one index)."""
+    row: dict[str, Any]
+    """The document's fields as the harness loads them. The harness leaves the evaluated document
+    out of its few-shot examples by comparing whole rows, so a copy under another ``idx`` stays."""
 
 
 @dataclass(frozen=True)
@@ -81,21 +85,37 @@ BOOLQ_LAYOUTS = ("aps/super_glue (boolq/{train,validation}-*.parquet) or google/
 _BOOLQ_ORIGINAL_SPLITS = {"train": "train", "validation": "dev"}
 
 
-def boolq_doc(row: dict[str, Any], where: str) -> Doc:
-    """A BoolQ document from a super_glue row (label 0/1) or an original one (answer true/false)."""
+def checked_boolq_row(row: dict[str, Any], where: str) -> dict[str, Any]:
+    """``row`` when it is a super_glue row (label 0/1) or an original one (title, answer true/false)."""
     label = row.get("label", row.get("answer"))
-    passage, question = row.get("passage"), row.get("question")
-    if not isinstance(passage, str) or not isinstance(question, str) or label not in (0, 1):
-        raise BenchmarkDataError(f"{where}: expected a passage, a question and a label 0/1 (or answer "
-                                 f"false/true), got {excerpt(row)}")
-    return Doc(f"{passage}\nQuestion: {question}?\nAnswer:", ("no", "yes"), (int(label),))
+    if (not isinstance(row.get("passage"), str) or not isinstance(row.get("question"), str) or label not in (0, 1)
+            or ("label" not in row and not isinstance(row.get("title"), str))):
+        raise BenchmarkDataError(f"{where}: expected a passage, a question and a label 0/1 (or google/boolq's "
+                                 f"title and answer false/true), got {excerpt(row)}")
+    return row
+
+
+def super_glue_row(row: dict[str, Any], position: int) -> dict[str, Any]:
+    """``row`` as super_glue holds it: a super_glue row as it is; an original one with
+    super_glue's passage "{title} -- {passage}", its label, and its ``position`` in the file as
+    ``idx`` (super_glue numbers each split's rows from 0)."""
+    if "label" in row:
+        return row
+    return {"question": row["question"], "passage": f"{row['title']} -- {row['passage']}", "idx": position,
+            "label": int(row["answer"])}
+
+
+def boolq_doc(row: dict[str, Any]) -> Doc:
+    """A BoolQ document from its super_glue row."""
+    return Doc(f"{row['passage']}\nQuestion: {row['question']}?\nAnswer:", ("no", "yes"), (int(row["label"]),), row)
 
 
 def read_boolq(root: Path, split: str) -> list[Doc]:
     """The BoolQ documents of ``split`` under ``root`` in either layout."""
     original = (f"{_BOOLQ_ORIGINAL_SPLITS[split]}.jsonl",) if split in _BOOLQ_ORIGINAL_SPLITS else ()
-    return read_split("BoolQ", root, split, (("boolq/{split}-*.parquet", "{split}-*.parquet"), original),
-                      ("passage", "question", "label"), BOOLQ_LAYOUTS, boolq_doc)
+    rows = read_split("BoolQ", root, split, (("boolq/{split}-*.parquet", "{split}-*.parquet"), original),
+                      ("passage", "question", "label"), BOOLQ_LAYOUTS, checked_boolq_row)
+    return [boolq_doc(super_glue_row(row, n)) for n, row in enumerate(rows)]
 
 
 BOOLQ_TASK = ChoiceTask(
@@ -119,7 +139,7 @@ def agieval_doc(row: dict[str, Any], where: str) -> Doc:
             or not all(isinstance(g, int) and 0 <= g < len(choices) for g in gold)):
         raise BenchmarkDataError(f"{where}: expected a query, a list of at least two choices and gold, a "
                                  f"non-empty list of choice indices; got {excerpt(row)}")
-    return Doc(query, tuple(choices), tuple(gold))
+    return Doc(query, tuple(choices), tuple(gold), row)
 
 
 def read_agieval(root: Path, split: str) -> list[Doc]:

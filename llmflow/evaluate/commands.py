@@ -1,11 +1,12 @@
 """``llmflow eval mmlu|ceval|cmmlu`` (four-choice benchmarks), ``llmflow eval boolq|agieval``
 (tasks whose documents carry their own choices), ``llmflow eval gsm8k|bbh`` (generative
 chain-of-thought tasks) and ``llmflow eval humaneval`` (generated code run in the sandbox): one
-command per benchmark."""
+command per benchmark. Each shows its progress on stderr (``llmflow.progress``)."""
 
 from __future__ import annotations
 
 import json
+from contextlib import closing
 from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict
@@ -19,6 +20,7 @@ from llmflow.evaluate.engine import EvalConfig, evaluate, format_table
 from llmflow.evaluate.generative_engine import GenerativeEvalConfig, evaluate_generative
 from llmflow.evaluate.generative_tasks import BBH, GSM8K, GenerativeGroup
 from llmflow.evaluate.humaneval import HUMANEVAL
+from llmflow.progress import TerminalProgress
 
 
 class EvalCommand(EvalConfig):
@@ -27,7 +29,8 @@ class EvalCommand(EvalConfig):
     benchmark: ClassVar[Benchmark]
 
     def cli_cmd(self) -> None:
-        out = evaluate(self.benchmark, EvalConfig(**self.model_dump()))
+        with closing(TerminalProgress(f"eval {self.benchmark.name}", "questions")) as progress:
+            out = evaluate(self.benchmark, EvalConfig(**self.model_dump()), progress)
         print(format_table(json.loads((out / "results.json").read_text())))
         print(f"wrote {out / 'results.json'} and {out / 'predictions.jsonl'}")
 
@@ -60,7 +63,8 @@ class ChoiceCommand(ChoiceEvalConfig):
     group: ClassVar[TaskGroup]
 
     def cli_cmd(self) -> None:
-        out = evaluate_choices(self.group, ChoiceEvalConfig(**self.model_dump()))
+        with closing(TerminalProgress(f"eval {self.group.name}", "documents")) as progress:
+            out = evaluate_choices(self.group, ChoiceEvalConfig(**self.model_dump()), progress)
         print(reporting.format_table(json.loads((out / "results.json").read_text())))
         print(f"wrote {out / 'results.json'} and {out / 'predictions.jsonl'}")
 
@@ -86,7 +90,8 @@ class GenerativeCommand(GenerativeEvalConfig):
     group: ClassVar[GenerativeGroup]
 
     def cli_cmd(self) -> None:
-        out = evaluate_generative(self.group, GenerativeEvalConfig(**self.model_dump()))
+        with closing(TerminalProgress(f"eval {self.group.name}", "texts")) as progress:
+            out = evaluate_generative(self.group, GenerativeEvalConfig(**self.model_dump()), progress)
         print(reporting.format_table(json.loads((out / "results.json").read_text())))
         print(f"wrote {out / 'results.json'} and {out / 'predictions.jsonl'}")
 

@@ -35,6 +35,7 @@ from llmflow.evaluate.questions import LETTERS, BenchmarkData, Question
 from llmflow.evaluate.scoring import model_requests, score_requests
 from llmflow.evaluate.settings import EvalSettings, load_for_eval
 from llmflow.evaluate.statistics import stderr_of_mean
+from llmflow.progress import Progress, no_progress
 from llmflow.runtime import available_device
 
 
@@ -105,8 +106,9 @@ def _predictions_lines(questions: list[Question], scores: torch.Tensor, fast: li
     return lines
 
 
-def evaluate(benchmark: Benchmark, config: EvalConfig) -> Path:
-    """Evaluate ``config.model`` on ``benchmark``; writes the results into ``config.out`` and returns it."""
+def evaluate(benchmark: Benchmark, config: EvalConfig, progress: Progress = no_progress) -> Path:
+    """Evaluate ``config.model`` on ``benchmark``; writes the results into ``config.out`` and returns it.
+    ``progress`` hears how many questions are scored."""
     if config.device != "auto":
         available_device(config.device)  # a device that is not there is refused before any download
     data_dir = local_data(config.data, config.cache_dir, benchmark.hub_include(config.subjects))
@@ -120,7 +122,8 @@ def evaluate(benchmark: Benchmark, config: EvalConfig) -> Path:
     start = time.monotonic()
     requests = model_requests(tok_dir, prompts, [CONTINUATIONS] * len(prompts))
     groups = [q.subject for q in questions] if config.shared_prefix else None
-    scores, fast = score_requests(model, requests, config.batch_size, max_length, config.padding_side, groups)
+    scores, fast = score_requests(model, requests, config.batch_size, max_length, config.padding_side, groups,
+                                  progress=progress)
     seconds = time.monotonic() - start
     predictions = scores.argmax(dim=1).tolist()
     results = {"benchmark": benchmark.name, **summarize(benchmark, questions, predictions)}

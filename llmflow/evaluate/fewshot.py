@@ -6,7 +6,8 @@ no few-shot split (BoolQ's config names a training split but neither a few-shot 
 split, and the harness compares those two) it takes the eval-doc path:
 ``sample(pool, n + 1)``, drops every example equal to the evaluated document and keeps the
 first ``n``; when copies of the document leave fewer than ``n``, it draws ``n`` again from the
-pool without them. ``Random.sample`` picks positions from the pool's length alone, so drawing
+pool without them. Equal means the whole row (``Doc.row``): a copy of the question under
+another ``idx`` is another document and stays. ``Random.sample`` picks positions from the pool's length alone, so drawing
 indices reproduces the harness's draws exactly.
 """
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -47,6 +47,7 @@ from llmflow.evaluate.statistics import stderr_of_mean
 from llmflow.evaluate.task_selection import check_task_directories, select_tasks
 from llmflow.infer.generate import FinishReason, GenerateConfig
 from llmflow.infer.generator import Generator, make_generator
+from llmflow.progress import Progress, no_progress
 from llmflow.runtime import available_device
 
 
@@ -145,9 +146,10 @@ def repetition_penalty(tok_dir: Path) -> float:
 
 
 def generate(generator: Generator, prompts: list[str], config: GenerateConfig, max_length: int,
-             batch_size: int) -> list[Generation]:
+             batch_size: int, on_batch: Callable[[int], None] | None = None) -> list[Generation]:
     """Continuations of ``prompts`` as the harness's hf backend makes them (see the module); a
-    sampling ``config``'s seed is the first batch's, each later batch's one more."""
+    sampling ``config``'s seed is the first batch's, each later batch's one more. ``on_batch``
+    is called with the number of continuations of each batch once it is generated."""
     hf = hf_tokenizer(generator.tokenizer_dir)
     ids = encode_texts(generator.tokenizer, prompts, hf.bos_token)
     keep = max_length - config.max_new_tokens
@@ -159,17 +161,25 @@ def generate(generator: Generator, prompts: list[str], config: GenerateConfig, m
         for i, result in zip(rows, generator.run([ids[i][-keep:] for i in rows], batch_config)):
             text = harness_cut(hf.decode(result.tokens, skip_special_tokens=True), config.stop)
             out[i] = Generation(text, result.finish_reason, len(result.prompt_tokens), len(ids[i]) > keep)
+        if on_batch is not None:
+            on_batch(len(rows))
     return out
 
 
+def generations_per_doc(task: GenerativeTask, samples: int | None) -> int:
+    """One greedy text, or ``samples`` (else the task's repeats) when the task samples."""
+    return (samples or task.repeats) if task.temperature > 0 else 1
+
+
 def generate_samples(generator: Generator, task: GenerativeTask, prompts: list[str], config: GenerateConfig,
-                     samples: int | None, max_length: int, batch_size: int) -> list[list[Generation]]:
-    """Each prompt's generations: one greedy text, or ``samples`` (else the task's repeats)
-    sampled at the task's temperature and top_p when it samples."""
-    repeats = (samples or task.repeats) if task.temperature > 0 else 1
+                     samples: int | None, max_length: int, batch_size: int,
+                     on_batch: Callable[[int], None] | None = None) -> list[list[Generation]]:
+    """Each prompt's generations (``generations_per_doc``), sampled at the task's temperature
+    and top_p when it samples."""
+    repeats = generations_per_doc(task, samples)
     if task.temperature > 0:
         config = config.model_copy(update={"temperature": task.temperature, "top_p": task.top_p})
-    flat = generate(generator, [p for p in prompts for _ in range(repeats)], config, max_length, batch_size)
+    flat = generate(generator, [p for p in prompts for _ in range(repeats)], config, max_length, batch_size, on_batch)
     return [flat[i : i + repeats] for i in range(0, len(flat), repeats)]
 
 
@@ -202,8 +212,10 @@ def task_results(run: TaskRun, generations: list[list[Generation]], scores: list
     return results
 
 
-def evaluate_generative(group: GenerativeGroup, config: GenerativeEvalConfig) -> Path:
-    """Evaluate ``config.model`` on ``group``'s tasks; writes the results into ``config.out`` and returns it."""
+def evaluate_generative(group: GenerativeGroup, config: GenerativeEvalConfig, progress: Progress = no_progress) -> Path:
+    """Evaluate ``config.model`` on ``group``'s tasks; writes the results into ``config.out`` and returns it.
+    ``progress`` hears how many texts are generated (a task's scoring, such as HumanEval's
+    programs, runs after its texts)."""
     if config.device != "auto":
         available_device(config.device)  # a device that is not there is refused before any download
     tasks = select_tasks(group.title, group.tasks, config.tasks or list(group.default_tasks))
@@ -221,6 +233,15 @@ def evaluate_generative(group: GenerativeGroup, config: GenerativeEvalConfig) ->
     eos_text = hf.decode([hf.eos_token_id]) if hf.eos_token_id is not None else None
     penalty = repetition_penalty(generator.tokenizer_dir)
     workers = config.workers or os.cpu_count() or 1
+    total = sum(len(run.docs) * generations_per_doc(run.task, config.samples) for run in runs)
+    done = 0
+
+    def generated(count: int) -> None:
+        nonlocal done
+        done += count
+        progress(done, total)
+
+    progress(0, total)
     start = time.monotonic()
     tasks_out, lines = {}, []
     for run in runs:
@@ -228,7 +249,7 @@ def evaluate_generative(group: GenerativeGroup, config: GenerativeEvalConfig) ->
                                          repetition_penalty=penalty, seed=config.seed)
         prompts = [template.prompt(c) for c in run.contexts] if template else run.contexts
         generations = generate_samples(generator, run.task, prompts, generate_config, config.samples, max_length,
-                                       config.batch_size)
+                                       config.batch_size, generated)
         scores = run.task.score(run.docs, [[g.text for g in doc] for doc in generations], workers)
         tasks_out[run.task.name] = task_results(run, generations, scores, shots, generate_config)
         lines += [json.dumps({"task": run.task.name, "index": i, **doc_outcome(g, s)}, ensure_ascii=False) + "\n"

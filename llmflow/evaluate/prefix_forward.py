@@ -9,6 +9,7 @@ matrix shapes differ, so fp32 rounding does).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -68,9 +69,11 @@ def _prefix_cache(model: CausalLM, prefix: list[int], padding_side: str) -> KVCa
 
 @torch.no_grad()
 def run_rows(
-    model: CausalLM, rows: list[Row], batch_size: int, padding_side: str = "right", prefix: list[int] | None = None
+    model: CausalLM, rows: list[Row], batch_size: int, padding_side: str = "right", prefix: list[int] | None = None,
+    on_batch: Callable[[list[int]], None] | None = None,
 ) -> list[list[float]]:
-    """Each row's scores, rows run in batches of ``batch_size`` after ``prefix`` (computed once)."""
+    """Each row's scores, rows run in batches of ``batch_size`` after ``prefix`` (computed once);
+    ``on_batch`` is called with the indices of each batch's rows once they are scored."""
     device = next(model.parameters()).device
     prefix = prefix or []
     shared = _prefix_cache(model, prefix, padding_side) if prefix else None
@@ -92,4 +95,6 @@ def run_rows(
                 sum(read[places[(j, offsets[j] + index)], token].item() for index, token in score)
                 for score in rows[i].targets
             ]
+        if on_batch is not None:
+            on_batch(batch)
     return results

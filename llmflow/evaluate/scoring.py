@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ import torch
 from llmflow.data.tokenizer import load_tokenizer, tokenizer_info
 from llmflow.evaluate.prefix_forward import Row, run_rows
 from llmflow.models import CausalLM
+from llmflow.progress import Progress, no_progress
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,7 @@ def score_requests(
     padding_side: str = "right",
     groups: Sequence[Hashable] | None = None,
     one_pass: bool = True,
+    progress: Progress = no_progress,
 ) -> tuple[torch.Tensor, list[bool]]:
     """Scores [N, most choices] of every request (-inf past a request's own choices), and
     whether each took the one-pass path (all its continuations one token, and ``one_pass``;
@@ -136,7 +139,8 @@ def score_requests(
     Requests with the same ``groups`` label (a subject's questions, which share their few-shot
     examples) run on top of their contexts' longest common token prefix, computed once; a
     request whose context + continuation exceeds ``max_length`` (truncated on the left, so it
-    no longer starts with that prefix) and every request without a group run in full."""
+    no longer starts with that prefix) and every request without a group run in full.
+    ``progress`` hears how many requests have all their rows scored."""
     choices = max((len(r.continuations) for r in requests), default=0)
     fast = [one_pass and r.single_token for r in requests]
     members: dict[Hashable, list[int]] = {}
@@ -154,6 +158,17 @@ def score_requests(
             alone += indices
     jobs.append(([], sorted(alone)))
     scores = torch.full((len(requests), choices), -torch.inf)
+    rows_left = [1 if fast[i] else len(r.continuations) for i, r in enumerate(requests)]
+    done = 0
+
+    def scored(owners: list[int], batch: list[int]) -> None:
+        nonlocal done
+        for row in batch:
+            rows_left[owners[row]] -= 1
+            done += rows_left[owners[row]] == 0
+        progress(done, len(requests))
+
+    progress(0, len(requests))
     for prefix, indices in jobs:
         rows, owners = [], []
         for i in indices:
@@ -161,7 +176,7 @@ def score_requests(
             rows += made
             owners += [i] * len(made)
         found: dict[int, list[float]] = {}
-        for i, row_scores in zip(owners, run_rows(model, rows, batch_size, padding_side, prefix)):
+        for i, row_scores in zip(owners, run_rows(model, rows, batch_size, padding_side, prefix, partial(scored, owners))):
             found.setdefault(i, []).extend(row_scores)
         for i, values in found.items():
             scores[i, : len(values)] = torch.tensor(values)

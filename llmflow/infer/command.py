@@ -203,6 +203,14 @@ def chat_loop(gen: Generator, template: ChatTemplate, config: GenerateConfig, in
         history.append({"role": "assistant", "content": reply.text})
 
 
+def chat_banner(model: Path, template: ChatTemplate, tokenizer_dir: Path) -> str:
+    """What ``llmflow chat`` says before its first prompt: the model and chat template it
+    loaded, and how to leave."""
+    which = f"the tokenizer's own ({tokenizer_dir})" if template.name == "tokenizer" else template.name
+    return (f"model: {model.expanduser().resolve()}\nchat template: {which}\n"
+            f"{EXIT} or Ctrl-D quits, {RESET} starts a new conversation, Ctrl-C stops a reply\n")
+
+
 class ChatCommand(GenerateConfig):
     """Chat with a model on the terminal (streamed replies; /reset, /exit)."""
 
@@ -220,4 +228,6 @@ class ChatCommand(GenerateConfig):
     def cli_cmd(self) -> None:
         gen = load_generator(self.model, self.device)
         config = GenerateConfig(**self.model_dump(include=set(GenerateConfig.model_fields)))
-        chat_loop(gen, load_template(gen.tokenizer_dir, self.template), config, sys.stdin, sys.stdout)
+        template = load_template(gen.tokenizer_dir, self.template)
+        _write(sys.stderr, chat_banner(self.model, template, gen.tokenizer_dir))
+        chat_loop(gen, template, config, sys.stdin, sys.stdout)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import ConfigDict, Field
-from pydantic_settings import CliPositionalArg
+from pydantic_settings import CliPositionalArg, CliUnknownArgs
 
 from llmflow import tracking
 from llmflow.cluster.kubernetes import KubernetesSettings
@@ -36,13 +36,17 @@ def launch_training(config: TrainConfig, nproc: int, on_line=print, env: dict[st
 class TrainCommand(NodeLayout):
     """Pretrain or finetune (full or LoRA) on torchrun workers; resumes when the run's
     output directory holds a checkpoint. On several nodes, run the same command on each node
-    (with its own --node-rank, or the same --rdzv-endpoint), or once with --launcher slurm."""
+    (with its own --node-rank, or the same --rdzv-endpoint), or once with --launcher slurm.
+
+    key=value arguments after CONFIG override its options, values read as YAML, dotted keys
+    for sections: optim.lr=1e-4 data.paths='[a,b]' num_layer_list='[3,1]'."""
 
     model_config = ConfigDict(use_attribute_docstrings=True)
 
     config: CliPositionalArg[Path]
     """Training config (YAML or JSON); see TrainConfig for every option."""
-    overrides: CliPositionalArg[list[str]] = Field(default_factory=list)
+    # Captured verbatim: a list positional would be split at its commas ([a,b] -> "[a", "b]").
+    overrides: CliUnknownArgs
     """key=value overrides of the config (dotted for sections: optim.lr=1e-4 data.paths='[a,b]')."""
     nproc: int = Field(default=1, ge=1)
     """Worker processes per node (one per accelerator; CPU runs use gloo)."""
@@ -60,6 +64,9 @@ class TrainCommand(NodeLayout):
     records the run and the other nodes record nothing."""
 
     def cli_cmd(self) -> None:
+        options = [item for item in self.overrides if item.startswith("-")]
+        if options:
+            raise ValueError(f"unknown option {options[0]} (llmflow train --help lists the options)")
         config = load_train_config(self.config, self.overrides)
         launch = LaunchSettings(launcher=self.launcher, slurm=self.slurm, kubernetes=self.kubernetes)
         nodes: NodeLayout = self  # the command is its own node layout

@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llmflow.models.lora import LoraConfig
+from llmflow.validation import one_line
 
 
 class DataConfig(BaseModel):
@@ -173,7 +174,16 @@ def _set(tree: dict[str, Any], dotted: str, value: str) -> None:
         elif not isinstance(child, dict):
             raise ValueError(f"override {dotted}={value}: {key} is not a section")
         node = child
-    node[keys[-1]] = yaml.safe_load(value) if value.strip() else value
+    node[keys[-1]] = _yaml_value(f"override {dotted}={value}", value) if value.strip() else value
+
+
+def _yaml_value(source: str, text: str) -> Any:
+    """``text`` read as YAML; a ValueError naming ``source`` in one line when it is not YAML."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        problem = getattr(error, "problem", None) or str(error)
+        raise ValueError(f"{source}: not valid YAML ({' '.join(problem.split())})") from None
 
 
 def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
@@ -185,7 +195,7 @@ def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> Tra
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"training config {path}: no such file")
-        loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        loaded = _yaml_value(f"training config {path}", path.read_text(encoding="utf-8")) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"training config {path}: expected a mapping of options, got {type(loaded).__name__}")
         tree = loaded
@@ -194,4 +204,7 @@ def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> Tra
         if not sep or not key:
             raise ValueError(f"override {item!r}: expected key=value (dotted keys for sections, e.g. optim.lr=1e-4)")
         _set(tree, key, value)
-    return TrainConfig.model_validate(tree)
+    try:
+        return TrainConfig.model_validate(tree)
+    except ValidationError as error:
+        raise ValueError(f"training config{f' {path}' if path is not None else ''}: {one_line(error)}") from None

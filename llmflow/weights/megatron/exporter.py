@@ -114,7 +114,7 @@ def megatron_args(config: ModelConfig, tp: int, pp: int, padded_vocab: int, voca
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
         expert_model_parallel_size=1, num_experts=None, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16, transformer_impl="local", iteration=iteration, consumed_train_samples=0,
-        consumed_valid_samples=0,
+        consumed_valid_samples=0, no_save_optim=True, no_save_rng=True,
     )
 
 
