@@ -35,10 +35,15 @@ system-packages:
 			$(SYSTEM_PACKAGES) >/dev/null; \
 	fi
 
-# Everything, as CI runs it; the 25 slowest tests are listed at the end.
+# Test processes (pytest-xdist): each takes whole modules, so a module's shared fixtures are
+# built once. Two keep a 2-core machine busy: one computes while the other waits on a server,
+# a subprocess or an import.
+TEST_WORKERS ?= 2
+
+# Everything, as CI runs it; the 25 slowest tests and the time per module are listed at the end.
 test: $(STAMP) system-packages
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest --durations=25
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 # The edit-test loop: every test not marked slow (no flows end to end, multi-rank runs,
 # browser or finetune). A run that selects no test fails (tests/conftest.py).
