@@ -209,8 +209,10 @@ def assert_same_documents(theirs: list[dict], mine: list[dict]) -> None:
     assert len(theirs) == len(mine)
     for sample, pred in zip(theirs, mine):
         lls = [float(r[0]) for r in sample["filtered_resps"]]
-        # Summed fp32 log-probabilities: within 1e-5, or one float32 step (~1e-7 relative) of sums past 100.
-        assert pred["scores"] == pytest.approx(lls, rel=1.2e-7, abs=1e-5), sample["doc_id"]
+        # A continuation's token log-probabilities (fp32) are summed in float32 by the harness and
+        # in double by llmflow: within 1e-5, or a few float32 steps (6e-8 relative each) of sums
+        # past 50 (two steps measured at -81).
+        assert pred["scores"] == pytest.approx(lls, rel=5e-7, abs=1e-5), sample["doc_id"]
         assert float(sample["acc"]) == pred["acc"]
         if "acc_norm" in sample:
             assert float(sample["acc_norm"]) == pred["acc_norm"]

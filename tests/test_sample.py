@@ -19,7 +19,16 @@ from llmflow.sample.assets import SampleConfig, write_sample
 from llmflow.sample.world import SUBJECTS
 from llmflow.weights import load_hf_model
 
-FINETUNE_STEPS = 600  # measured: 400 steps 49%, 600 steps above 60% (numbers are one token per digit, as Qwen2 splits them)
+FINETUNE_STEPS = 600  # measured: 400 steps 49%, 600 steps 59.3% to just over 60% (numbers are one token per digit, as Qwen2 splits them)
+FINETUNE_THREADS = "1"
+"""The worker's threads, one as under `make test` (tests/conftest.py) so that the run is the
+same there and alone: it is bit-identical from one run to the next at a given thread count
+on a given CPU, but one and two threads already differ in the sixth decimal of the loss by
+the sixth step, and 600 steps at lr 5e-3 carry such differences into the final weights.
+Another CPU's kernels may round differently too: the bar below leaves room for that."""
+AFTER_AT_LEAST = 0.45
+"""5.7 standard deviations above chance (25%, 3.5 points over 150 questions); 600 steps
+have scored from 59.3% to just above 60% on the machines measured, a margin of 14 points."""
 
 MMLU_SCHEMA = pa.schema(
     [("question", pa.string()), ("subject", pa.string()), ("choices", pa.list_(pa.string())), ("answer", pa.int64())]
@@ -160,7 +169,7 @@ def test_tokenizer_and_model_load_in_transformers(sample):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # about 2 minutes on two idle cores
+@pytest.mark.timeout(1200)  # about 4 minutes on two idle cores
 def test_finetuning_on_the_instructions_lifts_mmlu_well_above_chance(sample, tmp_path, monkeypatch):
     """The demo's headline, through the same stages: 5-shot accuracy on the sample test set
     of 150 questions (chance 25%, one standard deviation 3.5 points) before and after
@@ -172,6 +181,7 @@ def test_finetuning_on_the_instructions_lifts_mmlu_well_above_chance(sample, tmp
     from llmflow.train.config import TrainConfig
 
     monkeypatch.setenv("LLMFLOW_DEVICE", "cpu")
+    monkeypatch.setenv("OMP_NUM_THREADS", FINETUNE_THREADS)
     data = tokenize_instruction(InstructionTokenizeConfig(
         input=[sample / "instruct" / "alpaca.parquet"], tokenizer=sample / "model", out=tmp_path / "sft",
         format="alpaca", seq_length=256))
@@ -187,4 +197,4 @@ def test_finetuning_on_the_instructions_lifts_mmlu_well_above_chance(sample, tmp
 
     before, after = accuracy(sample / "model", "before"), accuracy(run, "after")
     assert before < 0.35
-    assert after >= 0.6, (before, after)
+    assert after >= AFTER_AT_LEAST, (before, after)
