@@ -35,22 +35,16 @@ system-packages:
 			$(SYSTEM_PACKAGES) >/dev/null; \
 	fi
 
-# Test processes (pytest-xdist): each takes whole modules, so a module's shared fixtures are
-# built once. Two keep a 2-core machine busy: one computes while the other waits on a server,
-# a subprocess or an import.
-TEST_WORKERS ?= 2
-PARALLEL := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
-
 # Everything, as CI runs it; the 25 slowest tests and the time per module are listed at the end.
 test: $(STAMP) system-packages
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest $(PARALLEL) --durations=25
+	$(PY) -m pytest --durations=25
 
 # The edit-test loop: every test not marked slow (no flows end to end, multi-rank runs,
 # browser or finetune). A run that selects no test fails (tests/conftest.py).
 test-fast: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest $(PARALLEL) -m "not slow"
+	$(PY) -m pytest -m "not slow"
 
 demo: $(STAMP)
 	$(VENV)/bin/llmflow demo --workspace $(WORK)

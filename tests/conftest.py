@@ -23,11 +23,6 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-if "PYTEST_XDIST_WORKER" in os.environ:
-    # Beside another test process, two OpenMP threads each would share cores, and torch's
-    # threads wait for each other at every parallel region: one thread per process (and per
-    # worker it starts) keeps the machine's cores busy without that.
-    os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest
 import torch

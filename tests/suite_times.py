@@ -1,10 +1,6 @@
-"""A pytest plugin for the suite's time: every run ends with the time spent per test module
-(setup, call and teardown added up; a shared fixture's set-up counts for the module of the
-first test that needs it), so the suite's growth shows where it happens; and the modules
-holding slow tests are collected first, those with the longest ``timeout`` marker (the tests
-that say they run for minutes) at the head, so that when ``make test`` spreads whole modules
-over its workers (pytest-xdist ``--dist loadfile``) the long ones start early instead of
-trailing at the end."""
+"""A pytest plugin that ends every run with the time spent per test module (setup, call and
+teardown added up; a shared fixture's set-up counts for the module of the first test that
+needs it), so the suite's growth shows where it happens."""
 
 from __future__ import annotations
 
@@ -14,21 +10,6 @@ import pytest
 
 _seconds: dict[str, float] = defaultdict(float)
 _tests: dict[str, set[str]] = defaultdict(set)
-
-
-def _module(item: pytest.Item) -> str:
-    return item.nodeid.split("::", 1)[0]
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    slow: set[str] = set()
-    longest: dict[str, float] = defaultdict(float)
-    for item in items:
-        if item.get_closest_marker("slow"):
-            slow.add(_module(item))
-        if (timeout := item.get_closest_marker("timeout")) and timeout.args:
-            longest[_module(item)] = max(longest[_module(item)], float(timeout.args[0]))
-    items.sort(key=lambda item: (_module(item) not in slow, -longest[_module(item)]))  # stable within a module
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -20,12 +20,11 @@ from llmflow.sample.world import SUBJECTS
 from llmflow.weights import load_hf_model
 
 FINETUNE_STEPS = 600  # measured: 400 steps 49%, 600 steps 59.3% to just over 60% (numbers are one token per digit, as Qwen2 splits them)
-FINETUNE_THREADS = "1"
-"""The worker's threads, one as under `make test` (tests/conftest.py) so that the run is the
-same there and alone: it is bit-identical from one run to the next at a given thread count
-on a given CPU, but one and two threads already differ in the sixth decimal of the loss by
-the sixth step, and 600 steps at lr 5e-3 carry such differences into the final weights.
-Another CPU's kernels may round differently too: the bar below leaves room for that."""
+FINETUNE_THREADS = "2"
+"""The worker's threads, pinned: the run is bit-identical from one run to the next at a given
+thread count on a given CPU, but one and two threads already differ in the sixth decimal of
+the loss by the sixth step, and 600 steps at lr 5e-3 carry such differences into the final
+weights. Another CPU's kernels may round differently too: the bar below leaves room for that."""
 AFTER_AT_LEAST = 0.45
 """5.7 standard deviations above chance (25%, 3.5 points over 150 questions); 600 steps
 have scored from 59.3% to just above 60% on the machines measured, a margin of 14 points."""
