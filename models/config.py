@@ -57,6 +57,8 @@ class ModelConfig:
     """Whether the output projection shares the embedding matrix."""
     qkv_bias: bool = False
     """Bias on the q/k/v projections (always on in Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm over each head's queries and keys before rotary (Qwen3)."""
     o_bias: bool = False
     """Bias on the attention output projection."""
     mlp_bias: bool = False
@@ -102,7 +104,7 @@ class ModelConfig:
             raise ConfigError(f"{source}: missing required keys {missing}")
         heads = hf["num_attention_heads"]
         rope_theta, rope_scaling = _read_rope(hf, source)
-        return cls(
+        shared = cls(
             model_type=family.model_type,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -121,8 +123,8 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             hf_config=dict(hf),
-            **family.read_options(hf, source),
         )
+        return dataclasses.replace(shared, **family.read_options(hf, source))
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
@@ -147,7 +149,9 @@ class Family:
     model_type: str
     read_options: Callable[[dict[str, Any], str], dict[str, Any]]
     """(config.json, its name for error messages) -> the ``ModelConfig`` fields this family
-    sets from its own keys; raises ``ConfigError`` for what it cannot represent."""
+    sets from its own keys, replacing the shared reading where the family's transformers
+    config defaults differently (Qwen3's ``head_dim``); raises ``ConfigError`` for what it
+    cannot represent."""
     build_layer: Callable[[ModelConfig], nn.Module]
     """One decoder layer: called as ``layer(hidden, cos, sin, document_ids[, (kv_cache, name)])``,
     returning the hidden states, with Hugging Face's module names inside."""

@@ -36,14 +36,19 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from llmflow.models.config import ModelConfig
 from llmflow.models.decoder import CausalLM
 from llmflow.models.lora import is_lora_param
 from llmflow.models.lora_parallel import lora_tp_plan
 
 
-def layer_tp_plan() -> dict[str, ParallelStyle]:
-    """The sequence-parallel plan of one decoder layer, keyed by HF module names."""
-    return {
+def layer_tp_plan(config: ModelConfig) -> dict[str, ParallelStyle]:
+    """The sequence-parallel plan of one decoder layer of ``config``, keyed by HF module names.
+
+    Per-head q/k norms (Qwen3) see this rank's heads ([B, S, heads, head_dim] sharded on dim
+    2) and keep their [head_dim] weight whole on every rank, a replicated DTensor whose
+    gradient is summed over the ranks' heads."""
+    plan = {
         "input_layernorm": SequenceParallel(),
         "self_attn": PrepareModuleInput(
             input_layouts=(Shard(1), None, None, None),
@@ -60,6 +65,10 @@ def layer_tp_plan() -> dict[str, ParallelStyle]:
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
     }
+    if config.qk_norm:
+        for norm in ("self_attn.q_norm", "self_attn.k_norm"):
+            plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
 
 
 def _replicate_embedding(embed: nn.Embedding, mesh: DeviceMesh) -> None:
@@ -89,7 +98,7 @@ def apply_tp(model: CausalLM, mesh: DeviceMesh, extra_layer_plan: dict[str, Para
     """Shard ``model`` over the 1-D tensor-parallel ``mesh`` in place. ``extra_layer_plan``
     adds entries to every layer's plan (LoRA adapters)."""
     decoder = model.model
-    plan = {**layer_tp_plan(), **(extra_layer_plan or {})}
+    plan = {**layer_tp_plan(model.config), **(extra_layer_plan or {})}
     for layer in decoder.layers.values():
         parallelize_module(layer, mesh, plan)
     if decoder.embed_tokens is not None:
@@ -206,7 +215,7 @@ def parallelize_decoder(
     checkpointing, compilation, then FSDP2 over "dp" computing in ``fsdp_dtype`` (None: no
     FSDP; see ``apply_fsdp`` for ``reshard_after_forward``)."""
     if mesh is not None and mesh["tp"].size() > 1:
-        apply_tp(model, mesh["tp"], lora_tp_plan(layer_tp_plan()) if lora else None)
+        apply_tp(model, mesh["tp"], lora_tp_plan(layer_tp_plan(model.config)) if lora else None)
         if lora:  # SequenceParallel makes fresh, trainable norm weights
             for name, param in model.named_parameters():
                 param.requires_grad_(is_lora_param(name))

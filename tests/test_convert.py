@@ -86,6 +86,7 @@ def llama(make_hf_model):
         ("llama", False, None, 4096, True),
         ("qwen2", True, {"max_shard_size": "40KB"}, 0.05, False),
         ("mistral", False, None, 4096, False),
+        ("qwen3", False, None, 4096, False),  # transformers' default head_dim, 128, not hidden / heads
     ],
 )
 def test_hf_to_checkpoint_to_hf_is_bit_exact(

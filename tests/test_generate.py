@@ -57,9 +57,10 @@ def hf_greedy(hf_model, prompts: list[list[int]], max_new_tokens: int, eos: int)
     return [row[: row.index(eos) + 1] if eos in row else row for row in out]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_greedy_matches_transformers_and_batched_equals_single(make_hf_model, prompt_ids, family):
-    hf_model, path = make_hf_model(family, vocab_size=VOCAB, num_key_value_heads=2)
+@pytest.mark.parametrize("family, extra", [("llama", {}), ("qwen2", {}), ("qwen3", {"head_dim": 24})],
+                         ids=["llama", "qwen2", "qwen3"])
+def test_greedy_matches_transformers_and_batched_equals_single(make_hf_model, prompt_ids, family, extra):
+    hf_model, path = make_hf_model(family, vocab_size=VOCAB, num_key_value_heads=2, **extra)
     add_tokenizer(path)
     model, _ = load_model(path)
     tokenizer = load_tokenizer(path)

@@ -43,11 +43,12 @@ def test_fused_qkv_and_tensor_parallel_shards_invert():
         assert torch.equal(merge_shards(name, split_shards(name, tensor, 2)), tensor), name
 
 
-@pytest.fixture(params=[("llama", False), ("qwen2", True)], ids=["llama-untied", "qwen2-tied"])
+@pytest.fixture(params=[("llama", False, {}), ("qwen2", True, {}), ("qwen3", False, {"head_dim": 24})],
+                ids=["llama-untied", "qwen2-tied", "qwen3-untied"])
 def model(request, make_hf_model, tmp_path):
     """A tiny GQA model with a tokenizer, and its llmflow checkpoint."""
-    family, tied = request.param
-    _, hf_dir = make_hf_model(family, tie_word_embeddings=tied, **GQA)
+    family, tied, extra = request.param
+    _, hf_dir = make_hf_model(family, tie_word_embeddings=tied, **GQA, **extra)
     add_tokenizer(hf_dir)
     return hf_dir, convert(ConvertConfig(hf=hf_dir, out=tmp_path / "ckpt"))
 
@@ -80,20 +81,25 @@ def test_torch_dist_export_is_laid_out_as_megatron_core_saves(model, tmp_path):
         "sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
         "common_backend_version": 1}
     hf = json.loads((hf_dir / "config.json").read_text())
-    tied = hf["tie_word_embeddings"]
+    tied, head_dim = hf["tie_word_embeddings"], hf.get("head_dim", 64 // 4)
     stored = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     qkv = stored["decoder.layers.self_attention.linear_qkv.weight"]
-    assert tuple(qkv.size) == (4, (4 + 2 * 2) * 16, 64)  # layers stacked; heads + 2 * groups of head_dim 16
+    assert tuple(qkv.size) == (4, (4 + 2 * 2) * head_dim, 64)  # layers stacked; heads + 2 * groups of head_dim
     assert [tuple(c.offsets) for c in qkv.chunks] == [(i, 0, 0) for i in range(4)]  # one chunk per layer
     assert tuple(stored["embedding.word_embeddings.weight"].size) == (256, 64)  # 160 padded to 128 * tp
     assert ("output_layer.weight" in stored) != tied
     assert ("decoder.layers.self_attention.linear_qkv.bias" in stored) == (hf["model_type"] == "qwen2")
+    qk_norm = hf["model_type"] == "qwen3"
+    norms = {key: tuple(v.size) for key, v in stored.items() if key.endswith(("q_layernorm.weight", "k_layernorm.weight"))}
+    per_head = {f"decoder.layers.self_attention.{n}.weight": (4, head_dim) for n in ("q_layernorm", "k_layernorm")}
+    assert norms == (per_head if qk_norm else {})
     extra = sorted(k for k, v in stored.items() if isinstance(v, BytesStorageMetadata))
     assert len(extra) == 16 and extra[0] == "decoder.layers.mlp.linear_fc1._extra_state/shard_0_4"
     common = load_pickled(directory / "common.pt")
     args = common["args"]
     assert (common["iteration"], common["checkpoint_version"]) == (0, 3.0)
-    assert (args.num_layers, args.num_query_groups, args.kv_channels, args.padded_vocab_size) == (4, 2, 16, 256)
+    assert (args.num_layers, args.num_query_groups, args.kv_channels, args.padded_vocab_size) == (4, 2, head_dim, 256)
+    assert args.qk_layernorm == qk_norm
     assert (args.untie_embeddings_and_output_weights, args.swiglu, args.normalization) == (not tied, True, "RMSNorm")
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (2, 2)
     assert (args.no_save_optim, args.no_save_rng) == (True, True)  # an export holds no optimizer or RNG state
@@ -139,6 +145,19 @@ def test_bad_megatron_input_is_named_before_writing(make_hf_model, tmp_path):
     with pytest.raises(CheckpointError, match=r"--pp 3: the model's 4 layers do not split evenly"):
         export(ExportConfig(ckpt=ckpt, megatron=tmp_path / "pp3", pp=3))
     assert not (tmp_path / "pp3").exists()
+
+
+def test_biases_megatron_has_no_place_for_are_refused_before_writing(make_hf_model, tmp_path):
+    _, plain = make_hf_model("qwen3", head_dim=24, **GQA)
+    _, biased = make_hf_model("qwen3", head_dim=24, attention_bias=True, **GQA)
+    message = r"biases on o_proj \(config.json attention_bias/mlp_bias\), which Megatron's layout \(q/k/v biases only\)"
+    with pytest.raises(CheckpointError, match=message):
+        export(ExportConfig(ckpt=convert(ConvertConfig(hf=biased, out=tmp_path / "biased")), megatron=tmp_path / "m"))
+    assert not (tmp_path / "m").exists()
+    export(ExportConfig(ckpt=convert(ConvertConfig(hf=plain, out=tmp_path / "plain")), megatron=tmp_path / "m"))
+    with pytest.raises(CheckpointError, match=message):
+        convert(ConvertConfig(hf=biased, megatron=tmp_path / "m", out=tmp_path / "back"))
+    assert not (tmp_path / "back").exists()
 
 
 def test_optimizer_and_rng_state_are_skipped_and_said(make_hf_model, tmp_path, capsys):

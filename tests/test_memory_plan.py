@@ -58,6 +58,8 @@ LLAMA2_7B = ModelConfig.from_hf({"model_type": "llama", "vocab_size": 32000, "hi
                                  "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32})
 QWEN25_7B = qwen2(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                   num_attention_heads=28, num_key_value_heads=4)
+QWEN3_8B = qwen2(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
 
 
 def shape(**changes) -> TrainShape:
@@ -75,7 +77,8 @@ def term(plan, prefix: str) -> int:
 
 
 @pytest.mark.parametrize("config", [qwen2(), qwen2(tie_word_embeddings=True), LLAMA2_7B, QWEN25_7B,
-                                    qwen2(model_type="llama", attention_bias=True, mlp_bias=True)])
+                                    qwen2(model_type="llama", attention_bias=True, mlp_bias=True),
+                                    qwen2(model_type="qwen3", head_dim=96, attention_bias=True)])
 def test_parameter_counts_equal_the_modules(config):
     with torch.device("meta"):
         model = CausalLM(config)
@@ -86,6 +89,7 @@ def test_parameter_counts_equal_the_modules(config):
 def test_published_parameter_counts():
     assert model_params(LLAMA2_7B) == 6_738_415_616  # Llama-2-7b-hf
     assert model_params(QWEN25_7B) == 7_615_616_512  # Qwen2.5-7B
+    assert model_params(QWEN3_8B) == 8_190_735_360  # Qwen3-8B
 
 
 def test_tensor_parallel_splits_the_layer_matrices_and_column_biases():

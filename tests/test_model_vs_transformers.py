@@ -42,6 +42,12 @@ CASES = {
     "qwen2_tied_gqa": ("qwen2", {"num_key_value_heads": 2, "tie_word_embeddings": True}),
     "mistral": ("mistral", {"sliding_window": None, "num_key_value_heads": 2}),
     "mistral_sliding_window": ("mistral", {"sliding_window": 8, "num_key_value_heads": 2}),
+    # Qwen3: head_dim 24 or 8, not hidden_size / heads = 16.
+    "qwen3_untied_gqa": ("qwen3", {"num_key_value_heads": 2, "head_dim": 24}),
+    "qwen3_tied_gqa": ("qwen3", {"num_key_value_heads": 2, "head_dim": 24, "tie_word_embeddings": True}),
+    "qwen3_attention_bias": ("qwen3", {"attention_bias": True, "head_dim": 8, "rope_parameters": LINEAR_ROPE}),
+    "qwen3_sliding_window": ("qwen3", {"num_key_value_heads": 2, "head_dim": 24, "use_sliding_window": True,
+                                       "sliding_window": 8, "max_window_layers": 0}),
 }
 
 
@@ -71,6 +77,12 @@ def test_logits_match_transformers(case, make_hf_model, tokens):
     if family == "qwen2":
         assert attn.q_proj.bias is not None and attn.k_proj.bias is not None and attn.v_proj.bias is not None
         assert attn.o_proj.bias is None
+    if family == "qwen3":
+        assert attn.q_norm.weight.shape == attn.k_norm.weight.shape == (overrides["head_dim"],)
+        assert (attn.q_proj.bias is not None) == (attn.o_proj.bias is not None) == bool(overrides.get("attention_bias"))
+        assert attn.sliding_window == overrides.get("sliding_window")
+    else:
+        assert attn.q_norm is None and attn.k_norm is None
     if overrides.get("attention_bias"):
         assert attn.q_proj.bias is not None and attn.o_proj.bias is not None
         assert attn.q_proj.bias.abs().max() > 0
@@ -78,7 +90,7 @@ def test_logits_match_transformers(case, make_hf_model, tokens):
         assert ours.lm_head.weight is ours.model.embed_tokens.weight
     else:
         assert ours.lm_head.weight is not ours.model.embed_tokens.weight
-    assert attn.k_proj.out_features == hf.config.num_key_value_heads * 16
+    assert attn.k_proj.out_features == hf.config.num_key_value_heads * hf.model.layers[0].self_attn.head_dim
 
 
 def test_llama3_scaling_changes_the_frequencies(make_hf_model):
@@ -144,6 +156,7 @@ def _labels(ids):
 LOSS_CASES = {
     "llama_gqa": ("llama", {"num_key_value_heads": 2}),
     "qwen2_tied": ("qwen2", {"num_key_value_heads": 2, "tie_word_embeddings": True}),
+    "qwen3_gqa": ("qwen3", {"num_key_value_heads": 2, "head_dim": 24}),
 }
 GRAD_PARAMS = [
     "lm_head.weight",
@@ -154,6 +167,7 @@ GRAD_PARAMS = [
     "model.layers.1.mlp.down_proj.weight",
     "model.layers.1.input_layernorm.weight",
 ]
+QK_NORM_GRAD_PARAMS = ["model.layers.0.self_attn.q_norm.weight", "model.layers.1.self_attn.k_norm.weight"]
 
 
 @pytest.mark.parametrize("case", list(LOSS_CASES))
@@ -187,26 +201,27 @@ def test_loss_gradients_match_reference_path(case, make_hf_model, tokens):
     ours = load_hf_model(path)
     ids = tokens(BATCH, 24)
     labels = _labels(ids)
+    names = GRAD_PARAMS + (QK_NORM_GRAD_PARAMS if family == "qwen3" else [])
 
     with K.use_kernels(K.REFERENCE):
         ours(ids, labels=labels).backward()
-    reference = _grads(ours, GRAD_PARAMS)
+    reference = _grads(ours, names)
     ours.zero_grad(set_to_none=True)
     ours(ids, labels=labels).backward()
-    fused = _grads(ours, GRAD_PARAMS)
+    fused = _grads(ours, names)
 
     hf.train()  # dropout is 0; train() only so transformers tracks grads the usual way
     F.cross_entropy(hf(ids).logits.flatten(0, 1), labels.flatten(), ignore_index=-100).backward()
-    hf_grads = _grads(hf, GRAD_PARAMS)
+    hf_grads = _grads(hf, names)
 
-    for name in GRAD_PARAMS:
+    for name in names:
         assert reference[name] is not None, f"reference path: no gradient for {name}"
         assert_close(reference[name], hf_grads[name])
         assert fused[name] is not None, f"fused path: no gradient for {name}"
         assert_close(fused[name], reference[name])
 
 
-@pytest.mark.parametrize("case", ["llama_gqa", "qwen2_tied", "llama3_rope"])
+@pytest.mark.parametrize("case", ["llama_gqa", "qwen2_tied", "llama3_rope", "qwen3_tied_gqa"])
 def test_packed_documents_equal_separate_documents(case, make_hf_model, tokens):
     family, overrides = CASES.get(case) or LOSS_CASES[case]
     hf, path = make_hf_model(family, **overrides)
@@ -237,6 +252,8 @@ def test_packed_documents_equal_separate_documents(case, make_hf_model, tokens):
         ("mistral_sliding_window", None),
         ("llama_gqa", 30_000),
         ("qwen2_untied_gqa", 30_000),
+        ("qwen3_tied_gqa", None),
+        ("qwen3_attention_bias", 30_000),
     ],
 )
 def test_save_hf_model_loads_in_transformers(case, max_shard_bytes, make_hf_model, tokens, tmp_path):
@@ -363,7 +380,8 @@ def test_unsupported_model_type_raises(make_hf_model):
 
 
 def test_unsupported_model_type_names_every_registered_family():
-    with pytest.raises(ConfigError, match=r"model_type='gpt2' is not supported; expected one of \('llama', 'mistral', 'qwen2'\)"):
+    with pytest.raises(ConfigError, match=r"model_type='gpt2' is not supported; "
+                                          r"expected one of \('llama', 'mistral', 'qwen2', 'qwen3'\)"):
         ModelConfig.from_hf({"model_type": "gpt2"})
 
 
@@ -382,6 +400,45 @@ def test_unsupported_rope_type_raises(changes, name, make_hf_model):
         load_hf_model(path)
 
 
+QWEN3_SHAPE = {"vocab_size": 160, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+               "num_attention_heads": 4}
+
+
+def test_qwen3_head_dim_defaults_as_in_transformers():
+    from transformers import Qwen3Config
+
+    assert ModelConfig.from_hf({"model_type": "qwen3", **QWEN3_SHAPE}).head_dim == Qwen3Config(**QWEN3_SHAPE).head_dim
+    assert ModelConfig.from_hf({"model_type": "llama", **QWEN3_SHAPE}).head_dim == 16
+
+
+SLIDING = {"use_sliding_window": True, "sliding_window": 8}
+
+
+@pytest.mark.parametrize("changes", [
+    {}, {**SLIDING, "max_window_layers": 0}, {**SLIDING, "max_window_layers": 2}, {**SLIDING, "use_sliding_window": False},
+    {**SLIDING, "layer_types": ["sliding_attention"] * 2}, {"use_sliding_window": True},
+])
+def test_qwen3_sliding_window_is_read_as_transformers_reads_it(changes):
+    from transformers import Qwen3Config
+
+    hf = Qwen3Config(**QWEN3_SHAPE, **changes)
+    per_layer = {hf.sliding_window if kind == "sliding_attention" else None for kind in hf.layer_types}
+    assert len(per_layer) == 1
+    assert ModelConfig.from_hf({"model_type": "qwen3", **QWEN3_SHAPE, **changes}).sliding_window == per_layer.pop()
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({**SLIDING, "max_window_layers": 1}, r"a sliding window on 1 of 2 layers \(layer_types/max_window_layers\)"),
+    ({**SLIDING, "layer_types": ["full_attention", "sliding_attention"]}, "a sliding window on 1 of 2 layers"),
+    ({"layer_types": ["sliding_attention"] * 2}, "layer_types has sliding_attention layers but use_sliding_window/"),
+    ({"layer_types": ["linear_attention"] * 2}, r"layer_types \['linear_attention'\] are not supported"),
+    ({"layer_types": ["full_attention"]}, "layer_types has 1 entries for num_hidden_layers=2"),
+])
+def test_qwen3_windows_llmflow_cannot_apply_are_refused(changes, message):
+    with pytest.raises(ConfigError, match="^config.json: " + message):
+        ModelConfig.from_hf({"model_type": "qwen3", **QWEN3_SHAPE, **changes})
+
+
 def test_missing_config_raises(tmp_path):
     with pytest.raises(ConfigError, match="config.json"):
         load_hf_model(tmp_path)
@@ -390,7 +447,7 @@ def test_missing_config_raises(tmp_path):
 # ----------------------------------------------------------------------------- materialisation
 
 
-@pytest.mark.parametrize("case", ["llama_tied", "llama3_rope", "qwen2_untied_gqa"])
+@pytest.mark.parametrize("case", ["llama_tied", "llama3_rope", "qwen2_untied_gqa", "qwen3_untied_gqa"])
 def test_loaded_model_is_fully_materialised(case, make_hf_model):
     family, overrides = CASES[case]
     hf, path = make_hf_model(family, **overrides)

@@ -165,13 +165,14 @@ def _targets(lora: LoraConfig | None) -> set[str]:
 
 
 def layer_params(model: ModelConfig, tp: int = 1) -> int:
-    """Parameters of one decoder layer on one tensor-parallel rank (norms whole)."""
+    """Parameters of one decoder layer on one tensor-parallel rank (norms whole: the two of the
+    residual stream and, with ``qk_norm``, the per-head ones of queries and keys)."""
     shapes = _linear_shapes(model)
     weights = sum(i * o for i, o in shapes.values()) // tp
     q, kv, h, f = shapes["q_proj"][1], shapes["k_proj"][1], model.hidden_size, model.intermediate_size
     # Column-parallel biases split with their weights; row-parallel ones stay whole.
     biases = ((q + 2 * kv) * model.qkv_bias + 2 * f * model.mlp_bias) // tp + h * (model.o_bias + model.mlp_bias)
-    return weights + biases + 2 * h
+    return weights + biases + 2 * h + 2 * model.head_dim * model.qk_norm
 
 
 def lora_layer_params(model: ModelConfig, lora: LoraConfig, tp: int = 1) -> int:
@@ -200,7 +201,9 @@ def layer_activation_bytes(model: ModelConfig, dtype_bytes: int, checkpointing: 
     trains), the inputs of q/k/v and gate/up (d h each), rotated q, k, v, attention output
     and its row-major copy for o_proj (d (3 q + 2 kv)), attention's fp32 log-sum-exp, gate,
     up and the SwiGLU output (3 d f); with packed documents the attention mask (d s per
-    token). A frozen Linear keeps no input unless its LoRA adapter needs it.
+    token); with per-head q/k norms (Qwen3) their fp32 input, normalised output (when they
+    train) and fp32 rstd per head. A frozen Linear keeps no input unless its LoRA adapter
+    needs it.
     selective: the layer's input, the outputs of every matrix multiplication (o_proj's and
     down_proj's before their reduce-scatter: whole) and attention's output and log-sum-exp.
     full: the layer's input only.
@@ -227,6 +230,7 @@ def layer_activation_bytes(model: ModelConfig, dtype_bytes: int, checkpointing: 
     kept += d * q / tp * trains("o_proj")
     kept += 2 * d * f / tp + d * f / tp * trains("down_proj")
     kept += d * r * len(targets)
+    kept += ((4 + d * norm_trains) * (q + kv) + 4 * (heads + model.num_key_value_heads)) / tp * model.qk_norm
     if documents:
         kept += d * seq_length
     return kept

@@ -9,7 +9,9 @@ from llmflow.models.config import register_family
 from llmflow.models.families.llama import LLAMA
 from llmflow.models.families.mistral import MISTRAL
 from llmflow.models.families.qwen2 import QWEN2
+from llmflow.models.families.qwen3 import QWEN3
 
 register_family(LLAMA)
 register_family(MISTRAL)
 register_family(QWEN2)
+register_family(QWEN3)

@@ -48,6 +48,7 @@ from llmflow.weights.megatron.layout import (
     fuse,
     layer_shapes,
     layer_tensors,
+    missing_biases,
     other_tensors,
     split_shards,
 )
@@ -108,7 +109,7 @@ def megatron_args(config: ModelConfig, tp: int, pp: int, padded_vocab: int, voca
         rotary_interleaved=False, use_rope_scaling=scaling.get("rope_type") == "llama3",
         rope_scaling_factor=float(scaling.get("factor", 8.0)), normalization="RMSNorm",
         layernorm_epsilon=config.rms_norm_eps, norm_epsilon=config.rms_norm_eps, apply_layernorm_1p=False,
-        swiglu=True, add_bias_linear=False, add_qkv_bias=config.qkv_bias,
+        swiglu=True, add_bias_linear=False, add_qkv_bias=config.qkv_bias, qk_layernorm=config.qk_norm,
         untie_embeddings_and_output_weights=not config.tie_word_embeddings, vocab_size=config.vocab_size,
         padded_vocab_size=padded_vocab, make_vocab_size_divisible_by=vocab_multiple,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
@@ -208,6 +209,9 @@ def write_megatron(work: Path, config: ModelConfig, load: Load, tp: int, pp: int
                    vocab_multiple: int, dtype: torch.dtype, legacy: bool) -> int:
     """The checkpoint root in ``work``: ``iter_{iteration:07d}`` in the chosen format and its
     tracker file, every tensor in ``dtype``. Returns the padded vocabulary."""
+    if biases := missing_biases(config):
+        raise CheckpointError(f"--megatron: the model has {biases}, which Megatron's layout (q/k/v biases only) "
+                              "cannot hold")
     if config.num_hidden_layers % pp:
         raise CheckpointError(f"--pp {pp}: the model's {config.num_hidden_layers} layers do not split evenly into "
                               f"{pp} pipeline stages (Megatron-LM's default split)")

@@ -2,9 +2,10 @@
 (and layer) each of the decoder's tensors comes from, checked against the model's Hugging Face
 config before anything is written.
 
-Supported: the Llama/Qwen2 family as Megatron-LM and MindSpeed-LLM train it — RMSNorm, SwiGLU,
-rotary positions (not interleaved), no linear biases except optional q/k/v biases, tied or
-untied output layer, grouped-query attention. Optimizer and RNG state are not read.
+Supported: the Llama/Qwen2/Qwen3 families as Megatron-LM and MindSpeed-LLM train them — RMSNorm,
+SwiGLU, rotary positions (not interleaved), no linear biases except optional q/k/v biases,
+optional per-head q/k RMSNorms (``qk_layernorm``), tied or untied output layer, grouped-query
+attention. Optimizer and RNG state are not read.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from llmflow.weights.megatron.layout import (
     Attention,
     layer_shapes,
     layer_tensors,
+    missing_biases,
     other_tensors,
     unfuse,
 )
@@ -70,12 +72,14 @@ def check_supported(checkpoint: MegatronCheckpoint, config: ModelConfig, source:
             "ffn_hidden_size": config.intermediate_size, "num_attention_heads": config.num_attention_heads,
             "num_query_groups": config.num_key_value_heads if groups is not None else None,
             "kv_channels": config.head_dim, "untie_embeddings_and_output_weights": not config.tie_word_embeddings,
-            "add_qkv_bias": config.qkv_bias,
+            "add_qkv_bias": config.qkv_bias, "qk_layernorm": config.qk_norm,
         }
         actual = {**{name: getattr(args, name, None) for name in expected}, "num_query_groups": groups}
         for name, value in expected.items():
             if actual[name] is not None and value is not None and actual[name] != value:
                 found.append(f"args.{name}={actual[name]} where {source} has {value}")
+    if biases := missing_biases(config):
+        found.append(f"{source} has {biases}, which Megatron's layout (q/k/v biases only) cannot hold")
     missing = [key for key in expected_keys(config) if key not in checkpoint.shapes]
     if missing:
         found.append(f"no tensors {missing[:4]} (it holds {sorted(checkpoint.shapes)[:8]})")

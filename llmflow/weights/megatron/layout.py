@@ -12,6 +12,9 @@ maps its own to, so both read the same:
 - ``linear_fc1``: gate then up, each whole (``[gate; up]``);
 - ``linear_qkv.layer_norm_weight`` and ``linear_fc1.layer_norm_weight``: the input and
   post-attention RMSNorms;
+- ``q_layernorm`` and ``k_layernorm`` (``qk_layernorm``, Qwen3): the per-head RMSNorms of
+  queries and keys, ``[head_dim]``, the same on every tensor-parallel rank (the local spec
+  names them so too);
 - ``embedding.word_embeddings`` and ``output_layer``: the vocabulary padded to a multiple of
   ``make_vocab_size_divisible_by`` times the tensor-parallel size (``output_layer`` absent
   when the embeddings are shared);
@@ -32,6 +35,7 @@ EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
 QKV, QKV_BIAS = "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"
+Q_NORM, K_NORM = "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"
 PROJ = "self_attention.linear_proj.weight"
 FC1, FC2 = "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"
 INPUT_NORM = "self_attention.linear_qkv.layer_norm_weight"
@@ -44,6 +48,8 @@ LAYER_SOURCES: dict[str, tuple[str, ...]] = {
     INPUT_NORM: ("input_layernorm.weight",),
     QKV: ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
     QKV_BIAS: ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    Q_NORM: ("self_attn.q_norm.weight",),
+    K_NORM: ("self_attn.k_norm.weight",),
     PROJ: ("self_attn.o_proj.weight",),
     MLP_NORM: ("post_attention_layernorm.weight",),
     FC1: ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
@@ -103,9 +109,17 @@ class Attention:
         return torch.cat(parts, dim=1).reshape(-1, *rest)
 
 
+def missing_biases(config: ModelConfig) -> str | None:
+    """The biases of a model of ``config`` that this layout has no place for (Megatron-LM's
+    ``add_bias_linear=False``: q/k/v biases only), or None."""
+    found = [name for name, present in (("o_proj", config.o_bias), ("MLP", config.mlp_bias)) if present]
+    return f"biases on {' and '.join(found)} (config.json attention_bias/mlp_bias)" if found else None
+
+
 def layer_tensors(config: ModelConfig) -> list[str]:
     """The Megatron layer tensors of a model of ``config``, in megatron-core's order."""
-    return [name for name in LAYER_SOURCES if name != QKV_BIAS or config.qkv_bias]
+    optional = {QKV_BIAS: config.qkv_bias, Q_NORM: config.qk_norm, K_NORM: config.qk_norm}
+    return [name for name in LAYER_SOURCES if optional.get(name, True)]
 
 
 def other_tensors(config: ModelConfig) -> list[str]:
@@ -117,8 +131,9 @@ def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The shape of one layer of each Megatron layer tensor of a model of ``config``."""
     a, hidden, ffn = Attention.of(config), config.hidden_size, config.intermediate_size
     qkv_rows = (a.heads + 2 * a.groups) * a.head_dim
-    return {INPUT_NORM: (hidden,), QKV: (qkv_rows, hidden), QKV_BIAS: (qkv_rows,), PROJ: (hidden, a.heads * a.head_dim),
-            MLP_NORM: (hidden,), FC1: (2 * ffn, hidden), FC2: (hidden, ffn)}
+    return {INPUT_NORM: (hidden,), QKV: (qkv_rows, hidden), QKV_BIAS: (qkv_rows,), Q_NORM: (a.head_dim,),
+            K_NORM: (a.head_dim,), PROJ: (hidden, a.heads * a.head_dim), MLP_NORM: (hidden,), FC1: (2 * ffn, hidden),
+            FC2: (hidden, ffn)}
 
 
 def fuse(name: str, parts: list[torch.Tensor], attention: Attention) -> torch.Tensor:
