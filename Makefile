@@ -12,12 +12,15 @@ WORK ?= workspace
 venv: $(STAMP)
 
 # torch goes in first and pinned: an unpinned torch requirement would pull a
-# multi-GB CUDA build where only the CPU wheel is wanted.
+# multi-GB CUDA build where only the CPU wheel is wanted. --no-compile: Python compiles
+# the modules it imports on first use; compiling every installed file up front (most of
+# torch, mlflow and transformers are never imported) took longer than the rest of the
+# install.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	$(PY) -m pip install --quiet --no-compile "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --quiet --no-compile -c constraints.txt -e ".[dev]"
 	touch $@
 
 # Real services the slow tests start for themselves, from Debian's packages (never downloaded

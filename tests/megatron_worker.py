@@ -1,6 +1,8 @@
 """Real megatron-core checkpoints for the converter tests, made and read by megatron-core itself on CPU.
 
-A torchrun worker (gloo, CPU, one process per tp x pp rank; no data parallelism)::
+A worker of one process per tp x pp rank (gloo, CPU; no data parallelism), as a torchrun script
+or, in the tests, ``main(argv)`` on ranks forked with megatron-core already imported
+(``forked_workers.py``)::
 
     python -m torch.distributed.run --nproc-per-node N tests/megatron_worker.py make \\
         --config CONFIG_JSON --tp T --pp P --iteration I --out ROOT [--legacy] [--seed S] [--ids IDS_PT]
@@ -437,8 +439,8 @@ def parse_args(argv: list[str] | None = None) -> Namespace:
     return parser.parse_args(argv)
 
 
-def main() -> None:
-    cli = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    cli = parse_args(argv)
     install_cpu_shims()
     init_parallel(cli.tp, cli.pp)
     try:

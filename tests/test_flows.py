@@ -327,12 +327,12 @@ def test_nodes_are_counted_in_the_layout_and_only_an_engine_places_several(sampl
 
 @pytest.mark.parametrize(
     ("target", "bench", "finding"),
-    # tp=2 and pp=2 compute what one process does: their ranks' shards and stages, merged, match
-    # in every row (tensor mode sums the partial results too); bf16 diverges from fp32.
-    [({"tp": 2}, {"tp": 1}, "Every compared value meets the accuracy rules."),
-     ({"pp": 2}, {"pp": 1}, "Every compared value meets the accuracy rules."),
+    # pp=2 computes what one process does: its stages, merged, match in every row; bf16
+    # diverges from fp32. (tp=2 against tp=1, merged shards and partial sums, is compared at
+    # the stage level in test_probe.py.)
+    [({"pp": 2}, {"pp": 1}, "Every compared value meets the accuracy rules."),
      ({"dtype": "bf16"}, {"dtype": "fp32"}, "Suspect Nodes:")],
-    ids=["tp2-vs-tp1", "pp2-vs-pp1", "bf16-vs-fp32"],
+    ids=["pp2-vs-pp1", "bf16-vs-fp32"],
 )
 @pytest.mark.slow
 def test_precision_flow_dumps_both_runs_and_compares_them(prefect_env, tmp_path, target, bench, finding):
@@ -350,7 +350,6 @@ def test_precision_flow_dumps_both_runs_and_compares_them(prefect_env, tmp_path,
     layouts = "dtype" not in target
     uncompared = run.data.metrics.get("rows_N/A", 0)  # pp: calls a later stage repeats, the loop's own calls
     assert rows > 1000 and (passed + uncompared == rows if layouts else passed < rows)
-    assert uncompared == 0 or "tp" not in target
     assert finding in result["advice"]
     assert ("Noise floor on" in result["advice"]) == layouts  # only across parallel layouts
     assert (Path(result["comparison"]) / "advisor.txt").read_text() == result["advice"]

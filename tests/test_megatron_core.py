@@ -1,5 +1,5 @@
-"""Megatron checkpoints made and read by megatron-core itself (``megatron_worker.py``, torchrun
-on CPU under gloo): llmflow's import of them computes megatron-core's logits (fp32, within
+"""Megatron checkpoints made and read by megatron-core itself (``megatron_worker.py``, ranks on
+CPU under gloo): llmflow's import of them computes megatron-core's logits (fp32, within
 1e-5) from torch_dist and legacy files at tp=1 and at tp=2/pp=2, and a Hugging Face model
 exported to torch_dist, loaded by megatron-core's ``dist_checkpointing.load`` (default
 strictness) into a tp=2/pp=2 GPTModel, saved again by megatron-core and imported comes back
@@ -8,20 +8,17 @@ bit-exact."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from forked_workers import run_forked
 from test_convert import add_tokenizer, hf_tensors
 
 from llmflow.weights import load_model
 from llmflow.weights.convert import ConvertConfig, convert
 from llmflow.weights.export import ExportConfig, export
 
-WORKER = Path(__file__).with_name("megatron_worker.py")
 TOLERANCE = 1e-5
 SHAPES = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-5}
@@ -30,12 +27,10 @@ pytestmark = pytest.mark.slow
 
 
 def run_worker(ranks: int, *args: str) -> None:
-    """megatron_worker.py on ``ranks`` torchrun processes; its output shown when it fails."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               str(WORKER), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, check=False)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+    """megatron_worker.py's main on ``ranks`` gloo ranks (forked with megatron-core imported);
+    their output, beside the worker's --out, shown when it fails."""
+    run_forked("megatron_worker:main", list(args), ranks, Path(args[args.index("--out") + 1]), {"OMP_NUM_THREADS": "1"},
+               process_group=True)
 
 
 def hf_config_dir(path: Path, family: str, tied: bool) -> Path:

@@ -414,17 +414,18 @@ def test_qwen3_head_dim_defaults_as_in_transformers():
 SLIDING = {"use_sliding_window": True, "sliding_window": 8}
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 @pytest.mark.parametrize("changes", [
     {}, {**SLIDING, "max_window_layers": 0}, {**SLIDING, "max_window_layers": 2}, {**SLIDING, "use_sliding_window": False},
     {**SLIDING, "layer_types": ["sliding_attention"] * 2}, {"use_sliding_window": True},
 ])
-def test_qwen3_sliding_window_is_read_as_transformers_reads_it(changes):
-    from transformers import Qwen3Config
+def test_qwen_sliding_window_is_read_as_transformers_reads_it(family, changes):
+    import transformers
 
-    hf = Qwen3Config(**QWEN3_SHAPE, **changes)
+    hf = transformers.AutoConfig.for_model(family, **QWEN3_SHAPE, **changes)
     per_layer = {hf.sliding_window if kind == "sliding_attention" else None for kind in hf.layer_types}
     assert len(per_layer) == 1
-    assert ModelConfig.from_hf({"model_type": "qwen3", **QWEN3_SHAPE, **changes}).sliding_window == per_layer.pop()
+    assert ModelConfig.from_hf({"model_type": family, **QWEN3_SHAPE, **changes}).sliding_window == per_layer.pop()
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -434,9 +435,10 @@ def test_qwen3_sliding_window_is_read_as_transformers_reads_it(changes):
     ({"layer_types": ["linear_attention"] * 2}, r"layer_types \['linear_attention'\] are not supported"),
     ({"layer_types": ["full_attention"]}, "layer_types has 1 entries for num_hidden_layers=2"),
 ])
-def test_qwen3_windows_llmflow_cannot_apply_are_refused(changes, message):
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_windows_llmflow_cannot_apply_are_refused(family, changes, message):
     with pytest.raises(ConfigError, match="^config.json: " + message):
-        ModelConfig.from_hf({"model_type": "qwen3", **QWEN3_SHAPE, **changes})
+        ModelConfig.from_hf({"model_type": family, **QWEN3_SHAPE, **changes})
 
 
 def test_missing_config_raises(tmp_path):

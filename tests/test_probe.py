@@ -14,6 +14,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import torch
+from forked_workers import train_forked
 
 from llmflow.cli import main as cli_main
 from llmflow.models import CausalLM, ModelConfig
@@ -347,12 +348,11 @@ WORKER_ENV = {"OMP_NUM_THREADS": "1", "LLMFLOW_DEVICE": "cpu"}
 
 @pytest.mark.slow
 def test_training_worker_dumps_the_listed_steps(pretraining_data, tmp_path, deterministic):
-    from llmflow.train.command import launch_training
     from llmflow.train.loop import train
 
     model, data = pretraining_data
     config = functools.partial(probed_config, tmp_path, model=model, data=data, step=[1], steps=3, global_batch_size=4)
-    launch_training(config("worker"), 1, on_line=lambda line: None, env=WORKER_ENV)
+    train_forked(config("worker"), 1, env=WORKER_ENV, process_group=True)
     assert [p.name for p in (tmp_path / "worker").iterdir()] == ["step1"]  # probe step 1 = training step 2
     data = validate_dump(tmp_path / "worker" / "step1" / "rank0")["data"]
     assert MLP in data and MLP.replace("forward.0", "forward.1") in data  # both micro-batches
@@ -373,7 +373,6 @@ def test_training_worker_dumps_the_listed_steps(pretraining_data, tmp_path, dete
 @pytest.mark.slow
 def test_tp2_against_tp1_compares_the_merged_shards_and_fsdp2_records_parameter_gradients(
         pretraining_data, tmp_path, deterministic):
-    from llmflow.train.command import launch_training
     from llmflow.weights.convert import ConvertConfig, convert
 
     model, data = pretraining_data
@@ -382,7 +381,7 @@ def test_tp2_against_tp1_compares_the_merged_shards_and_fsdp2_records_parameter_
     config = functools.partial(probed_config, tmp_path, model=checkpoint, data=data, step=[0], steps=1)
     for name, nproc, train in (("tp2", 2, {"tp": 2}), ("tp1", 1, {}), ("dp2", 2, {})):
         batch = 4 if name == "dp2" else 2  # one micro-batch per rank in every run
-        launch_training(config(name, global_batch_size=batch, **train), nproc, on_line=lambda line: None, env=WORKER_ENV)
+        train_forked(config(name, global_batch_size=batch, **train), nproc, env=WORKER_ENV, process_group=True)
     dumps = {name: validate_dump(tmp_path / name / "step0" / "rank0")["data"] for name in ("tp2", "tp1", "dp2")}
     # The calls torch.distributed makes itself (DTensor redistribution, FSDP2's all-gathers) are
     # not recorded: every layout dumps the same entries.

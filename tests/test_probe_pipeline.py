@@ -3,7 +3,7 @@
 stages together into one dump of the whole model that compares with a pp=1 run: every
 record matched by name and equal, and a perturbed stage caught and located.
 
-Three torchrun launches, shared by the module: pp=2 (1F1B) and pp=1 dumping task tensor at
+Three training launches, shared by the module: pp=2 (1F1B) and pp=1 dumping task tensor at
 level mix, and pp=2 with Interleaved1F1B (two stages per rank) dumping statistics at level
 mix, its layer 2 weights changed. The other tasks and levels are derived from the mix-level
 tensor dumps: a dump of these runs at level L0 or L1, or with task statistics, holds the
@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from forked_workers import train_forked
 from safetensors.torch import load_file, save_file
 from test_probe import WORKER_ENV, process_state_restored, validate_dump
 
@@ -26,7 +27,7 @@ from llmflow.cli import main as cli_main
 from llmflow.probe.compare.stages import OUTSIDE, REPEATED, SHARED_GRADIENT
 from llmflow.probe.compare.tables import CompareConfig, compare_dumps
 
-pytestmark = pytest.mark.slow  # three torchrun launches (~8 s each)
+pytestmark = pytest.mark.slow  # three training launches
 
 DECODER = "Module.model.DecoderModel"
 TIED_GRADIENT = "Module.model.embed_tokens.Embedding.parameters_grad"
@@ -37,7 +38,6 @@ PERTURBED_WEIGHT = "model.layers.2.mlp.down_proj.weight"
 def runs(sample_assets, tmp_path_factory) -> dict[str, Path]:
     """Step folders of the three runs (probe step 0 = the first training step), by name."""
     from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig, tokenize_pretrain
-    from llmflow.train.command import launch_training
     from llmflow.train.config import TrainConfig
 
     root = tmp_path_factory.mktemp("pipeline")
@@ -63,7 +63,7 @@ def runs(sample_assets, tmp_path_factory) -> dict[str, Path]:
                 "model": str(model), "out": str(root / f"run-{name}"), "data": {"paths": [str(root / "wiki")]},
                 "seq_length": 32, "micro_batch_size": 2, "global_batch_size": 4, "steps": 1, "deterministic": True,
                 "probe": str(probe), "save_interval": None, **train})
-            launch_training(config, nproc, on_line=lambda line: None, env=WORKER_ENV)
+            train_forked(config, nproc, env=WORKER_ENV, process_group=True)
     return {name: root / name / "step0" for name in layouts}
 
 

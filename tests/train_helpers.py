@@ -4,13 +4,12 @@ and launching a run and reading its losses from the step lines."""
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
+
+from forked_workers import train_forked
 
 from llmflow.data.tokenize_instruction import InstructionTokenizeConfig, tokenize_instruction
 from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig, tokenize_pretrain
-from llmflow.launch import run_workers
-from llmflow.train.command import launch_training
 from llmflow.train.config import TrainConfig
 
 STEP_LINE = re.compile(r"^step (\d+)/\d+ \| loss ([0-9.]+)")
@@ -52,9 +51,9 @@ def losses(lines: list[str]) -> dict[int, float]:
 
 
 def run(cfg: TrainConfig, nproc: int) -> dict[int, float]:
-    lines: list[str] = []
-    launch_training(cfg, nproc, on_line=lines.append, env={"OMP_NUM_THREADS": "1", "LLMFLOW_DEVICE": "cpu"})
-    return losses(lines)
+    """Train ``cfg`` on ``nproc`` gloo ranks forked with the training loop imported (the
+    torchrun worker, started without torchrun's cost); its losses by step."""
+    return losses(train_forked(cfg, nproc, env={"OMP_NUM_THREADS": "1"}))
 
 
 def assert_close(got: dict[int, float], want: dict[int, float]) -> None:
@@ -64,9 +63,5 @@ def assert_close(got: dict[int, float], want: dict[int, float]) -> None:
 
 
 def train_in_subprocess(cfg: TrainConfig) -> dict[int, float]:
-    """Train ``cfg`` in one process without torchrun; its losses by step."""
-    path = Path(cfg.out).parent / f"{Path(cfg.out).name}.json"
-    path.write_text(cfg.model_dump_json())
-    lines: list[str] = []
-    run_workers([sys.executable, "-m", "llmflow.train", str(path)], on_line=lines.append, env={"LLMFLOW_DEVICE": "cpu"})
-    return losses(lines)
+    """Train ``cfg`` in one process without a process group; its losses by step."""
+    return losses(train_forked(cfg, 1))

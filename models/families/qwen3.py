@@ -11,13 +11,11 @@ from typing import Any
 from llmflow.models.blocks.attention import Attention
 from llmflow.models.blocks.decoder_layer import DecoderLayer
 from llmflow.models.blocks.mlp import MLP
-from llmflow.models.config import ConfigError, Family, ModelConfig
+from llmflow.models.config import Family, ModelConfig
+from llmflow.models.families.qwen2 import read_sliding_window
 
-# Qwen3Config's defaults for keys a config.json may leave out.
 DEFAULT_HEAD_DIM = 128
-DEFAULT_SLIDING_WINDOW = 4096
-DEFAULT_MAX_WINDOW_LAYERS = 28
-LAYER_TYPES = ("full_attention", "sliding_attention")
+"""Qwen3Config's head_dim where config.json has none."""
 
 
 def read_options(hf: dict[str, Any], source: str) -> dict[str, Any]:
@@ -25,31 +23,6 @@ def read_options(hf: dict[str, Any], source: str) -> dict[str, Any]:
     # Qwen3's MLP never has biases, whatever mlp_bias says.
     return {"head_dim": hf.get("head_dim") or DEFAULT_HEAD_DIM, "qkv_bias": bias, "o_bias": bias, "mlp_bias": False,
             "qk_norm": True, "sliding_window": read_sliding_window(hf, source)}
-
-
-def read_sliding_window(hf: dict[str, Any], source: str) -> int | None:
-    """The window every layer attends within (None: the whole prefix), as transformers reads
-    it: ``sliding_window`` when ``use_sliding_window``, on the layers ``layer_types`` calls
-    ``sliding_attention`` (by default those from ``max_window_layers`` on)."""
-    window = hf.get("sliding_window", DEFAULT_SLIDING_WINDOW) if hf.get("use_sliding_window", False) else None
-    layers = hf["num_hidden_layers"]
-    first_sliding = hf.get("max_window_layers", DEFAULT_MAX_WINDOW_LAYERS)
-    types = hf.get("layer_types") or [
-        "sliding_attention" if window is not None and i >= first_sliding else "full_attention" for i in range(layers)
-    ]
-    unknown = sorted(set(types) - set(LAYER_TYPES))
-    if unknown:
-        raise ConfigError(f"{source}: layer_types {unknown} are not supported; expected {LAYER_TYPES}")
-    if len(types) != layers:
-        raise ConfigError(f"{source}: layer_types has {len(types)} entries for num_hidden_layers={layers}")
-    sliding = sum(t == "sliding_attention" for t in types)
-    if sliding and window is None:
-        raise ConfigError(f"{source}: layer_types has sliding_attention layers but use_sliding_window/sliding_window "
-                          "set no window")
-    if 0 < sliding < layers:
-        raise ConfigError(f"{source}: a sliding window on {sliding} of {layers} layers (layer_types/max_window_layers) "
-                          "is not supported; llmflow attends within one window on every layer or none")
-    return window if sliding else None
 
 
 def write_options(config: ModelConfig) -> dict[str, Any]:
