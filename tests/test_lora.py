@@ -9,12 +9,11 @@ from __future__ import annotations
 import copy
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from forked_workers import run_forked
 from torch import nn
 
 from llmflow.models import (
@@ -233,18 +232,14 @@ def test_adapting_twice_or_a_bad_config_is_refused():
 
 
 @pytest.mark.slow
-def test_tensor_parallel_matches_one_process():
+def test_tensor_parallel_matches_one_process(tmp_path):
     """Two gloo ranks, sequence-parallel TP plan plus lora_tp_plan: logits, adapter gradients
     and re-initialised adapters equal one process's."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__]
-    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=300)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
-    assert output.count("tensor-parallel LoRA matches") == 2, output
+    output = run_forked("test_lora:tp_worker", [], 2, tmp_path / "tp", {"OMP_NUM_THREADS": "1"})
+    assert sum("tensor-parallel LoRA matches" in line for line in output) == 2, output
 
 
-# --- the tensor-parallel worker (torchrun runs this file) ----------------------------------------
+# --- the tensor-parallel worker (each rank, or torchrun running this file) ------------------------
 
 
 def parallelize(model: CausalLM, mesh) -> None:
@@ -291,7 +286,7 @@ def loss_and_logits(model: CausalLM, ids: torch.Tensor) -> tuple[torch.Tensor, t
     return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()), logits
 
 
-def tp_worker() -> None:
+def tp_worker(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor

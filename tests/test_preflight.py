@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from forked_workers import train_forked
 
 from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig, tokenize_pretrain
-from llmflow.train.command import launch_training
 from llmflow.train.config import TrainConfig
 from llmflow.train.preflight import check_training
 from llmflow.weights import latest_step_dir
@@ -123,7 +123,7 @@ def test_run_directory_resumes_only_with_the_settings_its_weights_depend_on(asse
     def cfg(**overrides) -> TrainConfig:
         return config(assets, out, **{"model": str(model), "data": {"paths": [str(data)]}, "seed": 5, **overrides})
 
-    launch_training(cfg(), 1, on_line=lambda line: None, env=WORKER_ENV)
+    train_forked(cfg(), 1, env=WORKER_ENV, process_group=True)
     saved = (out / "train_config.json").read_text()
 
     def refusal(*changes: str, step: int = 2) -> list[str]:
@@ -147,7 +147,7 @@ def test_run_directory_resumes_only_with_the_settings_its_weights_depend_on(asse
 
     # A continuation onto another layout, other micro-batches and more steps is allowed.
     check_training(cfg(steps=4, tp=2, micro_batch_size=1), 2, WORKER_ENV)
-    launch_training(cfg(steps=3, micro_batch_size=1), 1, on_line=lambda line: None, env=WORKER_ENV)
+    train_forked(cfg(steps=3, micro_batch_size=1), 1, env=WORKER_ENV, process_group=True)
     assert latest_step_dir(out).name == "step_00000003"
     assert json.loads((out / "train_config.json").read_text())["steps"] == 3
 
