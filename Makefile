@@ -12,17 +12,12 @@ WORK ?= workspace
 venv: $(STAMP)
 
 # torch goes in first and pinned: an unpinned torch requirement would pull a
-# multi-GB CUDA build where only the CPU wheel is wanted. The bytecode is compiled once
-# afterwards on every core instead of file by file during the install (where
-# PYTHONDONTWRITEBYTECODE is set, nothing else would write it, and every process would
-# compile torch again); files written for newer Pythons (torch's py312 test helpers) do not
-# compile, as pip's own compile step also lets pass.
+# multi-GB CUDA build where only the CPU wheel is wanted.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --no-compile "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install --quiet --no-compile -c constraints.txt -e ".[dev]"
-	$(PY) -m compileall -qq -j 0 $(VENV)/lib || true
+	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $@
 
 # Real services the slow tests start for themselves, from Debian's packages (never downloaded

@@ -130,10 +130,10 @@ class MemoryWatch:
     def _role(process: psutil.Process, me: psutil.Process) -> str | None:
         if process.pid == me.pid:
             return "flow process"
-        command = " ".join(process.cmdline())
-        if "torch.distributed.run" in command:
+        arguments = process.cmdline()
+        if "torch.distributed.run" in " ".join(arguments):
             return "torchrun"
-        if "llmflow.train" in command:
+        if "llmflow.train" in arguments:  # -m llmflow.train: not the test's worker server, which preloads it
             return f"rank pid {process.pid}"
         return None  # the Prefect test server and other helpers are not the run's
 
