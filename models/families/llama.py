@@ -33,6 +33,7 @@ def build_layer(config: ModelConfig) -> DecoderLayer:
         qkv_bias=config.qkv_bias,
         o_bias=config.o_bias,
         sliding_window=config.sliding_window,
+        qk_norm_eps=config.rms_norm_eps if config.qk_norm else None,
     )
     mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
     return DecoderLayer(config.hidden_size, config.rms_norm_eps, attention, mlp)

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmflow.models.blocks.attention import Attention
-from llmflow.models.blocks.decoder_layer import DecoderLayer
-from llmflow.models.blocks.mlp import MLP
 from llmflow.models.config import Family, ModelConfig
+from llmflow.models.families import llama
 from llmflow.models.families.qwen2 import read_sliding_window
 
 DEFAULT_HEAD_DIM = 128
@@ -30,19 +28,4 @@ def write_options(config: ModelConfig) -> dict[str, Any]:
     return {"attention_bias": config.qkv_bias}
 
 
-def build_layer(config: ModelConfig) -> DecoderLayer:
-    attention = Attention(
-        config.hidden_size,
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        config.head_dim,
-        qkv_bias=config.qkv_bias,
-        o_bias=config.o_bias,
-        sliding_window=config.sliding_window,
-        qk_norm_eps=config.rms_norm_eps if config.qk_norm else None,
-    )
-    mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
-    return DecoderLayer(config.hidden_size, config.rms_norm_eps, attention, mlp)
-
-
-QWEN3 = Family("qwen3", read_options, build_layer, "Qwen3ForCausalLM", write_options)
+QWEN3 = Family("qwen3", read_options, llama.build_layer, "Qwen3ForCausalLM", write_options)
