@@ -13,6 +13,7 @@ __all__ = [
     "KernelSet",
     "apply_rotary",
     "attention",
+    "grouped_mm",
     "kernels_for",
     "linear_cross_entropy",
     "rms_norm",
@@ -48,6 +49,12 @@ def attention(
     (GQA). Queries are the last Sq positions. ``document_ids`` [B, Skv] keeps packed
     documents apart; ``sliding_window`` limits how far back a query looks."""
     return kernels_for(q.device.type).attention(q, k, v, scale, document_ids, sliding_window)
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The experts' matmul: ``x`` [N, in] holds ``counts[e]`` rows for each expert e in
+    order, each multiplied by its ``weight[e]`` [out, in] as nn.Linear does; [N, out]."""
+    return kernels_for(x.device.type).grouped_mm(x, weight, counts)
 
 
 def linear_cross_entropy(

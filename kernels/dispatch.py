@@ -21,6 +21,7 @@ class KernelSet:
     swiglu: Callable
     attention: Callable
     linear_cross_entropy: Callable
+    grouped_mm: Callable
 
 
 REFERENCE = KernelSet(
@@ -30,6 +31,7 @@ REFERENCE = KernelSet(
     reference.swiglu,
     reference.attention,
     reference.linear_cross_entropy,
+    reference.grouped_mm,
 )
 FUSED = KernelSet(
     "fused",
@@ -38,6 +40,7 @@ FUSED = KernelSet(
     fused.swiglu,
     fused.attention,
     cross_entropy.linear_cross_entropy,
+    fused.grouped_mm,
 )
 
 
@@ -45,7 +48,8 @@ def _npu_kernels() -> KernelSet:
     from llmflow.kernels import npu
 
     return KernelSet(
-        "npu", npu.rms_norm, npu.apply_rotary, npu.swiglu, npu.attention, cross_entropy.linear_cross_entropy
+        "npu", npu.rms_norm, npu.apply_rotary, npu.swiglu, npu.attention, cross_entropy.linear_cross_entropy,
+        npu.grouped_mm,
     )
 
 

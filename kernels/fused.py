@@ -8,6 +8,8 @@
   the flash CPU kernel on CPU, native GQA, and an explicit mask only when packed
   documents or a sliding window require one.
 - Cross-entropy fused with the output projection (see cross_entropy.py).
+- The experts of a mixture of experts through ``F.grouped_mm`` (one kernel for every
+  expert's rows, CPU and CUDA); shapes or dtypes it does not take go expert by expert.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from llmflow.kernels import reference
 from llmflow.kernels.masks import attention_mask, needs_explicit_mask
 
 
@@ -64,3 +67,20 @@ def attention(
         mask = attention_mask(q_len, kv_len, q.device, document_ids, sliding_window)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, is_causal=q_len > 1, scale=scale, enable_gqa=gqa)
+
+
+# F.grouped_mm wants every stride a multiple of 16 bytes; CUDA takes bfloat16 only.
+_GROUPED_MM_ALIGNMENT = 16
+
+
+def _grouped_mm_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+        return False
+    return all(size * x.element_size() % _GROUPED_MM_ALIGNMENT == 0 for size in (x.shape[-1], weight.shape[-2]))
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    if not _grouped_mm_takes(x, weight):
+        return reference.grouped_mm(x, weight, counts)
+    offsets = counts.cumsum(0, dtype=torch.int32)
+    return F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)

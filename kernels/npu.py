@@ -5,6 +5,8 @@ Imported only after torch_npu has loaded (see llmflow.kernels.dispatch). Pitfall
 - ``npu_fusion_attention``'s mask is True where attention is *blocked* (SDPA: True =
   attend); with sparse_mode 2/3 it takes the compressed 2048x2048 upper-triangular mask.
 - ``npu_swiglu`` gates the first half of its input: silu(gate) * up needs [gate, up].
+- ``npu_grouped_matmul`` multiplies x by weight as stored ([E, in, out]): the experts' nn.Linear
+  layout [E, out, in] goes in transposed; ``group_list_type=1`` reads group_list as counts.
 """
 
 from __future__ import annotations
@@ -81,4 +83,17 @@ def attention(
     return torch_npu.npu_fusion_attention(
         q, k, v, heads, "BNSD",
         atten_mask=_causal_compressed_mask(q.device), scale=scale, sparse_mode=_RIGHT_DOWN_CAUSAL,
+    )[0]
+
+
+# split_item 3: x and the output are single tensors split by group_list; group_type 0 splits the m axis.
+_SINGLE_TENSORS = 3
+_SPLIT_M = 0
+_GROUP_COUNTS = 1
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    return torch_npu.npu_grouped_matmul(
+        [x], [weight.transpose(-2, -1)], group_list=counts.to(torch.int64), split_item=_SINGLE_TENSORS,
+        group_type=_SPLIT_M, group_list_type=_GROUP_COUNTS,
     )[0]

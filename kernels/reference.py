@@ -61,3 +61,10 @@ def linear_cross_entropy(
 ) -> torch.Tensor:
     logits = (hidden @ weight.t()).float()
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction=reduction)
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Row groups of ``x`` [N, in] (``counts`` [E] rows each, in expert order) times each
+    expert's ``weight[e]`` [out, in], transposed as nn.Linear does: [N, out]."""
+    groups = x.split(counts.tolist())
+    return torch.cat([group @ weight[e].t() for e, group in enumerate(groups)])

@@ -63,6 +63,9 @@ def layout_problems(layout: ParallelLayout, world_size: int, config: ModelConfig
         ):
             if value % tp:
                 problems.append(f"model {field}={value} is not divisible by tp={tp}")
+        if config.num_experts and tp > 1:
+            problems.append(f"tp={tp}: tensor parallelism does not split the experts of a mixture-of-experts model "
+                            f"({config.model_type}, num_experts={config.num_experts}); use dp and pp")
         if layout.pp > config.num_hidden_layers:
             problems.append(f"pp={layout.pp} stages but the model has {config.num_hidden_layers} layers; each stage needs one")
     return problems

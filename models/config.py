@@ -65,6 +65,19 @@ class ModelConfig:
     """Bias on the feed-forward projections."""
     sliding_window: int | None = None
     """Attention window (Mistral v0.1); None attends to the whole prefix."""
+    num_experts: int = 0
+    """Routed experts of each mixture-of-experts layer; 0: every feed-forward block is dense."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 0
+    """Width of one routed expert's SwiGLU."""
+    norm_topk_prob: bool = False
+    """Renormalise each token's top-k routing weights to sum to one (always in Mixtral)."""
+    shared_expert_intermediate_size: int = 0
+    """Width of the shared expert every token also goes through (Qwen2-MoE); 0: none."""
+    dense_layers: tuple[int, ...] = ()
+    """Layers of a MoE model whose feed-forward block is dense (``mlp_only_layers``, and the
+    layers ``decoder_sparse_step`` skips), of width ``intermediate_size``."""
     torch_dtype: str = "float32"
     """dtype the weights were saved in."""
     bos_token_id: int | None = None
@@ -83,6 +96,10 @@ class ModelConfig:
         padding outside the vocabulary."""
         real = self.unpadded_vocab_size or self.vocab_size
         return dataclasses.replace(self, vocab_size=rows, unpadded_vocab_size=real if rows != real else None)
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` routes its tokens to experts."""
+        return self.num_experts > 0 and index not in self.dense_layers
 
     @property
     def rope_type(self) -> str:
@@ -152,13 +169,19 @@ class Family:
     sets from its own keys, replacing the shared reading where the family's transformers
     config defaults differently (Qwen3's ``head_dim``); raises ``ConfigError`` for what it
     cannot represent."""
-    build_layer: Callable[[ModelConfig], nn.Module]
-    """One decoder layer: called as ``layer(hidden, cos, sin, document_ids[, (kv_cache, name)])``,
+    build_layer: Callable[[ModelConfig, int], nn.Module]
+    """(config, layer index) -> that decoder layer: called as ``layer(hidden, cos, sin, document_ids[, (kv_cache, name)])``,
     returning the hidden states, with Hugging Face's module names inside."""
     architecture: str
     """The transformers class config.json's ``architectures`` names (``LlamaForCausalLM``)."""
     write_options: Callable[[ModelConfig], dict[str, Any]]
     """The inverse of ``read_options``: this family's own config.json keys for an export."""
+    hf_renames: tuple[tuple[str, str], ...] = ()
+    """(our name part, the checkpoint's) pairs where the Hub's tensor names differ from the
+    module names (Mixtral's ``.mlp.`` is ``.block_sparse_moe.``)."""
+    hf_expert_projections: tuple[tuple[str, str], ...] = (
+        ("gate_proj", "gate_proj"), ("up_proj", "up_proj"), ("down_proj", "down_proj"))
+    """(our stacked expert projection, the checkpoint's per-expert module name)."""
 
 
 FAMILIES: dict[str, Family] = {}

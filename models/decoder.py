@@ -42,7 +42,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens: nn.Embedding | None = nn.Embedding(
             config.vocab_size, config.hidden_size, _weight=embedding_weight(config.vocab_size, config.hidden_size))
         build_layer = family_of(config.model_type).build_layer
-        self.layers = nn.ModuleDict({str(i): build_layer(config) for i in range(config.num_hidden_layers)})
+        self.layers = nn.ModuleDict({str(i): build_layer(config, i) for i in range(config.num_hidden_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
 

@@ -50,6 +50,9 @@ def _hf_classes(family: str):
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }[family]
 
 
@@ -67,7 +70,7 @@ def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.08) -> None
             p.copy_(std * torch.randn(p.shape, generator=g))
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def make_hf_model(tmp_path_factory):
     """Factory: ``make_hf_model(family="llama", seed=0, save_kwargs=None, **config_overrides)``
     builds a tiny transformers model with seeded random weights (eager attention, fp32),

@@ -80,24 +80,31 @@ def llama(make_hf_model):
     return hf_model, hf_dir, ckpt
 
 
+EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+
 @pytest.mark.parametrize(
-    "family, tied, save_kwargs, shard_mb, via_cli",
+    "family, tied, save_kwargs, shard_mb, via_cli, extra",
     [
-        ("llama", False, None, 4096, True),
-        ("qwen2", True, {"max_shard_size": "40KB"}, 0.05, False),
-        ("mistral", False, None, 4096, False),
-        ("qwen3", False, None, 4096, False),  # transformers' default head_dim, 128, not hidden / heads
+        ("llama", False, None, 4096, True, {}),
+        ("qwen2", True, {"max_shard_size": "40KB"}, 0.05, False, {}),
+        ("mistral", False, None, 4096, False, {}),
+        ("qwen3", False, None, 4096, False, {}),  # transformers' default head_dim, 128, not hidden / heads
+        # The Hub's per-expert tensors, stacked in the checkpoint and split again, across shards.
+        ("qwen3_moe", False, {"max_shard_size": "40KB"}, 0.05, False, {**EXPERTS, "head_dim": 16}),
+        ("qwen2_moe", True, None, 4096, False, {**EXPERTS, "shared_expert_intermediate_size": 48}),
+        ("mixtral", False, None, 4096, False, {"num_local_experts": 4, "num_experts_per_tok": 2}),
     ],
 )
 def test_hf_to_checkpoint_to_hf_is_bit_exact(
-    make_hf_model, tokens, tmp_path, monkeypatch, family, tied, save_kwargs, shard_mb, via_cli
+    make_hf_model, tokens, tmp_path, monkeypatch, family, tied, save_kwargs, shard_mb, via_cli, extra
 ):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if shard_mb < 1:  # also read the checkpoint a few tensors at a time
         monkeypatch.setattr("llmflow.weights.export.READ_BATCH_BYTES", 30_000)
 
-    hf_model, hf_dir = make_hf_model(family, tie_word_embeddings=tied, save_kwargs=save_kwargs)
+    hf_model, hf_dir = make_hf_model(family, tie_word_embeddings=tied, save_kwargs=save_kwargs, **extra)
     add_tokenizer(hf_dir)
     ckpt, out = tmp_path / "ckpt", tmp_path / "export"
     if via_cli:

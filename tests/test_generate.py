@@ -57,8 +57,17 @@ def hf_greedy(hf_model, prompts: list[list[int]], max_new_tokens: int, eos: int)
     return [row[: row.index(eos) + 1] if eos in row else row for row in out]
 
 
-@pytest.mark.parametrize("family, extra", [("llama", {}), ("qwen2", {}), ("qwen3", {"head_dim": 24})],
-                         ids=["llama", "qwen2", "qwen3"])
+EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+FAMILIES = {
+    "llama": {}, "qwen2": {}, "qwen3": {"head_dim": 24},
+    # The decode step routes each new token as the prompt's tokens were routed.
+    "qwen3_moe": {**EXPERTS, "head_dim": 24, "norm_topk_prob": True},
+    "qwen2_moe": {**EXPERTS, "shared_expert_intermediate_size": 48},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+}
+
+
+@pytest.mark.parametrize("family, extra", list(FAMILIES.items()), ids=list(FAMILIES))
 def test_greedy_matches_transformers_and_batched_equals_single(make_hf_model, prompt_ids, family, extra):
     hf_model, path = make_hf_model(family, vocab_size=VOCAB, num_key_value_heads=2, **extra)
     add_tokenizer(path)

@@ -79,7 +79,7 @@ class TrainConfig(BaseModel):
     out: Path
     """Checkpoint directory of this run. When it holds a checkpoint, training resumes from it,
     but only with the settings the weights depend on unchanged (model, data, optim, lora,
-    seed, seq_length, dtype, global_batch_size; a launch that changes one is refused, naming
+    seed, seq_length, dtype, global_batch_size, router_aux_loss_coef; a launch that changes one is refused, naming
     it). The parallel layout (nproc, pp, tp, dp, the pipeline schedule and split),
     micro_batch_size and the settings of recomputation, compilation, logging and saving may
     change between launches, and steps may grow."""
@@ -100,6 +100,12 @@ class TrainConfig(BaseModel):
     """Optimizer and learning-rate schedule."""
     lora: LoraConfig | None = None
     """Train LoRA adapters on frozen base weights instead of every weight."""
+    router_aux_loss_coef: float | None = Field(default=None, ge=0)
+    """Weight of a mixture-of-experts model's load-balancing auxiliary loss in the training
+    loss (transformers' router_aux_loss_coef). Default: as transformers trains the checkpoint,
+    its config.json's router_aux_loss_coef when it sets output_router_logits, else 0. The loss
+    and the tokens each expert received are logged either way (not under pp, where a nonzero
+    weight is refused)."""
     tp: int = Field(default=1, ge=1)
     """Tensor-parallel degree (heads, KV heads and FFN width must divide by it)."""
     dp: int | None = Field(default=None, ge=1)

@@ -43,7 +43,8 @@ from llmflow.probe import Dumper, PipelinePlace, load_probe_config, seed_all
 from llmflow.train.config import TrainConfig
 from llmflow.train.data import BlendedSamples, PretrainSamples, SftSamples, check_token_ids, collate
 from llmflow.train.metrics import StepTimer, flops_per_token, memory_gib, peak_flops
-from llmflow.train.preflight import batch_problems, pipeline_problems
+from llmflow.train.preflight import batch_problems, moe_problems, pipeline_problems
+from llmflow.train.routing import RoutingLog, aux_loss_coefficient
 from llmflow.weights import (
     CheckpointMeta,
     NonFiniteError,
@@ -186,6 +187,10 @@ class Run:
     pipeline: Any = None
     """The torch.distributed.pipelining schedule of this rank's stages (pp > 1)."""
     pipeline_loss: ScaledLoss | None = None
+    routing: RoutingLog | None = None
+    """The experts' routing of the current step (a mixture-of-experts model, pp = 1)."""
+    aux_loss_coef: float = 0.0
+    """Weight of the load-balancing auxiliary loss in the training objective."""
     tied_copy: torch.nn.Parameter | None = None
     """Under pp with tied embeddings, on the last stage's ranks: the tied weight's second copy
     (its gradient is summed with the first stage's; the norm counts it once)."""
@@ -222,6 +227,7 @@ def setup(config: TrainConfig) -> Run:
     layout = topo.layout
     problems = batch_problems(config.global_batch_size, config.micro_batch_size, layout.dp)
     problems += pipeline_problems(config, layout.dp, model.config.num_hidden_layers)
+    problems += moe_problems(config, model.config)
     if problems:
         raise ValueError("; ".join(problems))
     samples = data_source(config)
@@ -259,6 +265,9 @@ def setup(config: TrainConfig) -> Run:
         dumper=Dumper(load_probe_config(config.probe), parts, pipeline) if config.probe else None,
         parameter_order=parameter_order,
     )
+    if model.config.num_experts and pipeline is None:
+        run.routing = RoutingLog(parts, topo.dp_group)
+        run.aux_loss_coef = aux_loss_coefficient(config.router_aux_loss_coef, hf_config)
     if pipeline is not None:
         run.pipeline_loss = ScaledLoss()
         run.pipeline = pipeline_schedule(stages, pipeline.num_stages, config.pp_schedule,
@@ -320,10 +329,16 @@ def micro_batches(run: Run, step: int) -> list[dict[str, torch.Tensor | None]]:
     return batches
 
 
+def rank_sum_scale(run: Run) -> int:
+    """dp where FSDP averages the gradients over the dp ranks (a loss each rank holds a share
+    of is multiplied by it, so that the gradients add up), else 1."""
+    return run.topo.layout.dp if run.sharded else 1
+
+
 def loss_scale(run: Run, total: float) -> float:
     """What each summed micro-batch loss is multiplied by before backward: 1 / the global
-    batch's target tokens, times dp where FSDP averages the gradients over the dp ranks."""
-    return (run.topo.layout.dp if run.sharded else 1) / total
+    batch's target tokens, the ranks' shares added up (``rank_sum_scale``)."""
+    return rank_sum_scale(run) / total
 
 
 def forward_backward(run: Run, batches: list[dict[str, torch.Tensor | None]], total: float) -> torch.Tensor:
@@ -340,7 +355,12 @@ def forward_backward(run: Run, batches: list[dict[str, torch.Tensor | None]], to
         tensors = {k: (v.to(device) if v is not None else None) for k, v in batch.items()}
         loss = model(tensors["input_ids"], labels=tensors["targets"], position_ids=tensors["position_ids"],
                      document_ids=tensors["document_ids"], loss_reduction="sum")
-        (loss * loss_scale(run, total)).backward()
+        objective = loss * loss_scale(run, total)
+        aux = run.routing.after_forward() if run.routing is not None else None
+        if aux is not None and run.aux_loss_coef:
+            # The mean over the step's micro-batches of each one's loss (of which this rank holds a share).
+            objective = objective + run.aux_loss_coef * aux * rank_sum_scale(run) / len(batches)
+        objective.backward()
         loss_sum += loss.detach()
     return loss_sum
 
@@ -401,6 +421,8 @@ def train_step(run: Run, step: int) -> tuple[float, float, float]:
         for group in optimizer.param_groups:
             group["lr"] = lr
     batches = micro_batches(run, step)
+    if run.routing is not None:
+        run.routing.reset()
     count = torch.tensor(float(sum(int((b["targets"] != -100).sum()) for b in batches)), device=run.env.device)
     if run.topo.dp_group is not None:
         dist.all_reduce(count, group=run.topo.dp_group)
@@ -451,6 +473,8 @@ def train(config: TrainConfig) -> dict[str, float]:
             }
             if peak is not None:
                 metrics["mfu"] = flops_token * tokens / seconds / (peak * env.world_size)
+            if run.routing is not None:
+                metrics |= run.routing.metrics()
             if env.is_main:
                 _report(step, config.steps, metrics, run_id)
                 timer.lap()  # logging time is not step time (the first MLflow call imports mlflow)
@@ -500,10 +524,12 @@ def _save(run: Run, step: int) -> None:
 
 def _report(step: int, steps: int, metrics: dict[str, float], run_id: str | None) -> None:
     mfu = f"{metrics['mfu']:.1%}" if "mfu" in metrics else "n/a"
+    experts = (f" | moe_aux_loss {metrics['moe_aux_loss']:.6f} | max_expert_load {metrics['moe_max_expert_load']:.2f}"
+               if "moe_aux_loss" in metrics else "")
     print(
         f"step {step}/{steps} | loss {metrics['loss']:.6f} | lr {metrics['lr']:.3e} | grad_norm {metrics['grad_norm']:.4f} | "
         f"{metrics['tokens_per_s']:.0f} tokens/s | {metrics['samples_per_s']:.2f} samples/s | mfu {mfu} | "
-        f"mem {metrics['memory_gib']:.2f} GiB",
+        f"mem {metrics['memory_gib']:.2f} GiB{experts}",
         flush=True,
     )
     if run_id:

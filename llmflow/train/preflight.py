@@ -46,6 +46,7 @@ from llmflow.train.memory import (
     train_plan,
     train_shape,
 )
+from llmflow.train.routing import aux_loss_coefficient
 from llmflow.weights import hf_config_of, is_checkpoint, latest_step_dir, read_meta, resolve_step_dir
 
 CONFIG_NAME = "train_config.json"
@@ -55,7 +56,8 @@ INPUTS_NAME = "train_inputs.json"
 """Fingerprints of the run's model and data content, in its run directory: a model or
 dataset rewritten in place is another input, though its path is the same."""
 
-WEIGHT_SETTINGS = ("model", "data", "optim", "lora", "seed", "seq_length", "dtype", "global_batch_size")
+WEIGHT_SETTINGS = ("model", "data", "optim", "lora", "seed", "seq_length", "dtype", "global_batch_size",
+                   "router_aux_loss_coef")
 """Settings the trained weights depend on: a run directory holding checkpoints resumes
 only with the same values. Every other setting (pp, tp, dp, nproc, micro_batch_size, the
 pipeline schedule and split, activation_checkpointing, compile, logging and saving) may
@@ -337,7 +339,20 @@ def settings_problems(config: TrainConfig, world: int, model: ModelConfig | None
     problems = parallel_problems(world, config.tp, config.dp, model, config.pp)
     dp = ParallelLayout.of_world(world, config.pp, config.tp, config.dp).dp
     problems += batch_problems(config.global_batch_size, config.micro_batch_size, dp)
+    problems += moe_problems(config, model)
     return problems + pipeline_problems(config, dp, model.num_hidden_layers if model is not None else None)
+
+
+def moe_problems(config: TrainConfig, model: ModelConfig | None) -> list[str]:
+    """Why ``config`` cannot train the mixture of experts ``model`` (empty when it can)."""
+    if model is None or not model.num_experts or config.pp == 1:
+        return []
+    coef = aux_loss_coefficient(config.router_aux_loss_coef, model.hf_config)
+    if not coef:
+        return []
+    problem = (f"router_aux_loss_coef={coef}: a mixture of experts' auxiliary loss is not trained under pp={config.pp}; "
+               "set router_aux_loss_coef=0 (the default unless config.json sets output_router_logits), or pp=1")
+    return [problem]
 
 
 def training_seq_length(config: TrainConfig) -> int | None:

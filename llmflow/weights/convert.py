@@ -42,11 +42,11 @@ from llmflow.models.decoder import CausalLM
 from llmflow.weights.dcp import dcp_save
 from llmflow.weights.errors import CheckpointError
 from llmflow.weights.finite import check_finite
-from llmflow.weights.hf import index_hf_tensors
-from llmflow.weights.hf_names import TIED_INPUT, TIED_OUTPUT, hf_to_ours
+from llmflow.weights.hf import StoredParts, index_hf_tensors, read_parameter, stored_parameters
+from llmflow.weights.hf_names import TIED_INPUT, TIED_OUTPUT, is_stacked_experts
 from llmflow.weights.megatron.importer import Planned, check_supported, plan_import
 from llmflow.weights.megatron.reader import open_checkpoint
-from llmflow.weights.safetensors_io import StoredTensor, read_tensor
+from llmflow.weights.safetensors_io import StoredTensor
 from llmflow.weights.stage_output import check_replaceable
 from llmflow.weights.tokenizer_files import copy_tokenizer_files
 from llmflow.weights.training_checkpoint import (
@@ -99,33 +99,14 @@ class ConvertConfig(BaseModel):
 
 def plan_sources(
     hf_dir: Path, model_config: ModelConfig, hf_tensors: dict[str, StoredTensor], padded: int
-) -> dict[str, str]:
+) -> dict[str, StoredParts]:
     """For each key of the checkpoint's model state (``CausalLM.state_dict()`` of the padded
-    model), the HF tensor it is read from; checks names and shapes before anything is written."""
+    model), the HF tensors it is read from; checks names and shapes before anything is written."""
     with torch.device("meta"):
         model = CausalLM(model_config.padded_to(padded))
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    sources = {}
-    for name, shape in shapes.items():
-        source = TIED_INPUT if model_config.tie_word_embeddings and name == TIED_OUTPUT else name
-        stored = hf_tensors.get(source)
-        if stored is None:
-            continue
-        expected = (model_config.vocab_size, *shape[1:]) if name in VOCAB_PARAMS else shape
-        if stored.shape != expected:
-            raise CheckpointError(
-                f"{stored.path}: tensor {source!r} has shape {stored.shape}, config.json implies {expected}"
-            )
-        sources[name] = source
-    missing = sorted(set(shapes) - set(sources))
-    if missing:
-        raise CheckpointError(f"{hf_dir}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
-    unknown = sorted(n for n in hf_tensors if hf_to_ours(n, model_config.tie_word_embeddings) not in (None, *shapes))
-    if unknown:
-        raise CheckpointError(
-            f"{hf_tensors[unknown[0]].path}: tensors with no place in a {model_config.model_type} model: {unknown[:5]}"
-        )
-    return sources
+    shapes = {name: (model_config.vocab_size, *t.shape[1:]) if name in VOCAB_PARAMS else tuple(t.shape)
+              for name, t in model.state_dict().items()}
+    return stored_parameters(hf_dir, model_config, shapes, hf_tensors)
 
 
 class StreamingSavePlanner(DefaultSavePlanner):
@@ -159,21 +140,20 @@ def write_streamed_state(step_dir: Path, meta_state: dict[str, torch.Tensor],
         raise
 
 
-def write_model_state(
-    step_dir: Path, hf_tensors: dict[str, StoredTensor], sources: dict[str, str], padded: int
-) -> None:
-    """The DCP directory of the model state, read tensor by tensor from the HF files."""
+def write_model_state(step_dir: Path, sources: dict[str, StoredParts], padded: int) -> None:
+    """The DCP directory of the model state, read tensor by tensor from the HF files (the
+    experts of a stacked projection together)."""
     meta_state = {}
-    for name, source in sources.items():
-        stored = hf_tensors[source]
-        shape = (padded, *stored.shape[1:]) if name in VOCAB_PARAMS else stored.shape
-        meta_state[name] = torch.empty(shape, dtype=stored.dtype, device="meta")
+    for name, parts in sources.items():
+        shape = parts[0][1].shape
+        if name in VOCAB_PARAMS:
+            shape = (padded, *shape[1:])
+        elif is_stacked_experts(name):
+            shape = (len(parts), *shape)
+        meta_state[name] = torch.empty(shape, dtype=parts[0][1].dtype, device="meta")
 
-    def read(name: str) -> torch.Tensor:
-        stored = hf_tensors[sources[name]]
-        tensor = read_tensor(stored, padded if name in VOCAB_PARAMS else None)
-        check_finite(tensor, stored.path, sources[name])  # as it streams: each tensor is read once
-        return tensor
+    def read(name: str) -> torch.Tensor:  # as it streams: each tensor is read once
+        return read_parameter(name, sources[name], padded if name in VOCAB_PARAMS else None)
 
     write_streamed_state(step_dir, meta_state, read)
 
@@ -223,7 +203,7 @@ def convert(config: ConvertConfig) -> Path:
         if config.megatron is not None:
             write_megatron_state(step_dir, megatron_plan, megatron.directory)
         elif config.init == "weights":
-            write_model_state(step_dir, hf_tensors, sources, padded)
+            write_model_state(step_dir, sources, padded)
         else:
             write_random_state(step_dir, model_config, padded, config.seed)
         write_json_atomic(step_dir / META, meta.model_dump(mode="json"))

@@ -31,7 +31,7 @@ from llmflow.artifacts import MANIFEST, atomic_directory, file_record, manifest_
 from llmflow.models.config import ModelConfig
 from llmflow.weights.errors import CheckpointError
 from llmflow.weights.hf import write_hf_weights
-from llmflow.weights.hf_names import TIED_INPUT, TIED_OUTPUT, ours_to_hf
+from llmflow.weights.hf_names import TIED_INPUT, TIED_OUTPUT, hf_names, is_stacked_experts, split_experts
 from llmflow.weights.lora_adapters import LORA_A, LORA_B, check_adapter_shapes, lora_modules, lora_scale, merged_loader
 from llmflow.weights.megatron.exporter import write_megatron
 from llmflow.weights.safetensors_io import plan_shards, write_safetensors
@@ -126,19 +126,27 @@ def write_weights(
     Returns the dtype of the written embedding."""
     dtype = _DTYPES[config.dtype] if config.dtype else None
     names = weight_names(weights)
+    model = ModelConfig.from_hf(weights.meta.hf_config, source=str(weights.path))
     out_info = {n: output_info(weights.tensors[n], n, vocab_size, dtype) for n in names}
     if lora is not None:
         check_adapter_shapes(lora, weights, names, lora_modules(lora))
     load = merged_loader(lora, weights) if lora is not None else weights.load
     read_bytes = {n: weights.tensors[n].nbytes for n in names}
-    ours = {ours_to_hf(n): n for n in names}
+    # Each HF tensor: (our parameter, which of its parts: an expert of stacked experts, else 0).
+    parts = {hf_name: (n, i) for n in names for i, hf_name in enumerate(hf_names(n, model))}
 
     def read(shard: list[str]) -> Iterator[torch.Tensor]:
-        for batch in plan_shards([ours[name] for name in shard], read_bytes, READ_BATCH_BYTES):
-            tensors = load(batch)
-            yield from (_finish(name, tensors.pop(name), vocab_size, dtype) for name in batch)
+        wanted = list(dict.fromkeys(parts[hf_name][0] for hf_name in shard))
+        for batch in plan_shards(wanted, read_bytes, READ_BATCH_BYTES):
+            finished = {n: split_experts(n, _finish(n, t, vocab_size, dtype)) for n, t in load(batch).items()}
+            yield from (finished[parts[hf_name][0]][parts[hf_name][1]].contiguous() for hf_name in shard
+                        if parts[hf_name][0] in finished)
 
-    specs = {ours_to_hf(n): (out_info[n].dtype, out_info[n].shape) for n in names}
+    specs = {}
+    for n in names:
+        info = out_info[n]
+        shape = info.shape[1:] if is_stacked_experts(n) else info.shape
+        specs |= {hf_name: (info.dtype, shape) for hf_name in hf_names(n, model)}
     write_hf_weights(work, specs, int(config.max_shard_mb * 2**20), read)
     return out_info[TIED_INPUT].dtype
 
@@ -157,7 +165,8 @@ def write_peft_adapter(work: Path, lora: Source, vocab_size: int, config: Export
         raise CheckpointError(f"{lora.path}: PEFT export of embed_tokens adapters is not supported; use merge_lora")
     dtype = _DTYPES[config.dtype] if config.dtype else None
     tensors = lora.load([m + s for m in modules for s in (LORA_A, LORA_B)])
-    out = {PEFT_PREFIX + ours_to_hf(n): _finish(n, t, vocab_size, dtype) for n, t in tensors.items()}
+    model = ModelConfig.from_hf(lora.meta.hf_config, source=str(lora.path))
+    out = {PEFT_PREFIX + hf_names(n, model)[0]: _finish(n, t, vocab_size, dtype) for n, t in tensors.items()}
     write_safetensors(work / ADAPTER_WEIGHTS, {n: (t.dtype, tuple(t.shape)) for n, t in out.items()}, out.values())
     lora_config = lora.meta.lora or {}
     adapter_config = {

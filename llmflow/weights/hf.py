@@ -25,12 +25,21 @@ from llmflow.models.config import ModelConfig, family_of
 from llmflow.models.decoder import CausalLM
 from llmflow.weights.errors import CheckpointError
 from llmflow.weights.finite import check_finite
-from llmflow.weights.hf_names import TIED_OUTPUT, expected_names, hf_to_ours, ours_to_hf
+from llmflow.weights.hf_names import (
+    TIED_INPUT,
+    TIED_OUTPUT,
+    expected_names,
+    hf_names,
+    hf_to_ours,
+    is_stacked_experts,
+    split_experts,
+)
 from llmflow.weights.safetensors_io import (
     StoredTensor,
     TensorSpecs,
     plan_shards,
     read_safetensors_header,
+    read_tensor,
     write_safetensors,
 )
 
@@ -79,6 +88,66 @@ def index_hf_tensors(directory: Path) -> dict[str, StoredTensor]:
     return tensors
 
 
+StoredParts = list[tuple[str, StoredTensor]]
+"""The checkpoint tensors one of our parameters is read from, by HF name: one, or one per
+expert (in expert order) of a stacked expert projection."""
+
+
+def stored_parameters(directory: Path, config: ModelConfig, shapes: dict[str, tuple[int, ...]],
+                      hf_tensors: dict[str, StoredTensor] | None = None) -> dict[str, StoredParts]:
+    """For each of our parameters in ``shapes`` (the shape the checkpoint stores it at), the
+    tensors of the HF checkpoint in ``directory`` it is read from; a tied output projection
+    reads the embedding. Checked before anything is read: a tensor with no place in the model,
+    a shape config.json does not imply, or a missing tensor is a ``CheckpointError`` naming it."""
+    hf_tensors = index_hf_tensors(directory) if hf_tensors is None else hf_tensors
+    found: dict[str, dict[int, tuple[str, StoredTensor]]] = {}
+    unknown = []
+    for hf_name, stored in hf_tensors.items():
+        mapped = hf_to_ours(hf_name, config)
+        if mapped is None:
+            continue
+        name, expert = mapped
+        if name not in shapes or (expert is not None and expert >= shapes[name][0]):
+            unknown.append(hf_name)
+            continue
+        found.setdefault(name, {})[expert or 0] = (hf_name, stored)
+    if unknown:
+        raise CheckpointError(f"{hf_tensors[unknown[0]].path}: tensors with no place in a {config.model_type} model "
+                              f"of num_experts={config.num_experts}: {unknown[:5]}" if config.num_experts else
+                              f"{hf_tensors[unknown[0]].path}: tensors with no place in a {config.model_type} model: "
+                              f"{unknown[:5]}")
+    sources: dict[str, StoredParts] = {}
+    missing = []
+    for name, shape in shapes.items():
+        source = TIED_INPUT if config.tie_word_embeddings and name == TIED_OUTPUT else name
+        each = tuple(shape[1:]) if is_stacked_experts(name) else tuple(shape)
+        parts = found.get(source, {})
+        sources[name] = []
+        for i, hf_name in enumerate(hf_names(source, config)):
+            if i not in parts:
+                missing.append(hf_name)
+                continue
+            stored = parts[i][1]
+            if stored.shape != each:
+                raise CheckpointError(f"{stored.path}: tensor {hf_name!r} has shape {stored.shape}, "
+                                      f"config.json implies {each}")
+            sources[name].append(parts[i])
+    if missing:
+        raise CheckpointError(f"{directory}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+    return sources
+
+
+def read_parameter(name: str, parts: StoredParts, rows: int | None = None) -> torch.Tensor:
+    """Our parameter ``name`` from its stored parts (``stored_parameters``), each checked for
+    NaN/Inf as it is read; ``rows``: pad dim 0 with zeros to this many rows."""
+    tensors = []
+    for hf_name, stored in parts:
+        tensor = read_tensor(stored, rows)
+        check_finite(tensor, stored.path, hf_name)
+        tensors.append(tensor)
+    return torch.stack(tensors) if is_stacked_experts(name) else tensors[0]
+
+
 def _set_parameter(model: nn.Module, name: str, value: torch.Tensor) -> None:
     module_path, _, leaf = name.rpartition(".")
     module = model.get_submodule(module_path)
@@ -88,25 +157,36 @@ def _set_parameter(model: nn.Module, name: str, value: torch.Tensor) -> None:
 def load_hf_weights(
     model: CausalLM, directory: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu"
 ) -> None:
-    """Fill ``model`` (typically on the meta device) from the HF checkpoint in ``directory``."""
+    """Fill ``model`` (typically on the meta device) from the HF checkpoint in ``directory``.
+    Stacked expert projections are filled expert by expert as their tensors stream past."""
     config = model.config
     shapes = {name: model.get_parameter(name).shape for name in expected_names(model)}
-    loaded: set[str] = set()
+    expected = {(name, i): hf_name for name in shapes for i, hf_name in enumerate(hf_names(name, config))}
+    stacks: dict[str, torch.Tensor] = {}
+    loaded: set[tuple[str, int]] = set()
     for path, hf_name, tensor in iter_hf_tensors(directory):
-        name = hf_to_ours(hf_name, config.tie_word_embeddings)
-        if name is None:
+        mapped = hf_to_ours(hf_name, config)
+        if mapped is None:
             continue
-        if name not in shapes:
-            raise CheckpointError(f"{path}: tensor {hf_name!r} has no place in a {config.model_type} model")
-        if tensor.shape != shapes[name]:
+        name, expert = mapped
+        if (name, expert or 0) not in expected:
+            raise CheckpointError(f"{path}: tensor {hf_name!r} has no place in a {config.model_type} model"
+                                  + (f" of num_experts={config.num_experts}" if expert is not None else ""))
+        shape = shapes[name][1:] if expert is not None else shapes[name]
+        if tensor.shape != shape:
             raise CheckpointError(
-                f"{path}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                f"config.json implies {tuple(shapes[name])}"
+                f"{path}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, config.json implies {tuple(shape)}"
             )
         check_finite(tensor, path, hf_name)
-        _set_parameter(model, name, tensor.to(device=device, dtype=dtype))
-        loaded.add(name)
-    missing = [n for n in shapes if n not in loaded]
+        if expert is None:
+            _set_parameter(model, name, tensor.to(device=device, dtype=dtype))
+        else:
+            if name not in stacks:
+                stacks[name] = torch.empty(shapes[name], dtype=dtype, device=device)
+                _set_parameter(model, name, stacks[name])
+            stacks[name][expert].copy_(tensor)
+        loaded.add((name, expert or 0))
+    missing = [hf_name for key, hf_name in expected.items() if key not in loaded]
     if missing:
         raise CheckpointError(f"{directory}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
     if config.tie_word_embeddings:
@@ -174,7 +254,9 @@ def save_hf_model(
         for name, param in model.named_parameters():
             if model.config.tie_word_embeddings and name == TIED_OUTPUT:
                 continue
-            tensors[ours_to_hf(name)] = param.detach().to(dtype or param.dtype).contiguous().cpu()
+            value = param.detach().to(dtype or param.dtype).cpu()
+            for hf_name, part in zip(hf_names(name, model.config), split_experts(name, value), strict=True):
+                tensors[hf_name] = part.contiguous()
         specs = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
         write_hf_weights(tmp, specs, max_shard_bytes, lambda names: (tensors[n] for n in names))
         config = hf_config_dict(model.config)

@@ -2,34 +2,73 @@
 
 The decoder uses HF's module names, so most names map to themselves. What the map adds:
 keys HF files may carry that are not parameters (rotary ``inv_freq`` buffers of older
-exports), the output projection that tied checkpoints omit, and the list of names a
-complete checkpoint must provide.
+exports), the output projection that tied checkpoints omit, the family's own spelling of a
+module (``Family.hf_renames``: Mixtral's ``block_sparse_moe``), and the routed experts: the
+decoder stacks each projection of a layer's experts into one tensor
+(``mlp.experts.gate_proj`` [experts, out, in]) where the Hub stores one tensor per expert
+(``mlp.experts.{i}.gate_proj.weight``).
 """
 
 from __future__ import annotations
 
 import re
 
+import torch
 from torch import nn
+
+from llmflow.models.config import ModelConfig, family_of
 
 # Buffers some HF exports contain; recomputed from the config instead.
 _IGNORED_HF_KEYS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+_STACKED = re.compile(r"^(?P<experts>.+\.experts)\.(?P<projection>gate_proj|up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<index>\d+)\.(?P<projection>\w+)\.weight$")
 TIED_OUTPUT = "lm_head.weight"
 TIED_INPUT = "model.embed_tokens.weight"
 
 
-def hf_to_ours(hf_name: str, tie_word_embeddings: bool) -> str | None:
-    """Our parameter name for an HF tensor name; None for tensors we do not load."""
+def _renamed(name: str, config: ModelConfig, to_hf: bool) -> str:
+    for ours, theirs in family_of(config.model_type).hf_renames:
+        name = name.replace(ours, theirs) if to_hf else name.replace(theirs, ours)
+    return name
+
+
+def is_stacked_experts(name: str) -> bool:
+    """Whether our parameter ``name`` holds every routed expert of a layer along dim 0."""
+    return _STACKED.match(name) is not None
+
+
+def hf_names(name: str, config: ModelConfig) -> list[str]:
+    """The checkpoint tensors our parameter ``name`` is saved as: itself, or for stacked
+    experts one tensor per expert, in expert order."""
+    stacked = _STACKED.match(name)
+    if stacked is None:
+        return [_renamed(name, config, to_hf=True)]
+    theirs = dict(family_of(config.model_type).hf_expert_projections)[stacked["projection"]]
+    experts = _renamed(stacked["experts"], config, to_hf=True)
+    return [f"{experts}.{i}.{theirs}.weight" for i in range(config.num_experts)]
+
+
+def split_experts(name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Our parameter's value as the tensors ``hf_names`` names: one per expert of stacked
+    experts (views), else itself."""
+    return list(tensor.unbind(0)) if is_stacked_experts(name) else [tensor]
+
+
+def hf_to_ours(hf_name: str, config: ModelConfig) -> tuple[str, int | None] | None:
+    """(our parameter name, the expert's index in it or None) for an HF tensor name; None for
+    tensors we do not load."""
     if _IGNORED_HF_KEYS.search(hf_name):
         return None
-    if tie_word_embeddings and hf_name == TIED_OUTPUT:
+    if config.tie_word_embeddings and hf_name == TIED_OUTPUT:
         return None
-    return hf_name
-
-
-def ours_to_hf(name: str) -> str:
-    """The HF tensor name under which our parameter ``name`` is saved."""
-    return name
+    per_expert = _PER_EXPERT.match(hf_name)
+    if per_expert is not None and config.num_experts:
+        ours = {theirs: ours for ours, theirs in family_of(config.model_type).hf_expert_projections}
+        projection = ours.get(per_expert["projection"])
+        if projection is not None:
+            experts = _renamed(per_expert["experts"], config, to_hf=False)
+            return f"{experts}.{projection}", int(per_expert["index"])
+    return _renamed(hf_name, config, to_hf=False), None
 
 
 def expected_names(model: nn.Module) -> list[str]:

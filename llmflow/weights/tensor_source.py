@@ -14,9 +14,8 @@ from llmflow.models.config import ModelConfig
 from llmflow.models.decoder import CausalLM
 from llmflow.weights.dcp import dcp_load
 from llmflow.weights.errors import CheckpointError
-from llmflow.weights.hf import index_hf_tensors
+from llmflow.weights.hf import StoredParts, read_parameter, stored_parameters
 from llmflow.weights.hf_names import expected_names
-from llmflow.weights.safetensors_io import StoredTensor, read_tensor
 from llmflow.weights.training_checkpoint import (
     META,
     MODEL_KEY,
@@ -50,7 +49,7 @@ class Source:
     meta: CheckpointMeta
     tensors: dict[str, TensorInfo]
     """Model tensors by name (``model.layers.0.self_attn.q_proj.weight``)."""
-    hf_files: dict[str, StoredTensor] | None = None
+    hf_files: dict[str, StoredParts] | None = None
     """Where each tensor lies, for a Hugging Face directory; None for a checkpoint."""
 
     @classmethod
@@ -62,8 +61,10 @@ class Source:
     @classmethod
     def hf_directory(cls, directory: Path) -> Source:
         config = ModelConfig.from_file(directory)
-        files = index_hf_tensors(directory)
-        tensors = {n: TensorInfo(t.shape, t.dtype) for n, t in files.items()}
+        with torch.device("meta"):
+            shapes = {name: tuple(p.shape) for name, p in CausalLM(config).named_parameters()}
+        files = stored_parameters(directory, config, shapes)
+        tensors = {n: TensorInfo(shapes[n], parts[0][1].dtype) for n, parts in files.items()}
         meta = CheckpointMeta(hf_config=config.hf_config, padded_vocab_size=config.vocab_size)
         return cls(directory, meta, tensors, files)
 
@@ -74,7 +75,7 @@ class Source:
     def load(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The full (unsharded) tensors ``names``; DCP reshards them from however they were saved."""
         if self.hf_files is not None:
-            return {n: read_tensor(self.hf_files[n]) for n in names}
+            return {n: read_parameter(n, self.hf_files[n]) for n in names}
         state = {n: torch.empty(self.tensors[n].shape, dtype=self.tensors[n].dtype) for n in names}
         dcp_load({MODEL_KEY: state}, self.path, collective=False)
         return state

@@ -8,10 +8,16 @@ Adding one is writing its module (and any block it needs) and registering it bel
 from llmflow.models.config import register_family
 from llmflow.models.families.llama import LLAMA
 from llmflow.models.families.mistral import MISTRAL
+from llmflow.models.families.mixtral import MIXTRAL
 from llmflow.models.families.qwen2 import QWEN2
+from llmflow.models.families.qwen2_moe import QWEN2_MOE
 from llmflow.models.families.qwen3 import QWEN3
+from llmflow.models.families.qwen3_moe import QWEN3_MOE
 
 register_family(LLAMA)
 register_family(MISTRAL)
 register_family(QWEN2)
 register_family(QWEN3)
+register_family(QWEN3_MOE)
+register_family(QWEN2_MOE)
+register_family(MIXTRAL)

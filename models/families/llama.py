@@ -2,7 +2,8 @@
 where config.json's ``attention_bias`` asks for them.
 
 ``build_layer`` is also the layer of the families that differ from Llama only in their
-config.json (Mistral, Qwen2).
+config.json (Mistral, Qwen2, Qwen3 and the mixture-of-experts families, whose feed-forward
+block is a ``MoE`` on the layers their config routes).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 from llmflow.models.blocks.attention import Attention
 from llmflow.models.blocks.decoder_layer import DecoderLayer
 from llmflow.models.blocks.mlp import MLP
+from llmflow.models.blocks.moe import MoE
 from llmflow.models.config import Family, ModelConfig
 
 
@@ -24,7 +26,7 @@ def write_options(config: ModelConfig) -> dict[str, Any]:
     return {"attention_bias": config.qkv_bias, "mlp_bias": config.mlp_bias}
 
 
-def build_layer(config: ModelConfig) -> DecoderLayer:
+def build_layer(config: ModelConfig, index: int) -> DecoderLayer:
     attention = Attention(
         config.hidden_size,
         config.num_attention_heads,
@@ -35,8 +37,14 @@ def build_layer(config: ModelConfig) -> DecoderLayer:
         sliding_window=config.sliding_window,
         qk_norm_eps=config.rms_norm_eps if config.qk_norm else None,
     )
-    mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
-    return DecoderLayer(config.hidden_size, config.rms_norm_eps, attention, mlp)
+    return DecoderLayer(config.hidden_size, config.rms_norm_eps, attention, build_feed_forward(config, index))
+
+
+def build_feed_forward(config: ModelConfig, index: int) -> MLP | MoE:
+    if config.is_moe_layer(index):
+        return MoE(config.hidden_size, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok,
+                   config.norm_topk_prob, config.shared_expert_intermediate_size)
+    return MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
 
 LLAMA = Family("llama", read_options, build_layer, "LlamaForCausalLM", write_options)
