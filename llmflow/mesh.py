@@ -1,5 +1,5 @@
-"""Parallel layouts: checking a (pp, dp, tp) split against the world and the model, and
-building the device mesh for it."""
+"""Parallel layouts: checking a (pp, dp, tp) split (with ep expert-parallel ranks carved out
+of dp) against the world and the model, and building the device mesh for it."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from llmflow.models.config import ModelConfig
 
 MESH_DIMS = ("pp", "dp", "tp")
+LAYOUT_FIELDS = (*MESH_DIMS, "ep")
 
 
 class LayoutError(ValueError):
@@ -28,22 +29,26 @@ class ParallelLayout:
     """Data-parallel replicas (parameters sharded with FSDP2 across them)."""
     tp: int = 1
     """Tensor-parallel degree: attention heads and FFN columns are split this many ways."""
+    ep: int = 1
+    """Expert-parallel degree (a mixture-of-experts model): each group of ep data-parallel
+    ranks splits every MoE layer's experts among themselves and sends each token to the ranks
+    holding its experts. ep divides dp; it adds no ranks."""
 
     @property
     def world_size(self) -> int:
         return self.pp * self.dp * self.tp
 
     @classmethod
-    def of_world(cls, world_size: int, pp: int = 1, tp: int = 1, dp: int | None = None) -> ParallelLayout:
+    def of_world(cls, world_size: int, pp: int = 1, tp: int = 1, dp: int | None = None, ep: int = 1) -> ParallelLayout:
         """The layout of ``world_size`` ranks split into ``pp`` stages of ``tp`` ranks: dp is
         what remains (world_size / (pp * tp), at least 1) unless given."""
-        return cls(pp=pp, dp=dp or max(world_size // (pp * tp), 1), tp=tp)
+        return cls(pp=pp, dp=dp or max(world_size // (pp * tp), 1), tp=tp, ep=ep)
 
 
 def layout_problems(layout: ParallelLayout, world_size: int, config: ModelConfig | None = None) -> list[str]:
     """Every reason ``layout`` cannot run on ``world_size`` ranks with ``config`` (empty when it can)."""
     problems = []
-    for name in MESH_DIMS:
+    for name in LAYOUT_FIELDS:
         value = getattr(layout, name)
         if not isinstance(value, int) or value < 1:
             problems.append(f"{name}={value!r} must be a positive integer")
@@ -65,7 +70,13 @@ def layout_problems(layout: ParallelLayout, world_size: int, config: ModelConfig
                 problems.append(f"model {field}={value} is not divisible by tp={tp}")
         if config.num_experts and tp > 1:
             problems.append(f"tp={tp}: tensor parallelism does not split the experts of a mixture-of-experts model "
-                            f"({config.model_type}, num_experts={config.num_experts}); use dp and pp")
+                            f"({config.model_type}, num_experts={config.num_experts}); use dp, ep and pp")
+        if layout.ep > 1 and not config.num_experts:
+            problems.append(f"ep={layout.ep} needs a mixture-of-experts model; {config.model_type} has no experts")
+        elif config.num_experts % layout.ep:
+            problems.append(f"ep={layout.ep} does not divide the model's num_experts={config.num_experts}")
+    if layout.dp % layout.ep:
+        problems.append(f"ep={layout.ep} does not divide dp={layout.dp}: expert-parallel ranks are data-parallel ranks")
         if layout.pp > config.num_hidden_layers:
             problems.append(f"pp={layout.pp} stages but the model has {config.num_hidden_layers} layers; each stage needs one")
     return problems
@@ -79,10 +90,17 @@ def validate_layout(layout: ParallelLayout, world_size: int, config: ModelConfig
 
 
 def build_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
-    """A 3-D DeviceMesh with dims ("pp", "dp", "tp"); tp innermost so tensor-parallel ranks
-    are neighbours (same node, fastest links), pp outermost (its point-to-point traffic is
-    the lightest, so it may cross nodes)."""
+    """A DeviceMesh with dims ("pp", "dp", "tp"); tp innermost so tensor-parallel ranks are
+    neighbours (same node, fastest links), pp outermost (its point-to-point traffic is the
+    lightest, so it may cross nodes). With ep > 1, dp is made of ("dp_replicate", "ep"): the
+    ep ranks that share out the experts are neighbours, and the experts' gradients are
+    summed over "dp_replicate" (the ranks holding the same experts)."""
     import torch.distributed as dist
 
     validate_layout(layout, dist.get_world_size())
-    return init_device_mesh(device_type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=MESH_DIMS)
+    if layout.ep == 1:
+        return init_device_mesh(device_type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(device_type, (layout.pp, layout.dp // layout.ep, layout.ep, layout.tp),
+                            mesh_dim_names=("pp", "dp_replicate", "ep", "tp"))
+    mesh[("dp_replicate", "ep")]._flatten("dp")
+    return mesh

@@ -8,10 +8,12 @@
 - ``apply_tp_inference``: tensor parallel for generation: the same column/row split of
   attention and MLP, with replicated activations between the layers (no sequence sharding),
   so the KV cache holds each rank's own heads.
+- ``apply_ep`` (``expert_parallel.py``): the experts of every MoE layer split over the
+  expert-parallel ranks, tokens sent to their experts' ranks and back by all-to-all.
 - ``apply_ac``: activation checkpointing of every decoder layer.
 - ``apply_compile``: ``torch.compile`` of every decoder layer.
-- ``apply_fsdp``: FSDP2 ``fully_shard`` of every layer and of the root over the
-  data-parallel mesh, with a mixed-precision policy (bf16 compute, fp32 master weights
+- ``apply_fsdp``: FSDP2 ``fully_shard`` of every layer and of the root (the split experts
+  left out) over the data-parallel mesh, with a mixed-precision policy (bf16 compute, fp32 master weights
   and gradient reduction) on accelerators.
 
 Training calls one entry point, ``parallelize_decoder``, which applies them in that order
@@ -38,6 +40,7 @@ from torch.distributed.tensor.parallel import (
 
 from llmflow.models.config import ModelConfig
 from llmflow.models.decoder import CausalLM
+from llmflow.models.expert_parallel import apply_ep, expert_parameters
 from llmflow.models.lora import is_lora_param
 from llmflow.models.lora_parallel import lora_tp_plan
 
@@ -180,17 +183,20 @@ def apply_ac(model: CausalLM, mode: str = "full") -> None:
 
 def apply_fsdp(model: CausalLM, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32,
                reshard_after_forward: bool = True) -> None:
-    """FSDP2 over the data-parallel ``mesh``: one unit per layer, the rest in the root.
+    """FSDP2 over the data-parallel ``mesh``: one unit per layer, the rest in the root; the
+    experts expert parallelism split stay out of it (``models/expert_parallel.py``).
     ``reshard_after_forward=False`` keeps each layer gathered from its forward to its backward
     (pipeline stages, whose schedule runs several forwards before the backwards)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    ignored = set(expert_parameters(model)) or None
     layers = list(model.model.layers.values())
     for i, layer in enumerate(layers):
         # The last layer's parameters are needed again at once by backward: keep them.
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward and i < len(layers) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, ignored_params=ignored,
+                    reshard_after_forward=reshard_after_forward and i < len(layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)
 
 
 def apply_compile(model: CausalLM) -> None:
@@ -210,10 +216,13 @@ def parallelize_decoder(
     reshard_after_forward: bool = True,
 ) -> None:
     """Shard ``model`` (the whole model or one pipeline stage) for training over ``mesh`` (dims
-    "pp", "dp" and "tp"; None in a single process), in place: tensor parallel when the "tp"
-    dimension is larger than 1 (LoRA's adapters split with the weights they adapt), activation
-    checkpointing, compilation, then FSDP2 over "dp" computing in ``fsdp_dtype`` (None: no
-    FSDP; see ``apply_fsdp`` for ``reshard_after_forward``)."""
+    "pp", "dp" and "tp", and "ep" under expert parallelism; None in a single process), in
+    place: tensor parallel when the "tp" dimension is larger than 1 (LoRA's adapters split
+    with the weights they adapt), expert parallel over "ep", activation checkpointing,
+    compilation, then FSDP2 over "dp" computing in ``fsdp_dtype`` (None: no FSDP; see
+    ``apply_fsdp`` for ``reshard_after_forward``)."""
+    if mesh is not None and "ep" in (mesh.mesh_dim_names or ()):
+        apply_ep(model, mesh["ep"])
     if mesh is not None and mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"], lora_tp_plan(layer_tp_plan(model.config)) if lora else None)
         if lora:  # SequenceParallel makes fresh, trainable norm weights

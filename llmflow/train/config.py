@@ -110,6 +110,11 @@ class TrainConfig(BaseModel):
     """Tensor-parallel degree (heads, KV heads and FFN width must divide by it)."""
     dp: int | None = Field(default=None, ge=1)
     """Data-parallel degree; default: world size / (pp * tp)."""
+    ep: int = Field(default=1, ge=1)
+    """Expert-parallel degree of a mixture-of-experts model: each group of ep data-parallel
+    ranks splits every MoE layer's experts among themselves (num_experts / ep each) and sends
+    each token to the ranks holding its experts. It divides dp and num_experts and adds no
+    ranks (nproc = pp * dp * tp still)."""
     pp: int = Field(default=1, ge=1)
     """Pipeline-parallel stages: the decoder layers are split into pp consecutive groups on
     different ranks (stage 0 also holds the embedding, the last the norm, output projection

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import os
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from llmflow import runtime
 from llmflow.mesh import ParallelLayout, build_mesh, validate_layout
 from llmflow.models import CausalLM, ModelConfig, apply_lora, is_lora_param
+from llmflow.models.expert_parallel import expert_parameters, reduce_expert_gradients
 from llmflow.models.parallelize import parallelize_decoder
 from llmflow.models.pipeline import ScaledLoss, pipeline_schedule, split_model
 from llmflow.probe import Dumper, PipelinePlace, load_probe_config, seed_all
@@ -88,11 +89,15 @@ def learning_rate(config: TrainConfig, step: int) -> float:
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig, device_type: str) -> torch.optim.Optimizer:
-    decay, no_decay = [], []
+    decay, no_decay, experts = [], [], []
+    split = {id(p) for p in expert_parameters(model)}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            (no_decay if p.ndim < 2 or name.endswith("bias") else decay).append(p)
-    groups = [{"params": decay, "weight_decay": config.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            (experts if id(p) in split else no_decay if p.ndim < 2 or name.endswith("bias") else decay).append(p)
+    # The split experts (on the "ep" mesh) in a group of their own: a group's update runs as one
+    # multi-tensor op, which takes DTensors of one mesh.
+    groups = [{"params": decay, "weight_decay": config.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0},
+              {"params": experts, "weight_decay": config.optim.weight_decay}]
     fused = device_type in ("cuda", "npu")
     return torch.optim.AdamW(
         [g for g in groups if g["params"]], lr=config.optim.lr, betas=config.optim.betas, eps=config.optim.eps, fused=fused or None
@@ -116,15 +121,19 @@ class Topology:
     tied_group: Any = None
     """Under pp with tied embeddings: the group of this rank's first- and last-stage peers
     (same dp and tp coordinates), which add up the tied weight's two gradients."""
+    expert_replicate_group: Any = None
+    """Under ep < dp: the ranks holding the same experts, which add up their gradients."""
 
 
 def topology(config: TrainConfig, env: runtime.DistEnv, model_config: ModelConfig) -> Topology:
-    layout = ParallelLayout.of_world(env.world_size, config.pp, config.tp, config.dp)
+    layout = ParallelLayout.of_world(env.world_size, config.pp, config.tp, config.dp, config.ep)
     validate_layout(layout, env.world_size, model_config)
     if not dist.is_initialized():
         return Topology(layout, 0, None, None)
     mesh = build_mesh(layout, env.device.type)
     topo = Topology(layout, mesh["dp"].get_local_rank(), mesh["dp"].get_group(), mesh)
+    if 1 < layout.ep < layout.dp:
+        topo.expert_replicate_group = mesh["dp_replicate"].get_group()
     if layout.pp > 1:
         topo.pp_rank, topo.pp_group = mesh["pp"].get_local_rank(), mesh["pp"].get_group()
         if model_config.tie_word_embeddings:
@@ -187,6 +196,8 @@ class Run:
     pipeline: Any = None
     """The torch.distributed.pipelining schedule of this rank's stages (pp > 1)."""
     pipeline_loss: ScaledLoss | None = None
+    experts: list[torch.nn.Parameter] = field(default_factory=list)
+    """The experts expert parallelism split over the ep ranks (DTensors on the "ep" mesh)."""
     routing: RoutingLog | None = None
     """The experts' routing of the current step (a mixture-of-experts model, pp = 1)."""
     aux_loss_coef: float = 0.0
@@ -250,6 +261,7 @@ def setup(config: TrainConfig) -> Run:
                             activation_checkpointing=config.activation_checkpointing, compile=config.compile,
                             fsdp_dtype=dtype if sharded else None, reshard_after_forward=layout.pp == 1)
     accumulation = config.global_batch_size // (config.micro_batch_size * layout.dp)
+    experts = [p for part in parts for p in expert_parameters(part) if p.requires_grad]
     run = Run(
         config=config, env=env, topo=topo, parts=parts,
         optimizers=[build_optimizer(part, config, env.device.type) for part in parts],
@@ -264,6 +276,7 @@ def setup(config: TrainConfig) -> Run:
         ),
         dumper=Dumper(load_probe_config(config.probe), parts, pipeline) if config.probe else None,
         parameter_order=parameter_order,
+        experts=experts,
     )
     if model.config.num_experts and pipeline is None:
         run.routing = RoutingLog(parts, topo.dp_group)
@@ -399,13 +412,23 @@ def sync_tied_gradients(run: Run) -> None:
             dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=run.topo.tied_group)
 
 
+def parameter_sets(run: Run) -> list[list[torch.nn.Parameter]]:
+    """The trainable parameters in sets that live on one mesh each: the experts expert
+    parallelism split (on the "ep" mesh) apart from the rest."""
+    experts = {id(p) for p in run.experts}
+    sets = [[p for p in run.trainable if id(p) not in experts], [p for p in run.trainable if id(p) in experts]]
+    return [params for params in sets if params]
+
+
 def total_grad_norm(run: Run) -> torch.Tensor:
     """The total gradient norm over every parameter of the whole model (each rank's shards and
     stages combined; the tied weight counted once), the same on every rank."""
-    grads = [p.grad for p in run.trainable if p.grad is not None and p is not run.tied_copy]
-    norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=run.env.device)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    squares = []
+    for params in parameter_sets(run):
+        grads = [p.grad for p in params if p.grad is not None and p is not run.tied_copy]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=run.env.device)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2)
+    norm = torch.stack(squares).sum().sqrt() if squares else torch.zeros((), device=run.env.device)
     if run.topo.pp_group is not None:
         squared = norm.float() ** 2
         dist.all_reduce(squared, group=run.topo.pp_group)
@@ -430,6 +453,8 @@ def train_step(run: Run, step: int) -> tuple[float, float, float]:
     # msprobe counts steps from 0: probe step s is training step s + 1.
     with run.dumper.step(step - 1) if run.dumper else nullcontext():
         loss_sum = forward_backward(run, batches, total)
+    if run.experts:  # their gradients hold this ep group's tokens, scaled as if FSDP averaged them
+        reduce_expert_gradients(run.experts, run.topo.expert_replicate_group, 1 / rank_sum_scale(run))
     sync_tied_gradients(run)
     norm = total_grad_norm(run)
     for group in (run.topo.pp_group, run.topo.dp_group):
@@ -437,7 +462,8 @@ def train_step(run: Run, step: int) -> tuple[float, float, float]:
             dist.all_reduce(loss_sum, group=group)
     loss_value, norm_value = finite_step(step, loss_sum / total, norm, run.parts, Path(config.out), run.parameter_order)
     if config.optim.clip_grad:
-        torch.nn.utils.clip_grads_with_norm_(run.trainable, config.optim.clip_grad, norm)
+        for params in parameter_sets(run):
+            torch.nn.utils.clip_grads_with_norm_(params, config.optim.clip_grad, norm)
     for optimizer in run.optimizers:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

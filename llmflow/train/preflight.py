@@ -73,10 +73,12 @@ class PreflightError(ValueError):
         super().__init__(f"{count} found before launch, nothing was started:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-def parallel_problems(nproc: int, tp: int, dp: int | None = None, model: ModelConfig | None = None, pp: int = 1) -> list[str]:
+def parallel_problems(nproc: int, tp: int, dp: int | None = None, model: ModelConfig | None = None, pp: int = 1,
+                      ep: int = 1) -> list[str]:
     """Every reason ``nproc`` ranks cannot split ``pp`` stages by ``tp`` ways (and ``dp``
-    ways, default nproc / (pp * tp)) for ``model``; empty when they can."""
-    layout = ParallelLayout.of_world(nproc, pp, tp, dp)
+    ways, default nproc / (pp * tp), of which ``ep`` share out the experts) for ``model``;
+    empty when they can."""
+    layout = ParallelLayout.of_world(nproc, pp, tp, dp, ep)
     if dp is None and nproc % (pp * tp):
         # The layout's own world-size complaint would say the same thing again.
         product = f"tp={tp}" if pp == 1 else f"pp*tp = {pp}*{tp} = {pp * tp}"
@@ -336,7 +338,7 @@ def resume_problems(config: TrainConfig, model: ModelConfig | None) -> list[str]
 def settings_problems(config: TrainConfig, world: int, model: ModelConfig | None) -> list[str]:
     """Every reason ``config``'s layout, batch sizes and pipeline settings cannot run on
     ``world`` ranks for ``model``."""
-    problems = parallel_problems(world, config.tp, config.dp, model, config.pp)
+    problems = parallel_problems(world, config.tp, config.dp, model, config.pp, config.ep)
     dp = ParallelLayout.of_world(world, config.pp, config.tp, config.dp).dp
     problems += batch_problems(config.global_batch_size, config.micro_batch_size, dp)
     problems += moe_problems(config, model)

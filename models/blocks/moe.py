@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from llmflow import kernels
 from llmflow.models.blocks.mlp import MLP
@@ -66,10 +67,16 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x [N, hidden] holds ``counts[e]`` rows for each expert e, in expert order."""
-        hidden = kernels.swiglu(kernels.grouped_mm(x, self.gate_proj, counts),
-                                kernels.grouped_mm(x, self.up_proj, counts))
-        return kernels.grouped_mm(hidden, self.down_proj, counts)
+        """x [N, hidden] holds ``counts[e]`` rows for each expert e, in expert order (under
+        expert parallelism: this rank's experts, ``models/expert_parallel.py``)."""
+        gate, up, down = (_local(w, x.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        hidden = kernels.swiglu(kernels.grouped_mm(x, gate, counts), kernels.grouped_mm(x, up, counts))
+        return kernels.grouped_mm(hidden, down, counts)
+
+
+def _local(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's experts of a weight expert parallelism split (a DTensor), in the compute dtype."""
+    return (weight.to_local() if isinstance(weight, DTensor) else weight).to(dtype)
 
 
 class MoE(nn.Module):
