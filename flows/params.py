@@ -103,7 +103,7 @@ class _TrainSettings(Params):
     def _layout_fits(self) -> _TrainSettings:
         pp, tp, micro, batch = self.pp, self.tp, self.micro_batch_size, self.global_batch_size  # type: ignore[attr-defined]
         dp = ParallelLayout.of_world(self.world_size, pp, tp).dp
-        problems = parallel_problems(self.world_size, tp, pp=pp)
+        problems = parallel_problems(self.world_size, tp, pp=pp, ep=self.ep)  # type: ignore[attr-defined]
         problems += batch_problems(batch, micro, dp)
         problems += pipeline_problems(self, dp, None)
         if problems:
@@ -128,7 +128,7 @@ TrainParams = create_model(
     **_train_config_fields({
         "steps": 500, "micro_batch_size": 16, "global_batch_size": 16,
         "optim": OptimConfig(lr=5e-3, min_lr=5e-4, warmup_steps=20, decay="linear"),
-        "lora": None, "tp": 1, "pp": 1, "pp_schedule": "1F1B", "virtual_stages": None, "num_layer_list": None,
+        "lora": None, "tp": 1, "ep": 1, "pp": 1, "pp_schedule": "1F1B", "virtual_stages": None, "num_layer_list": None,
         "microbatches": None, "dtype": "auto", "save_interval": 100, "seed": 1234,
     }),
 )

@@ -222,6 +222,38 @@ def test_finetune_eval_starts_from_a_megatron_checkpoint_and_exports_one(prefect
 
 
 @pytest.mark.slow
+def test_finetune_eval_finetunes_a_mixture_of_experts_at_ep2(prefect_env, sample_assets, make_hf_model, tmp_path):
+    """A Qwen3-MoE (tiny, the sample's tokenizer) through every stage, finetuned by two
+    expert-parallel ranks; the training run logs the experts' load, the export is the Hub's
+    per-expert layout transformers loads, and the finetune is registered."""
+    from transformers import AutoModelForCausalLM
+
+    from llmflow.weights.tokenizer_files import copy_tokenizer_files
+
+    sample = sample_assets() / "model"
+    vocab = json.loads((sample / "config.json").read_text())["vocab_size"]
+    _, model = make_hf_model("qwen3_moe", vocab_size=vocab, num_key_value_heads=2, head_dim=16, num_experts=4,
+                             num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    copy_tokenizer_files(sample, model)
+    params = flow_params(tmp_path / "ws", model=str(model), prompts=["What is the capital of France?"],
+                         train={"steps": 4, "save_interval": 4, "micro_batch_size": 4, "global_batch_size": 8,
+                                "nproc": 2, "ep": 2},
+                         registered_model="test-moe", register_min_gain=None)
+    state, states = run_flow(params)
+    assert state.is_completed(), state.message
+    assert all(set(runs) == {"Completed"} for runs in states.values()) and "register" in states
+    result = state.result()
+    assert result["registered"] is not None
+    exported = AutoModelForCausalLM.from_pretrained(result["model"])
+    assert type(exported).__name__ == "Qwen3MoeForCausalLM"
+    (train_run,) = mlflow_runs(prefect_env, "train")
+    metrics = train_run.data.metrics
+    assert {"moe_aux_loss", "moe_max_expert_load", "expert_tokens/0", "expert_tokens/3"} <= set(metrics)
+    (run,) = (tmp_path / "ws" / "runs").iterdir()
+    assert json.loads((run / "train_config.json").read_text())["ep"] == 2
+
+
+@pytest.mark.slow
 def test_a_killed_run_leaves_no_worker_and_its_rerun_resumes_training(prefect_env, prefect_server, tmp_path):
     workspace = tmp_path / "ws"
     params = flow_params(workspace, train={"steps": 16, "save_interval": 4, "micro_batch_size": 8, "global_batch_size": 8})
