@@ -14,6 +14,8 @@ from forked_workers import train_forked
 from torch.distributed.checkpoint import FileSystemReader
 from train_helpers import TOLERANCE, config, training_assets
 
+from llmflow.models import ModelConfig
+from llmflow.train.preflight import check_training, parallel_problems
 from llmflow.weights.tokenizer_files import copy_tokenizer_files
 
 # The gradient norm too: Adam's update hardly changes when a gradient is off by a constant factor.
@@ -112,3 +114,25 @@ def test_expert_parallel_ranks_train_what_one_process_does_and_resume_on_other_l
     resumed = train(assets, tmp_path / "pp", nproc=2, dp=2, ep=2, micro_batch_size=2, steps=6, router_aux_loss_coef=0.0)
     assert sorted(resumed) == [4, 5, 6]
     assert_same(resumed, plain)
+
+
+@pytest.mark.parametrize("overrides, nproc, problem", [
+    ({"dp": 2, "ep": 3}, 2, "ep=3 does not divide the model's num_experts=4"),
+    ({"dp": 3, "ep": 2}, 3, "ep=2 does not divide dp=3: expert-parallel ranks are data-parallel ranks"),
+    ({"tp": 2}, 2, ("tp=2: tensor parallelism does not split the experts of a mixture-of-experts model "
+                   "(qwen3_moe, num_experts=4); use dp, ep and pp")),
+    ({"pp": 2, "num_layer_list": [1, 1]}, 2,
+     ("router_aux_loss_coef=0.05: a mixture of experts' auxiliary loss is not trained under pp=2; set "
+     "router_aux_loss_coef=0 (the default unless config.json sets output_router_logits), or pp=1")),
+])
+def test_expert_layouts_a_model_cannot_take_are_refused_before_launch(assets, tmp_path, overrides, nproc, problem):
+    cfg = config(assets, tmp_path / "run", **{"micro_batch_size": 1, "global_batch_size": 6, **overrides})
+    with pytest.raises(ValueError) as caught:
+        check_training(cfg, nproc, {"LLMFLOW_DEVICE": "cpu"})
+    assert f"  - {problem}" in str(caught.value).splitlines()
+
+
+def test_expert_parallelism_needs_experts(sample_assets, tmp_path):
+    sample = sample_assets(instruct_rows=300, documents=60)
+    assert parallel_problems(2, 1, 2, ModelConfig.from_file(sample / "model"), ep=2) == [
+        "ep=2 needs a mixture-of-experts model; qwen2 has no experts"]
