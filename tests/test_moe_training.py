@@ -116,6 +116,17 @@ def test_expert_parallel_ranks_train_what_one_process_does_and_resume_on_other_l
     assert_same(resumed, plain)
 
 
+@pytest.mark.slow
+def test_lora_on_a_mixture_of_experts_trains_alike_with_experts_split(assets, tmp_path):
+    """LoRA adapters on attention over frozen experts, which ep=2 splits: the losses, gradient
+    norms and routing of one process."""
+    lora = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    one = train(assets, tmp_path / "one", micro_batch_size=4, lora=lora)
+    ep = train(assets, tmp_path / "ep", nproc=2, dp=2, ep=2, micro_batch_size=2, lora=lora)
+    assert sorted(ep) == [1, 2, 3, 4]
+    assert_same(ep, one)
+
+
 @pytest.mark.parametrize("overrides, nproc, problem", [
     ({"dp": 2, "ep": 3}, 2, "ep=3 does not divide the model's num_experts=4"),
     ({"dp": 3, "ep": 2}, 3, "ep=2 does not divide dp=3: expert-parallel ranks are data-parallel ranks"),
