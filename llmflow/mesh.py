@@ -68,17 +68,14 @@ def layout_problems(layout: ParallelLayout, world_size: int, config: ModelConfig
         ):
             if value % tp:
                 problems.append(f"model {field}={value} is not divisible by tp={tp}")
-        if config.num_experts and tp > 1:
-            problems.append(f"tp={tp}: tensor parallelism does not split the experts of a mixture-of-experts model "
-                            f"({config.model_type}, num_experts={config.num_experts}); use dp, ep and pp")
         if layout.ep > 1 and not config.num_experts:
             problems.append(f"ep={layout.ep} needs a mixture-of-experts model; {config.model_type} has no experts")
         elif config.num_experts % layout.ep:
             problems.append(f"ep={layout.ep} does not divide the model's num_experts={config.num_experts}")
-    if layout.dp % layout.ep:
-        problems.append(f"ep={layout.ep} does not divide dp={layout.dp}: expert-parallel ranks are data-parallel ranks")
         if layout.pp > config.num_hidden_layers:
             problems.append(f"pp={layout.pp} stages but the model has {config.num_hidden_layers} layers; each stage needs one")
+    if layout.dp % layout.ep:
+        problems.append(f"ep={layout.ep} does not divide dp={layout.dp}: expert-parallel ranks are data-parallel ranks")
     return problems
 
 

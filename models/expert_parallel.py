@@ -11,9 +11,10 @@ all-to-all bring every row back to where it came from, in its original order. Bo
 all-to-alls carry gradients. Every rank computes with its own experts only: the routing is
 dropless, whatever the load.
 
-The experts' gradients are made whole by ``reduce_expert_gradients`` (the training loop
-calls it after backward): each expert's gradient already holds every ep rank's tokens; the
-ranks holding the same experts in other ep groups ("dp_replicate") add theirs.
+The experts' gradients are made whole by ``sum_gradients`` (the training loop calls it after
+backward): each expert's gradient already holds every ep rank's tokens; the ranks holding the
+same experts in other ep groups ("dp_replicate"), and under tensor parallelism the other
+ranks of the sequence, add theirs.
 """
 
 from __future__ import annotations
@@ -87,13 +88,23 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
             for p in module.parameters() if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("ep",)]
 
 
-def reduce_expert_gradients(params: list[nn.Parameter], replicate: dist.ProcessGroup | None, scale: float) -> None:
-    """Sum the experts' gradients over the ``replicate`` ranks (those holding the same
-    experts), then multiply them by ``scale``."""
+def sum_gradients(params: list[nn.Parameter], groups: list[dist.ProcessGroup | None], scale: float = 1.0) -> None:
+    """Sum the gradients of ``params`` (this rank's part of each) over each of ``groups`` in
+    turn (None: skipped), then multiply them by ``scale``."""
     for param in params:
         if param.grad is None:
             continue
-        grad = param.grad.to_local()
-        if replicate is not None:
-            dist.all_reduce(grad, group=replicate)
-        grad.mul_(scale)
+        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        for group in groups:
+            if group is not None:
+                dist.all_reduce(grad, group=group)
+        if scale != 1.0:
+            grad.mul_(scale)
+
+
+def moe_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of the MoE blocks that ``apply_ep`` did not split (the router, the shared
+    expert, and the experts without expert parallelism)."""
+    split = {id(p) for p in expert_parameters(model)}
+    return [p for module in model.modules() if isinstance(module, MoE) for p in module.parameters()
+            if id(p) not in split]

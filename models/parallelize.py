@@ -97,13 +97,23 @@ def _replicate_output_projection(lm_head: nn.Linear, mesh: DeviceMesh, distribut
     distribute_module(lm_head, mesh, partition_fn=keep, input_fn=to_replicated, output_fn=to_local)
 
 
+def moe_layer_tp_plan(plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """``plan`` for a layer whose feed-forward block is a mixture of experts: the block takes
+    this rank's shard of the sequence as it is (its router, experts and shared expert whole
+    on every rank, each rank routing its own tokens; their gradients are summed over the ranks
+    by the training loop) and returns the same shard."""
+    moe = {name: style for name, style in plan.items() if name != "mlp" and not name.startswith("mlp.")}
+    moe["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True)
+    return moe
+
+
 def apply_tp(model: CausalLM, mesh: DeviceMesh, extra_layer_plan: dict[str, ParallelStyle] | None = None) -> None:
     """Shard ``model`` over the 1-D tensor-parallel ``mesh`` in place. ``extra_layer_plan``
     adds entries to every layer's plan (LoRA adapters)."""
     decoder = model.model
     plan = {**layer_tp_plan(model.config), **(extra_layer_plan or {})}
-    for layer in decoder.layers.values():
-        parallelize_module(layer, mesh, plan)
+    for name, layer in decoder.layers.items():
+        parallelize_module(layer, mesh, moe_layer_tp_plan(plan) if model.config.is_moe_layer(int(name)) else plan)
     if decoder.embed_tokens is not None:
         _replicate_embedding(decoder.embed_tokens, mesh)
     if decoder.norm is not None:

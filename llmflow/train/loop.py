@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from llmflow import runtime
 from llmflow.mesh import ParallelLayout, build_mesh, validate_layout
 from llmflow.models import CausalLM, ModelConfig, apply_lora, is_lora_param
-from llmflow.models.expert_parallel import expert_parameters, reduce_expert_gradients
+from llmflow.models.expert_parallel import expert_parameters, moe_parameters, sum_gradients
 from llmflow.models.parallelize import parallelize_decoder
 from llmflow.models.pipeline import ScaledLoss, pipeline_schedule, split_model
 from llmflow.probe import Dumper, PipelinePlace, load_probe_config, seed_all
@@ -88,16 +88,26 @@ def learning_rate(config: TrainConfig, step: int) -> float:
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * progress))
 
 
+def same_mesh_sets(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+    """``params`` in sets that each live on one device mesh (plain tensors together): a
+    multi-tensor op (the optimizer's update, the gradient norm) takes DTensors of one mesh.
+    Meshes differ where parallelisms meet: the experts expert parallelism splits (on "ep"),
+    a mixture of experts' other weights under tp (FSDP's "dp" only, beside the (dp, tp) rest)."""
+    sets: dict[Any, list[torch.nn.Parameter]] = {}
+    for p in params:
+        key = (p.device_mesh.mesh_dim_names, tuple(p.device_mesh.mesh.flatten().tolist())) if isinstance(p, DTensor) else None
+        sets.setdefault(key, []).append(p)
+    return list(sets.values())
+
+
 def build_optimizer(model: torch.nn.Module, config: TrainConfig, device_type: str) -> torch.optim.Optimizer:
-    decay, no_decay, experts = [], [], []
-    split = {id(p) for p in expert_parameters(model)}
+    decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
-            (experts if id(p) in split else no_decay if p.ndim < 2 or name.endswith("bias") else decay).append(p)
-    # The split experts (on the "ep" mesh) in a group of their own: a group's update runs as one
-    # multi-tensor op, which takes DTensors of one mesh.
-    groups = [{"params": decay, "weight_decay": config.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0},
-              {"params": experts, "weight_decay": config.optim.weight_decay}]
+            (no_decay if p.ndim < 2 or name.endswith("bias") else decay).append(p)
+    groups = [{"params": params, "weight_decay": weight_decay}
+              for kind, weight_decay in ((decay, config.optim.weight_decay), (no_decay, 0.0))
+              for params in same_mesh_sets(kind)]
     fused = device_type in ("cuda", "npu")
     return torch.optim.AdamW(
         [g for g in groups if g["params"]], lr=config.optim.lr, betas=config.optim.betas, eps=config.optim.eps, fused=fused or None
@@ -123,6 +133,11 @@ class Topology:
     (same dp and tp coordinates), which add up the tied weight's two gradients."""
     expert_replicate_group: Any = None
     """Under ep < dp: the ranks holding the same experts, which add up their gradients."""
+    tp_group: Any = None
+    """Under tp: this rank's tensor-parallel group (a mixture of experts sums its gradients over it)."""
+    routing_group: Any = None
+    """The ranks that share a micro-batch's tokens (dp, and tp's sequence shards): a mixture of
+    experts' auxiliary loss counts its experts' assignments over them."""
 
 
 def topology(config: TrainConfig, env: runtime.DistEnv, model_config: ModelConfig) -> Topology:
@@ -134,6 +149,11 @@ def topology(config: TrainConfig, env: runtime.DistEnv, model_config: ModelConfi
     topo = Topology(layout, mesh["dp"].get_local_rank(), mesh["dp"].get_group(), mesh)
     if 1 < layout.ep < layout.dp:
         topo.expert_replicate_group = mesh["dp_replicate"].get_group()
+    topo.routing_group = topo.dp_group
+    if layout.tp > 1:
+        topo.tp_group = mesh["tp"].get_group()
+        data_dims = ("dp_replicate", "ep", "tp") if layout.ep > 1 else ("dp", "tp")
+        topo.routing_group = mesh[data_dims]._flatten("dp_tp").get_group()
     if layout.pp > 1:
         topo.pp_rank, topo.pp_group = mesh["pp"].get_local_rank(), mesh["pp"].get_group()
         if model_config.tie_word_embeddings:
@@ -198,6 +218,8 @@ class Run:
     pipeline_loss: ScaledLoss | None = None
     experts: list[torch.nn.Parameter] = field(default_factory=list)
     """The experts expert parallelism split over the ep ranks (DTensors on the "ep" mesh)."""
+    moe_replicated: list[torch.nn.Parameter] = field(default_factory=list)
+    """Under tp: the MoE blocks' other trainable weights, whole on every tp rank."""
     routing: RoutingLog | None = None
     """The experts' routing of the current step (a mixture-of-experts model, pp = 1)."""
     aux_loss_coef: float = 0.0
@@ -262,6 +284,7 @@ def setup(config: TrainConfig) -> Run:
                             fsdp_dtype=dtype if sharded else None, reshard_after_forward=layout.pp == 1)
     accumulation = config.global_batch_size // (config.micro_batch_size * layout.dp)
     experts = [p for part in parts for p in expert_parameters(part) if p.requires_grad]
+    moe_replicated = [p for part in parts for p in moe_parameters(part) if p.requires_grad] if layout.tp > 1 else []
     run = Run(
         config=config, env=env, topo=topo, parts=parts,
         optimizers=[build_optimizer(part, config, env.device.type) for part in parts],
@@ -276,10 +299,10 @@ def setup(config: TrainConfig) -> Run:
         ),
         dumper=Dumper(load_probe_config(config.probe), parts, pipeline) if config.probe else None,
         parameter_order=parameter_order,
-        experts=experts,
+        experts=experts, moe_replicated=moe_replicated,
     )
     if model.config.num_experts and pipeline is None:
-        run.routing = RoutingLog(parts, topo.dp_group)
+        run.routing = RoutingLog(parts, topo.routing_group)
         run.aux_loss_coef = aux_loss_coefficient(config.router_aux_loss_coef, hf_config)
     if pipeline is not None:
         run.pipeline_loss = ScaledLoss()
@@ -412,19 +435,11 @@ def sync_tied_gradients(run: Run) -> None:
             dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=run.topo.tied_group)
 
 
-def parameter_sets(run: Run) -> list[list[torch.nn.Parameter]]:
-    """The trainable parameters in sets that live on one mesh each: the experts expert
-    parallelism split (on the "ep" mesh) apart from the rest."""
-    experts = {id(p) for p in run.experts}
-    sets = [[p for p in run.trainable if id(p) not in experts], [p for p in run.trainable if id(p) in experts]]
-    return [params for params in sets if params]
-
-
 def total_grad_norm(run: Run) -> torch.Tensor:
     """The total gradient norm over every parameter of the whole model (each rank's shards and
     stages combined; the tied weight counted once), the same on every rank."""
     squares = []
-    for params in parameter_sets(run):
+    for params in same_mesh_sets(run.trainable):
         grads = [p.grad for p in params if p.grad is not None and p is not run.tied_copy]
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=run.env.device)
         squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2)
@@ -453,8 +468,10 @@ def train_step(run: Run, step: int) -> tuple[float, float, float]:
     # msprobe counts steps from 0: probe step s is training step s + 1.
     with run.dumper.step(step - 1) if run.dumper else nullcontext():
         loss_sum = forward_backward(run, batches, total)
-    if run.experts:  # their gradients hold this ep group's tokens, scaled as if FSDP averaged them
-        reduce_expert_gradients(run.experts, run.topo.expert_replicate_group, 1 / rank_sum_scale(run))
+    if run.moe_replicated:  # under tp each rank routed its own tokens: add up what they gave
+        sum_gradients(run.moe_replicated, [run.topo.tp_group])
+    if run.experts:  # they hold this ep group's tokens, and FSDP does not average them over dp
+        sum_gradients(run.experts, [run.topo.expert_replicate_group, run.topo.tp_group], 1 / rank_sum_scale(run))
     sync_tied_gradients(run)
     norm = total_grad_norm(run)
     for group in (run.topo.pp_group, run.topo.dp_group):
@@ -462,7 +479,7 @@ def train_step(run: Run, step: int) -> tuple[float, float, float]:
             dist.all_reduce(loss_sum, group=group)
     loss_value, norm_value = finite_step(step, loss_sum / total, norm, run.parts, Path(config.out), run.parameter_order)
     if config.optim.clip_grad:
-        for params in parameter_sets(run):
+        for params in same_mesh_sets(run.trainable):
             torch.nn.utils.clip_grads_with_norm_(params, config.optim.clip_grad, norm)
     for optimizer in run.optimizers:
         optimizer.step()
