@@ -7,7 +7,7 @@ or, in the tests, ``main(argv)`` on ranks forked with megatron-core already impo
     python -m torch.distributed.run --nproc-per-node N tests/megatron_worker.py make \\
         --config CONFIG_JSON --tp T --pp P --iteration I --out ROOT [--legacy] [--seed S] [--ids IDS_PT]
     python -m torch.distributed.run --nproc-per-node N tests/megatron_worker.py load \\
-        --load CKPT_ROOT --tp T --pp P --out ROOT [--ids IDS_PT] [--vocab-size V] [--resave]
+        --load CKPT_ROOT --tp T --pp P [--ep E] --out ROOT [--ids IDS_PT] [--vocab-size V] [--resave] [--legacy]
 
 ``make`` builds the megatron-core GPTModel (local spec) that a Llama or Qwen2 Hugging Face
 config.json describes, fills it with deterministic global tensors seeded by each tensor's sharded
@@ -17,10 +17,21 @@ as Megatron-LM's ``save_checkpoint`` does with ``--ckpt-format torch_dist --no-s
 ``--legacy`` also writes the ``--ckpt-format torch`` layout
 ROOT/legacy/iter_{I:07d}/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt (+ its tracker file).
 
-``load`` builds the GPTModel that a torch_dist checkpoint's ``args`` describe at any tp/pp, fills
-it with megatron-core's ``dist_checkpointing.load`` at the default strictness and, with
+``load`` builds the GPTModel that a torch_dist checkpoint's ``args`` describe at any tp/pp (and,
+for a mixture of experts, ep: then N = tp * pp * ep, the data-parallel size being ep), fills it
+with megatron-core's ``dist_checkpointing.load`` at the default strictness and, with
 ``--resave``, saves it again with ``dist_checkpointing.save`` (same args and iteration) into
-ROOT/torch_dist/.
+ROOT/torch_dist/; with ``--legacy`` also as ROOT/legacy/ (rank directories
+mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}], as Megatron-LM names them).
+
+A mixture of experts (``args.num_experts``) is built with megatron-core's decoder block spec
+(``get_gpt_decoder_block_spec``, local modules: SequentialMLP experts, the router, shared
+experts with their gate, dense layers by ``moe_layer_freq``). Transformer Engine is not
+installed here, so the Transformer Engine spec itself cannot be built; a checkpoint whose
+``args.transformer_impl`` is ``transformer_engine`` is loaded into local modules that take the
+one torch_dist name the two specs give differently: a MoE layer's post-attention norm, which
+the TE spec stores as ``pre_mlp_layernorm.weight`` and the local spec renames (its
+``sharded_state_dict_keys_map``) to ``mlp.linear_fc1.layer_norm_weight``.
 
 Both then run megatron-core's forward on the ids in IDS_PT (a LongTensor [B, S]; by default seed-0
 random ids [2, 16]) and write ROOT/logits.pt = {"input_ids", "logits": float32 [B, S, vocab]}
@@ -32,7 +43,10 @@ save, ``torch.cuda.current_device()`` for the rotary frequencies in the forward,
 ``Tensor.cuda()`` in the tied-embedding all-reduce across pipeline stages. ``install_cpu_shims``
 maps those to CPU inside this worker; megatron-core itself is unchanged. Two more CUDA paths are
 avoided instead: the default causal mask (``device="cuda"``) by passing an explicit mask, and
-``CudaRNGStatesTracker`` by megatron-core's inference RNG tracker.
+``CudaRNGStatesTracker`` by megatron-core's inference RNG tracker. Without Transformer Engine,
+megatron-core's ``moe_utils`` leaves ``te_general_gemm`` (and its other fused MoE functions)
+undefined instead of None, so the router's forward fails with a NameError;
+``install_cpu_shims`` defines them as None, which is what megatron-core tests for.
 """
 
 from __future__ import annotations
@@ -56,8 +70,10 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factor
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -75,8 +91,11 @@ FIXED_ARGS: dict[str, Any] = {
     "apply_layernorm_1p": False,
     "swiglu": True,
     "add_bias_linear": False,
-    "num_experts": None,
 }
+# moe_utils' names bound only when Transformer Engine imports.
+TE_MOE_FUNCTIONS = ("te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+                    "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+                    "fused_topk_with_score_function", "fused_unpermute")
 # Hugging Face config values this worker builds (a key's absence means this value).
 FIXED_HF_CONFIG: dict[str, Any] = {
     "hidden_act": "silu",
@@ -105,12 +124,19 @@ class ModelSpec:
     qkv_bias: bool
     tied: bool
     params_dtype: torch.dtype = torch.float32
+    qk_layernorm: bool = False
+    moe: dict[str, Any] | None = None
+    """TransformerConfig's mixture-of-experts fields (num_moe_experts, moe_*), None when dense."""
+    te_names: bool = False
+    """Store a MoE layer's post-attention norm under the Transformer Engine spec's name."""
 
 
 def install_cpu_shims() -> None:
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    for name in TE_MOE_FUNCTIONS:
+        setattr(moe_utils, name, getattr(moe_utils, name, None))
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -148,6 +174,27 @@ def spec_from_hf_config(config: dict[str, Any], tp: int) -> ModelSpec:
     )
 
 
+def moe_from_megatron_args(args: Namespace) -> dict[str, Any] | None:
+    """TransformerConfig's MoE fields from Megatron-LM's arguments (None for a dense model)."""
+    if not getattr(args, "num_experts", None):
+        return None
+    return {
+        "num_moe_experts": args.num_experts,
+        "moe_ffn_hidden_size": args.moe_ffn_hidden_size or args.ffn_hidden_size,
+        "moe_router_topk": args.moe_router_topk,
+        "moe_shared_expert_intermediate_size": args.moe_shared_expert_intermediate_size,
+        "moe_shared_expert_gate": args.moe_shared_expert_gate,
+        "moe_layer_freq": args.moe_layer_freq,
+        "moe_router_pre_softmax": args.moe_router_pre_softmax,
+        "moe_router_score_function": args.moe_router_score_function,
+        "moe_router_dtype": args.moe_router_dtype,
+        # SequentialMLP (GroupedMLP needs grouped_gemm, TEGroupedMLP Transformer Engine): the same torch_dist keys
+        "moe_grouped_gemm": False,
+        "moe_token_dispatcher_type": "allgather",
+        "moe_aux_loss_coeff": 0.0,
+    }
+
+
 def spec_from_megatron_args(args: Namespace, vocab_size: int | None) -> ModelSpec:
     unsupported = {key: getattr(args, key) for key, value in FIXED_ARGS.items() if getattr(args, key, value) != value}
     if unsupported:
@@ -171,6 +218,9 @@ def spec_from_megatron_args(args: Namespace, vocab_size: int | None) -> ModelSpe
         qkv_bias=getattr(args, "add_qkv_bias", False),
         tied=not args.untie_embeddings_and_output_weights,
         params_dtype=args.params_dtype,
+        qk_layernorm=getattr(args, "qk_layernorm", False),
+        moe=moe_from_megatron_args(args),
+        te_names=getattr(args, "transformer_impl", "local") == "transformer_engine",
     )
 
 
@@ -213,11 +263,12 @@ def megatron_args(spec: ModelSpec, tp: int, pp: int, iteration: int) -> Namespac
     )
 
 
-def init_parallel(tp: int, pp: int) -> None:
+def init_parallel(tp: int, pp: int, ep: int = 1) -> None:
     dist.init_process_group("gloo")
-    if dist.get_world_size() != tp * pp:
-        raise SystemExit(f"launch tp * pp = {tp * pp} processes, not {dist.get_world_size()}")
-    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if dist.get_world_size() != tp * pp * ep:
+        raise SystemExit(f"launch tp * pp * ep = {tp * pp * ep} processes, not {dist.get_world_size()}")
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                  expert_model_parallel_size=ep)
     # The default CudaRNGStatesTracker needs torch.cuda.get_rng_state(); the inference tracker's
     # add/fork are no-ops, and attention still finds a tracker to fork. The seed only drives
     # megatron's own initialisation, which make overwrites and load replaces.
@@ -253,10 +304,23 @@ def build_model(spec: ModelSpec) -> GPTModel:
         bias_dropout_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        qk_layernorm=spec.qk_layernorm,
+        expert_model_parallel_size=mpu.get_expert_model_parallel_world_size(),
+        **(spec.moe or {}),
     )
+    if spec.moe is None:
+        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_layernorm)
+    else:
+        layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        if spec.te_names:
+            for layer in layer_spec.layer_specs:
+                if layer.submodules.mlp.module is MoELayer:  # the TE spec's MoE layer keeps pre_mlp_layernorm
+                    layer.submodules.sharded_state_dict_keys_map = {
+                        k: v for k, v in layer.submodules.sharded_state_dict_keys_map.items()
+                        if k != "pre_mlp_layernorm."}
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=layer_spec,
         vocab_size=spec.padded_vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=mpu.is_pipeline_first_stage(),
@@ -330,10 +394,16 @@ def save_torch_dist(model: GPTModel, args: Namespace, root: Path, iteration: int
 
 
 def save_legacy(model: GPTModel, args: Namespace, root: Path, iteration: int) -> None:
-    """Megatron-LM's save_checkpoint for --ckpt-format torch --no-save-optim --no-save-rng."""
+    """Megatron-LM's save_checkpoint for --ckpt-format torch --no-save-optim --no-save-rng: the
+    ranks of the first expert-data-parallel replica save, each in mp_rank_TT[_PPP][_EEE]."""
+    if mpu.get_expert_data_parallel_rank() != 0:
+        write_tracker(root, iteration)
+        return
     rank_dir = f"mp_rank_{mpu.get_tensor_model_parallel_rank():02d}"
     if mpu.get_pipeline_model_parallel_world_size() > 1:
         rank_dir += f"_{mpu.get_pipeline_model_parallel_rank():03d}"
+    if mpu.get_expert_model_parallel_world_size() > 1:
+        rank_dir += f"_{mpu.get_expert_model_parallel_rank():03d}"
     path = root / f"iter_{iteration:07d}" / rank_dir / "model_optim_rng.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
     state_dict = {
@@ -384,7 +454,7 @@ def forward(model: GPTModel, ids: torch.Tensor) -> torch.Tensor | None:
 def write_logits(model: GPTModel, spec: ModelSpec, ids: torch.Tensor, out: Path) -> None:
     """out/logits.pt from the first rank of the last stage, the real vocab columns only."""
     logits = forward(model, ids)
-    if logits is not None and mpu.get_tensor_model_parallel_rank() == 0:
+    if logits is not None and mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
         torch.save({"input_ids": ids, "logits": logits[..., : spec.vocab_size].float()}, out / "logits.pt")
     dist.barrier()
@@ -412,6 +482,8 @@ def load(cli: Namespace) -> None:
     write_logits(model, spec, input_ids(cli.ids, spec.vocab_size), cli.out)
     if cli.resave:
         save_torch_dist(model, common["args"], cli.out / "torch_dist", common["iteration"])
+    if cli.legacy:
+        save_legacy(model, common["args"], cli.out / "legacy", common["iteration"])
 
 
 def parse_args(argv: list[str] | None = None) -> Namespace:
@@ -436,13 +508,15 @@ def parse_args(argv: list[str] | None = None) -> Namespace:
     load_parser.add_argument("--load", type=Path, required=True, help="root holding " + TRACKER)
     load_parser.add_argument("--vocab-size", type=int, help="true vocab size when the args have none")
     load_parser.add_argument("--resave", action="store_true", help="save the loaded model into OUT/torch_dist")
+    load_parser.add_argument("--legacy", action="store_true", help="save the loaded model into OUT/legacy")
+    load_parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (mixture of experts)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     cli = parse_args(argv)
     install_cpu_shims()
-    init_parallel(cli.tp, cli.pp)
+    init_parallel(cli.tp, cli.pp, getattr(cli, "ep", 1))
     try:
         cli.run(cli)
     finally:

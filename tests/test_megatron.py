@@ -134,7 +134,7 @@ def test_bad_megatron_input_is_named_before_writing(make_hf_model, tmp_path):
     directory = tmp_path / "td" / "iter_0000000"
     rewrite_args(directory, num_experts=8, swiglu=False)
     refused(tmp_path / "td", r"args.swiglu=False \(llmflow reads a SwiGLU feed-forward.*args.num_experts=8 "
-                             r"\(mixture-of-experts models are not supported\)")
+                             r"where .*config.json has a dense model")
     rewrite_args(directory, num_experts=None, swiglu=True)
     _, other = make_hf_model("llama", **{**GQA, "num_hidden_layers": 2})
     refused(tmp_path / "td", r"args.num_layers=4 where .*config.json has 2", hf=other)
@@ -171,3 +171,184 @@ def test_optimizer_and_rng_state_are_skipped_and_said(make_hf_model, tmp_path, c
     main(["convert", "--hf", str(hf_dir), "--megatron", str(tmp_path / "lg"), "--out", str(tmp_path / "back")])
     assert read_manifest(tmp_path / "back")["megatron"]["skipped"] == ["optimizer", "rng_state"]
     assert "not read: optimizer, rng_state" in capsys.readouterr().out
+
+
+# Tiny mixtures of experts: 4 experts of width 32, 2 per token, 4 layers of GQA attention.
+MOE = {"num_experts_per_tok": 2, "head_dim": 16, **GQA}
+MOE_MODELS = {
+    # a dense layer among MoE layers (megatron-core stores each layer under its own keys),
+    # per-head q/k norms, top-k weights renormalised
+    "qwen3_moe": ("qwen3_moe", {"num_experts": 4, "moe_intermediate_size": 32, "mlp_only_layers": [1],
+                                "norm_topk_prob": True}),
+    # a shared expert with its sigmoid gate, q/k/v biases, top-k weights as the softmax gives them
+    "qwen2_moe": ("qwen2_moe", {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+                                "norm_topk_prob": False}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "intermediate_size": 32}),
+}
+
+
+@pytest.fixture(params=list(MOE_MODELS))
+def moe_model(request, make_hf_model, tmp_path):
+    """A tiny mixture-of-experts model with a tokenizer, and its llmflow checkpoint."""
+    family, extra = MOE_MODELS[request.param]
+    _, hf_dir = make_hf_model(family, **MOE, **extra)
+    add_tokenizer(hf_dir)
+    return hf_dir, convert(ConvertConfig(hf=hf_dir, out=tmp_path / "ckpt"))
+
+
+def assert_comes_back(hf_dir: Path, megatron: Path, tmp_path: Path, name: str = "back") -> None:
+    """Import ``megatron`` and export it to Hugging Face files equal to ``hf_dir``'s, bit for bit."""
+    back = convert(ConvertConfig(hf=hf_dir, megatron=megatron, out=tmp_path / name))
+    original, exported = hf_tensors(hf_dir), hf_tensors(export(ExportConfig(ckpt=back, out=tmp_path / f"{name}-hf")))
+    assert sorted(exported) == sorted(original)
+    for tensor_name, tensor in original.items():
+        assert torch.equal(exported[tensor_name], tensor), tensor_name
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "legacy"])
+def test_moe_export_then_import_is_bit_exact(moe_model, tmp_path, fmt):
+    hf_dir, ckpt = moe_model
+    megatron = tmp_path / "megatron"
+    main(["export", "--ckpt", str(ckpt), "--megatron", str(megatron), "--tp", "2", "--pp", "2", "--ep", "2",
+          "--megatron-format", fmt])
+    if fmt == "legacy":  # Megatron-LM's names: mp_rank_{tp:02d}_{pp:03d}_{ep:03d}
+        ranks = sorted(p.parent.name for p in (megatron / "iter_0000000").glob("mp_rank_*/model_optim_rng.pt"))
+        assert ranks == [f"mp_rank_{t:02d}_{p:03d}_{e:03d}" for t in range(2) for p in range(2) for e in range(2)]
+    assert_comes_back(hf_dir, megatron, tmp_path)
+
+
+def stored_shapes(directory: Path) -> dict[str, tuple[int, ...] | None]:
+    """Each key of a torch_dist checkpoint with its global shape (None: an object)."""
+    stored = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    return {key: None if isinstance(v, BytesStorageMetadata) else tuple(v.size) for key, v in stored.items()}
+
+
+def test_moe_torch_dist_is_laid_out_as_megatron_core_saves(make_hf_model, tmp_path):
+    """The keys and shapes megatron-core 0.16.1's MoE GPTModel (router, SequentialMLP or
+    TEGroupedMLP experts, shared expert with its gate) gives its sharded state dict."""
+    family, extra = MOE_MODELS["qwen2_moe"]
+    _, hf_dir = make_hf_model(family, **MOE, **extra)
+    export(ExportConfig(ckpt=convert(ConvertConfig(hf=hf_dir, out=tmp_path / "q2")), megatron=tmp_path / "q2m", ep=2))
+    stored = stored_shapes(tmp_path / "q2m" / "iter_0000000")
+    layers = {key: shape for key, shape in stored.items() if key.startswith("decoder.layers.") and shape}
+    assert layers == {  # every layer routes: stacked on dim 0, the experts on dim 1
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight": (4, 64),
+        "decoder.layers.self_attention.linear_qkv.weight": (4, 128, 64),
+        "decoder.layers.self_attention.linear_qkv.bias": (4, 128),
+        "decoder.layers.self_attention.linear_proj.weight": (4, 64, 64),
+        "decoder.layers.pre_mlp_layernorm.weight": (4, 64),  # the Transformer Engine spec's MoE layer
+        "decoder.layers.mlp.router.weight": (4, 4, 64),
+        "decoder.layers.mlp.experts.experts.linear_fc1.weight": (4, 4, 64, 64),  # each expert's gate then up
+        "decoder.layers.mlp.experts.experts.linear_fc2.weight": (4, 4, 64, 32),
+        "decoder.layers.mlp.shared_experts.linear_fc1.weight": (4, 96, 64),
+        "decoder.layers.mlp.shared_experts.linear_fc2.weight": (4, 64, 48),
+        "decoder.layers.mlp.shared_experts.gate_weight": (4, 1, 64),
+    }
+    extra_states = sorted(key for key, shape in stored.items() if shape is None)
+    assert len(extra_states) == 4 * (4 + 2 * 4)  # attention's 2, the shared expert's 2, 2 per routed expert
+    assert "decoder.layers.mlp.experts.experts.linear_fc1._extra_state/shard_3.2_4.4" in extra_states
+    assert "decoder.layers.mlp.shared_experts.linear_fc2._extra_state/shard_3_4" in extra_states
+    args = load_pickled(tmp_path / "q2m" / "iter_0000000" / "common.pt")["args"]
+    assert vars(args).items() >= {
+        "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "moe_shared_expert_intermediate_size": 48,
+        "moe_shared_expert_gate": True, "moe_layer_freq": 1, "moe_grouped_gemm": False,
+        "moe_router_pre_softmax": True, "moe_router_score_function": "softmax", "moe_router_topk_scaling_factor": None,
+        "expert_model_parallel_size": 2, "transformer_impl": "transformer_engine", "add_qkv_bias": True}.items()
+
+    family, extra = MOE_MODELS["qwen3_moe"]  # layer 1 dense: each layer under its own keys
+    _, hf_dir = make_hf_model(family, **MOE, **extra)
+    ckpt = convert(ConvertConfig(hf=hf_dir, out=tmp_path / "q3"))
+    specs = (("transformer_engine", "pre_mlp_layernorm.weight"), ("local", "mlp.linear_fc1.layer_norm_weight"))
+    for spec, norm in specs:
+        export(ExportConfig(ckpt=ckpt, megatron=tmp_path / spec, megatron_spec=spec, moe_grouped_gemm=True))
+        stored = stored_shapes(tmp_path / spec / "iter_0000000")
+        assert stored[f"decoder.layers.0.{norm}"] == (64,) and stored["decoder.layers.0.mlp.router.weight"] == (4, 64)
+        assert stored["decoder.layers.0.mlp.experts.experts.linear_fc1.weight"] == (4, 64, 64)
+        assert stored["decoder.layers.1.mlp.linear_fc1.layer_norm_weight"] == (64,)  # the dense layer, in either spec
+        assert stored["decoder.layers.1.mlp.linear_fc1.weight"] == (192, 64)
+        assert stored["decoder.layers.2.self_attention.q_layernorm.weight"] == (16,)
+        assert not any(key.startswith("decoder.layers.self_attention") for key in stored)
+        assert stored["decoder.layers.2.mlp.experts.experts.linear_fc2._extra_state/shard_3_4"] is None
+        assert stored["decoder.layers.1.mlp.linear_fc1._extra_state/shard_0_1"] is None
+        args = load_pickled(tmp_path / spec / "iter_0000000" / "common.pt")["args"]
+        assert (args.moe_layer_freq, args.moe_router_pre_softmax, args.moe_grouped_gemm) == ([1, 0, 1, 1], False, True)
+        assert (args.transformer_impl, args.moe_shared_expert_intermediate_size) == (spec, None)
+        assert args.ffn_hidden_size == 96  # the dense layer's width
+    assert_comes_back(hf_dir, tmp_path / "local", tmp_path)
+
+
+def test_moe_legacy_rank_files_hold_their_local_experts(make_hf_model, tmp_path):
+    """ep=2 without pipeline stages: mp_rank_{tp:02d}_{ep:03d}, each with its 2 of the 4 experts
+    numbered from 0, as SequentialMLP (the default) or TEGroupedMLP's GroupedLinear names them;
+    read back with args, and without (the files themselves tell expert from pipeline ranks)."""
+    family, extra = MOE_MODELS["mixtral"]
+    _, hf_dir = make_hf_model(family, **MOE, **extra)
+    ckpt = convert(ConvertConfig(hf=hf_dir, out=tmp_path / "ckpt"))
+    gate = hf_tensors(hf_dir)["model.layers.3.block_sparse_moe.experts.3.w1.weight"]
+    for grouped, expert_fc1, norms in (
+            (False, "mlp.experts.local_experts.1.linear_fc1.weight", ("input_layernorm.weight",
+                                                                       "pre_mlp_layernorm.weight")),
+            (True, "mlp.experts.linear_fc1.weight1", ("self_attention.linear_qkv.layer_norm_weight",
+                                                      "pre_mlp_layernorm.weight"))):
+        megatron = tmp_path / f"grouped-{grouped}"
+        export(ExportConfig(ckpt=ckpt, megatron=megatron, ep=2, megatron_format="legacy", moe_grouped_gemm=grouped))
+        directory = megatron / "iter_0000000"
+        assert sorted(p.name for p in directory.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
+        state = load_pickled(directory / "mp_rank_00_001" / "model_optim_rng.pt")
+        model = state["model"]
+        assert state["args"].transformer_impl == ("transformer_engine" if grouped else "local")
+        assert torch.equal(model[f"decoder.layers.3.{expert_fc1}"][:32], gate)  # global expert 3: gate rows, then up
+        assert not any(".local_experts.2." in key or key.endswith("weight2") for key in model)
+        assert {f"decoder.layers.0.{norms[0]}", f"decoder.layers.0.{norms[1]}",
+                "decoder.layers.0.mlp.router.weight", "embedding.word_embeddings.weight"} <= set(model)
+        assert_comes_back(hf_dir, megatron, tmp_path, f"back-{grouped}")
+    for rank in directory.iterdir():  # no args: every file holds the embedding, so the ranks are expert ranks
+        state = load_pickled(rank / "model_optim_rng.pt")
+        state["args"] = None
+        torch.save(state, rank / "model_optim_rng.pt")
+    assert_comes_back(hf_dir, megatron, tmp_path, "back-no-args")
+
+
+def test_bad_moe_input_is_named_before_writing(make_hf_model, tmp_path):
+    family, extra = MOE_MODELS["qwen3_moe"]
+    _, hf_dir = make_hf_model(family, **MOE, **extra)
+    _, eight = make_hf_model(family, **MOE, **{**extra, "num_experts": 8})
+    ckpt = convert(ConvertConfig(hf=hf_dir, out=tmp_path / "ckpt"))
+    out = tmp_path / "out"
+
+    def refused(megatron: Path, match: str, hf: Path = hf_dir) -> None:
+        with pytest.raises(CheckpointError, match=match):
+            convert(ConvertConfig(hf=hf, megatron=megatron, out=out))
+        assert not out.exists()
+
+    with pytest.raises(CheckpointError, match=r"^--ep 3: the model's 4 experts do not divide among 3 expert-parallel "):
+        export(ExportConfig(ckpt=ckpt, megatron=tmp_path / "ep3", ep=3))
+    _, dense = make_hf_model("llama", **GQA)
+    with pytest.raises(CheckpointError, match=r"^--ep 2: the model \(llama\) has no experts"):
+        export(ExportConfig(ckpt=convert(ConvertConfig(hf=dense, out=tmp_path / "dense")), megatron=tmp_path / "ep3",
+                            ep=2))
+    assert not (tmp_path / "ep3").exists()
+
+    export(ExportConfig(ckpt=ckpt, megatron=tmp_path / "td", ep=2))
+    directory = tmp_path / "td" / "iter_0000000"
+    refused(tmp_path / "td", rf"^--megatron {directory} \(torch_dist\): not the model of .*config.json: "
+                             r"args.num_experts=4 where .*config.json has num_experts=8$", hf=eight)
+    rewrite_args(directory, moe_router_score_function="sigmoid", moe_layer_freq=1)
+    refused(tmp_path / "td", r"args.moe_router_score_function='sigmoid' \(llmflow computes softmax routing scores.*"
+                             r"args.moe_layer_freq=1 \(MoE layers \[1, 1, 1, 1\]\) where .* has "
+                             r"MoE layers \[1, 0, 1, 1\]")
+
+    export(ExportConfig(ckpt=ckpt, megatron=tmp_path / "lg", ep=2, megatron_format="legacy"))
+    directory = tmp_path / "lg" / "iter_0000000"
+    for rank in directory.iterdir():
+        state = load_pickled(rank / "model_optim_rng.pt")
+        state["args"] = None
+        torch.save(state, rank / "model_optim_rng.pt")
+    refused(tmp_path / "lg", rf"^--megatron {directory}: decoder.layers.0.mlp.router.weight holds 4 experts where "
+                             r".*config.json has num_experts=8$", hf=eight)
+    export(ExportConfig(ckpt=ckpt, megatron=tmp_path / "lg2", ep=2, megatron_format="legacy"))
+    for rank in (tmp_path / "lg2" / "iter_0000000" / "mp_rank_00_001").iterdir():
+        rank.unlink()
+    (tmp_path / "lg2" / "iter_0000000" / "mp_rank_00_001").rmdir()
+    refused(tmp_path / "lg2", r"ranks \['mp_rank_00_001'\] are missing \(found 1 rank directories of a tp=1, pp=1, "
+                              r"ep=2 layout\)")

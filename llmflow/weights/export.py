@@ -33,7 +33,7 @@ from llmflow.weights.errors import CheckpointError
 from llmflow.weights.hf import write_hf_weights
 from llmflow.weights.hf_names import TIED_INPUT, TIED_OUTPUT, hf_names, is_stacked_experts, split_experts
 from llmflow.weights.lora_adapters import LORA_A, LORA_B, check_adapter_shapes, lora_modules, lora_scale, merged_loader
-from llmflow.weights.megatron.exporter import write_megatron
+from llmflow.weights.megatron.exporter import Layout, check_layout, write_megatron
 from llmflow.weights.safetensors_io import plan_shards, write_safetensors
 from llmflow.weights.stage_output import check_replaceable
 from llmflow.weights.tensor_source import Source, TensorInfo, base_source, weight_names
@@ -72,9 +72,21 @@ class ExportConfig(BaseModel):
     pp: int = Field(default=1, ge=1)
     """Megatron: pipeline-parallel size (an even split of the layers; the legacy layout has a
     rank directory per stage)."""
+    ep: int = Field(default=1, ge=1)
+    """Megatron, mixture-of-experts models: expert-parallel size (it must divide the experts;
+    the legacy layout has a rank directory per expert-parallel rank, holding its experts)."""
     megatron_format: Literal["torch_dist", "legacy"] = "torch_dist"
     """Megatron: torch_dist (megatron-core's distributed checkpoint, resharded on load) or legacy
     (mp_rank_*/model_optim_rng.pt, Megatron-LM's --ckpt-format torch)."""
+    megatron_spec: Literal["transformer_engine", "local"] | None = None
+    """Megatron: the layer spec the names follow, megatron-core's Transformer Engine spec
+    (Megatron-LM's default --transformer-impl) or its local spec (default: transformer_engine
+    for torch_dist and for grouped experts, local for legacy). They name a MoE layer's
+    post-attention norm differently in torch_dist, and every norm in legacy files."""
+    moe_grouped_gemm: bool = False
+    """Megatron, mixture-of-experts models: the experts as megatron-core's TEGroupedMLP
+    (--moe-grouped-gemm) instead of its default SequentialMLP: legacy files name them
+    mlp.experts.linear_fc1.weight{j}; torch_dist stores both alike."""
     vocab_multiple: int = Field(default=128, ge=1)
     """Megatron: make-vocab-size-divisible-by (the padded vocabulary is a multiple of it times tp)."""
     iteration: int | None = Field(default=None, ge=0)
@@ -216,9 +228,12 @@ def export_megatron(config: ExportConfig, source: Source) -> Path:
     iteration = config.iteration if config.iteration is not None else source.meta.step
     # One dtype for every tensor: the asked one, else the embedding's as stored.
     dtype = _DTYPES[config.dtype] if config.dtype else weights.tensors[TIED_INPUT].dtype
+    legacy = config.megatron_format == "legacy"
+    spec = config.megatron_spec or ("local" if legacy and not config.moe_grouped_gemm else "transformer_engine")
+    layout = Layout(tp=config.tp, pp=config.pp, ep=config.ep, spec=spec, grouped=config.moe_grouped_gemm, legacy=legacy)
+    check_layout(model_config, layout)
     with atomic_directory(out) as work:
-        padded = write_megatron(work, model_config, load, config.tp, config.pp, iteration, config.vocab_multiple,
-                                dtype, config.megatron_format == "legacy")
+        padded = write_megatron(work, model_config, load, layout, iteration, config.vocab_multiple, dtype)
         files = [file_record(p, work, with_hash=False) for p in sorted(work.rglob("*")) if p.is_file()]
         payload = manifest_payload(STAGE, config.params(), files, step_dir=str(source.path), step=source.meta.step,
                                    kind=f"megatron-{config.megatron_format}", iteration=iteration,

@@ -3,17 +3,24 @@ MindSpeed-LLM and megatron-core's own ``dist_checkpointing.load`` read.
 
 ``torch_dist`` (the default) is written from one process with torch.distributed.checkpoint, the
 way megatron-core lays it out: whole tensors with their global shapes, layers stacked on dim 0
-and stored one chunk per layer, each chunk computed from the llmflow tensors of its layer only
-when the writer comes to it, so memory stays about one layer; the Transformer Engine extra
-states megatron-core's loader requires; ``common.pt`` (Megatron-LM's ``args``, the iteration,
-the checkpoint version) and ``metadata.json``. megatron-core reshards on load, so the tensor
-and pipeline parallel sizes show only in the padded vocabulary (a multiple of
-``vocab_multiple`` times ``tp``, as Megatron-LM pads it) and in ``args``.
+(each layer under its own keys when dense and MoE layers mix) and stored one chunk per layer,
+each chunk computed from the llmflow tensors of its layer only when the writer comes to it, so
+memory stays about one layer; the Transformer Engine extra states megatron-core's loader
+requires (per layer, and per expert for the routed experts); ``common.pt`` (Megatron-LM's
+``args``, the iteration, the checkpoint version) and ``metadata.json``. megatron-core reshards
+on load, so the tensor, pipeline and expert parallel sizes show only in the padded vocabulary
+(a multiple of ``vocab_multiple`` times ``tp``, as Megatron-LM pads it) and in ``args``.
 
 The legacy layout (``legacy``) is Megatron-LM's ``--ckpt-format torch``: one
-``mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt`` per tensor and pipeline rank, with that
-rank's shards of its stage's layers under the local layer spec's names, built one rank at a
-time. Both end with ``latest_checkpointed_iteration.txt``.
+``mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt`` per tensor, pipeline and expert
+parallel rank, with that rank's shards of its stage's layers and of its expert-parallel rank's
+experts (numbered from 0 in each rank), built one rank at a time. Both end with
+``latest_checkpointed_iteration.txt``.
+
+Names follow a layer spec (``Spec``): the Transformer Engine spec's (Megatron-LM's default)
+or the local spec's. They differ in the post-attention norm of a MoE layer in torch_dist
+(``pre_mlp_layernorm.weight`` against ``mlp.linear_fc1.layer_norm_weight``) and in every
+norm of a legacy file (the local spec keeps its ``input_layernorm``/``pre_mlp_layernorm``).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import io
 import json
 from argparse import Namespace
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,23 +44,29 @@ from llmflow.weights.dcp import dcp_save
 from llmflow.weights.errors import CheckpointError
 from llmflow.weights.megatron.layout import (
     EMBEDDING,
-    EXTRA_STATE_MODULES,
+    EXPERT_MODULES,
+    EXPERTS,
     FINAL_NORM,
     LAYER_SOURCES,
     LAYERS,
-    LOCAL_NORM_NAMES,
     OTHER_SOURCES,
     OUTPUT,
     Attention,
+    Spec,
     extra_state_key,
+    extra_state_modules,
     fuse,
     layer_shapes,
     layer_tensors,
+    legacy_expert_name,
     missing_biases,
+    moe_layer_freq,
     other_tensors,
     split_shards,
+    stacked,
+    stored_name,
 )
-from llmflow.weights.megatron.reader import LEGACY_FILE, TRACKER
+from llmflow.weights.megatron.reader import LEGACY_FILE, TRACKER, rank_dir_name
 from llmflow.weights.training_checkpoint import padded_vocab_size
 
 CHECKPOINT_VERSION = 3.0
@@ -95,7 +109,45 @@ class MegatronModel:
         return tensor.to(self.dtype).contiguous()
 
 
-def megatron_args(config: ModelConfig, tp: int, pp: int, padded_vocab: int, vocab_multiple: int, iteration: int,
+@dataclass(frozen=True)
+class Layout:
+    """What an export is written for: the parallel sizes Megatron-LM loads it at, the layer
+    spec its names follow, and the routed experts' module."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    """Expert-parallel size: each rank holds num_experts / ep experts (legacy: its own files)."""
+    spec: Spec = "transformer_engine"
+    grouped: bool = False
+    """moe_grouped_gemm: experts in TEGroupedMLP (legacy files: ``mlp.experts.linear_fc1.weight{j}``)
+    instead of SequentialMLP (``mlp.experts.local_experts.{j}.linear_fc1.weight``), which
+    megatron-core builds by default."""
+    legacy: bool = False
+
+
+def moe_args(config: ModelConfig, layout: Layout) -> dict[str, Any]:
+    """Megatron-LM's mixture-of-experts arguments that build and route as llmflow does:
+    softmax over every expert, the top k, renormalised only with norm_topk_prob. megatron-core's
+    TopKRouter with moe_router_pre_softmax=True computes the softmax over all experts and takes
+    the top k (no renormalisation); with moe_router_pre_softmax=False it takes the top k logits
+    and softmaxes them, which is the top k probabilities renormalised."""
+    if not config.num_experts:
+        return {"num_experts": None, "expert_model_parallel_size": 1}
+    shared = config.shared_expert_intermediate_size
+    return {
+        "num_experts": config.num_experts, "moe_router_topk": config.num_experts_per_tok,
+        "moe_ffn_hidden_size": config.moe_intermediate_size, "moe_shared_expert_intermediate_size": shared or None,
+        "moe_shared_expert_gate": bool(shared), "moe_layer_freq": moe_layer_freq(config),
+        "moe_grouped_gemm": layout.grouped, "moe_use_legacy_grouped_gemm": False,
+        "moe_router_pre_softmax": not config.norm_topk_prob, "moe_router_score_function": "softmax",
+        "moe_router_topk_scaling_factor": None, "moe_router_num_groups": None, "moe_router_group_topk": None,
+        "moe_router_enable_expert_bias": False, "moe_router_dtype": "fp32", "moe_expert_capacity_factor": None,
+        "expert_model_parallel_size": layout.ep, "expert_tensor_parallel_size": layout.tp,
+    }
+
+
+def megatron_args(config: ModelConfig, layout: Layout, padded_vocab: int, vocab_multiple: int, iteration: int,
                   dtype: torch.dtype) -> Namespace:
     """Megatron-LM's arguments for this model, as its checkpoint loaders read them."""
     a = Attention.of(config)
@@ -112,34 +164,51 @@ def megatron_args(config: ModelConfig, tp: int, pp: int, padded_vocab: int, voca
         swiglu=True, add_bias_linear=False, add_qkv_bias=config.qkv_bias, qk_layernorm=config.qk_norm,
         untie_embeddings_and_output_weights=not config.tie_word_embeddings, vocab_size=config.vocab_size,
         padded_vocab_size=padded_vocab, make_vocab_size_divisible_by=vocab_multiple,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
-        expert_model_parallel_size=1, num_experts=None, params_dtype=dtype, bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16, transformer_impl="local", iteration=iteration, consumed_train_samples=0,
-        consumed_valid_samples=0, no_save_optim=True, no_save_rng=True,
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=None, **moe_args(config, layout), params_dtype=dtype,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, transformer_impl=layout.spec, iteration=iteration,
+        consumed_train_samples=0, consumed_valid_samples=0, no_save_optim=True, no_save_rng=True,
     )
 
 
 class LayerChunkSavePlanner(DefaultSavePlanner):
-    """Plans megatron-core's chunks (one per layer of a stacked tensor, one per other tensor,
-    and the extra-state objects) and computes each only when the writer asks for it."""
+    """Plans megatron-core's chunks (one per layer of a stacked tensor, one per tensor of a
+    layer stored on its own, one per other tensor, and the extra-state objects) and computes
+    each only when the writer asks for it."""
 
-    def __init__(self, model: MegatronModel) -> None:
+    def __init__(self, model: MegatronModel, spec: Spec) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.spec = model, spec
+        self.layer_keys: dict[str, tuple[str, int | None]] = {}
+        """Each stored layer key: the canonical tensor name, and its layer (None: stacked, the
+        layer is the chunk's offset on dim 0)."""
 
     def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
         super().set_up_planner({}, storage_meta, is_coordinator)
 
     def create_local_plan(self) -> SavePlan:
-        layers = self.model.config.num_hidden_layers
+        config = self.model.config
+        layers, stack, shapes = config.num_hidden_layers, stacked(config), self.model.layer_shapes
         items = []
-        for key in other_tensors(self.model.config):
+        for key in other_tensors(config):
             items.append(self._item(key, self.model.other_shape(key), None))
-        for name in layer_tensors(self.model.config):
-            items += [self._item(LAYERS + name, (layers, *self.model.layer_shapes[name]), i) for i in range(layers)]
-        for module in EXTRA_STATE_MODULES:
-            items += [WriteItem(MetadataIndex(extra_state_key(module, i, layers)), WriteItemType.BYTE_IO)
-                      for i in range(layers)]
+        if stack:
+            for name in layer_tensors(config, 0):
+                key = LAYERS + stored_name(name, config, 0, self.spec, legacy=False)
+                self.layer_keys[key] = (name, None)
+                items += [self._item(key, (layers, *shapes[name]), i) for i in range(layers)]
+        else:
+            for i in range(layers):
+                for name in layer_tensors(config, i):
+                    key = f"{LAYERS}{i}.{stored_name(name, config, i, self.spec, legacy=False)}"
+                    self.layer_keys[key] = (name, i)
+                    items.append(self._item(key, shapes[name], None))
+        for i in range(layers):
+            keys = [extra_state_key(module, i, layers, stack=stack) for module in extra_state_modules(config, i)]
+            if config.is_moe_layer(i):
+                keys += [extra_state_key(module, i, layers, e, config.num_experts, stack=stack)
+                         for module in EXPERT_MODULES for e in range(config.num_experts)]
+            items += [WriteItem(MetadataIndex(key), WriteItemType.BYTE_IO) for key in keys]
         # planner_data maps each key to its path in the (flat) state dict, as flattening would.
         self.plan = SavePlan(items, planner_data={item.index.fqn: (item.index.fqn,) for item in items})
         return self.plan
@@ -155,78 +224,123 @@ class LayerChunkSavePlanner(DefaultSavePlanner):
         key = write_item.index.fqn
         if write_item.type == WriteItemType.BYTE_IO:
             return self.transform_object(write_item, [None])  # Transformer Engine's empty extra state
-        if key.startswith(LAYERS):
-            return self.model.layer(key.removeprefix(LAYERS), write_item.index.offset[0]).unsqueeze(0)
+        if key in self.layer_keys:
+            name, layer = self.layer_keys[key]
+            if layer is not None:
+                return self.model.layer(name, layer)
+            return self.model.layer(name, write_item.index.offset[0]).unsqueeze(0)
         return self.model.other(key)
 
 
-def write_torch_dist(directory: Path, model: MegatronModel, args: Namespace, iteration: int) -> None:
+def write_torch_dist(directory: Path, model: MegatronModel, args: Namespace, iteration: int, spec: Spec) -> None:
     """megatron-core's torch_dist checkpoint of ``model`` in ``directory``."""
     writer = FileSystemWriter(str(directory), single_file_per_rank=False)
-    dcp_save({}, directory, writer=writer, planner=LayerChunkSavePlanner(model))
+    dcp_save({}, directory, writer=writer, planner=LayerChunkSavePlanner(model, spec))
     common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
               "num_floating_point_operations_so_far": 0, "content_metadata": CONTENT_METADATA}
     torch.save(common, directory / "common.pt")
     (directory / "metadata.json").write_text(json.dumps(BACKEND))
 
 
-def rank_state(model: MegatronModel, tp: int, pp: int, tp_rank: int, pp_rank: int) -> dict[str, torch.Tensor | None]:
+def rank_state(model: MegatronModel, layout: Layout, tp_rank: int, pp_rank: int,
+               ep_rank: int = 0) -> dict[str, torch.Tensor | None]:
     """The model state of one legacy rank file: its shards of its stage's layers (numbered from
-    0 in the stage) under the local layer spec's names, and of the embedding (first stage) or
-    final norm and output layer (last stage)."""
-    layers = model.config.num_hidden_layers // pp
-    local_names = {common: own for own, common in LOCAL_NORM_NAMES.items()}
+    0 in the stage) under the layer spec's names, of its expert-parallel rank's experts
+    (numbered from 0), and of the embedding (first stage) or final norm and output layer (last
+    stage)."""
+    config, tp = model.config, layout.tp
+    layers = config.num_hidden_layers // layout.pp
+    local_experts = config.num_experts // layout.ep
     state: dict[str, torch.Tensor | None] = {}
     if pp_rank == 0:
         state[EMBEDDING] = split_shards(EMBEDDING, model.other(EMBEDDING), tp)[tp_rank].clone()
     for local in range(layers):
-        for name in layer_tensors(model.config):
-            tensor = model.layer(name, pp_rank * layers + local)
-            state[f"{LAYERS}{local}.{local_names.get(name, name)}"] = split_shards(name, tensor, tp)[tp_rank].clone()
-        for module in EXTRA_STATE_MODULES:
-            state[f"{LAYERS}{local}.{module}._extra_state"] = None
-    if pp_rank == pp - 1:
+        i, prefix = pp_rank * layers + local, f"{LAYERS}{local}."
+        for name in layer_tensors(config, i):
+            tensor = model.layer(name, i)
+            if name in EXPERTS:
+                for j in range(local_experts):
+                    expert = tensor[ep_rank * local_experts + j]
+                    state[prefix + legacy_expert_name(name, j, layout.grouped)] = (
+                        split_shards(name, expert, tp)[tp_rank].clone())
+            else:
+                state[prefix + stored_name(name, config, i, layout.spec, legacy=True)] = (
+                    split_shards(name, tensor, tp)[tp_rank].clone())
+        for module in extra_state_modules(config, i):
+            state[f"{prefix}{module}._extra_state"] = None
+        if config.is_moe_layer(i):
+            for linear in ("linear_fc1", "linear_fc2"):
+                if layout.grouped:  # one Transformer Engine GroupedLinear for every local expert
+                    state[f"{prefix}mlp.experts.{linear}._extra_state"] = None
+                else:
+                    state.update({f"{prefix}mlp.experts.local_experts.{j}.{linear}._extra_state": None
+                                  for j in range(local_experts)})
+    if pp_rank == layout.pp - 1:
         state[FINAL_NORM] = model.other(FINAL_NORM)
-        if not model.config.tie_word_embeddings or pp > 1:  # a shared embedding's copy on the last stage
-            source = EMBEDDING if model.config.tie_word_embeddings else OUTPUT
+        if not config.tie_word_embeddings or layout.pp > 1:  # a shared embedding's copy on the last stage
+            source = EMBEDDING if config.tie_word_embeddings else OUTPUT
             state[OUTPUT] = split_shards(OUTPUT, model.other(source), tp)[tp_rank].clone()
         state["output_layer._extra_state"] = None
     return state
 
 
-def write_legacy(directory: Path, model: MegatronModel, args: Namespace, iteration: int, tp: int, pp: int) -> None:
+def write_legacy(directory: Path, model: MegatronModel, args: Namespace, iteration: int, layout: Layout) -> None:
     """Megatron-LM's legacy per-rank checkpoint of ``model`` in ``directory``, one rank at a time."""
-    for pp_rank in range(pp):
-        for tp_rank in range(tp):
-            rank_dir = directory / (f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else ""))
-            rank_dir.mkdir(parents=True)
-            state = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-                     "model": rank_state(model, tp, pp, tp_rank, pp_rank), "num_floating_point_operations_so_far": 0}
-            torch.save(state, rank_dir / LEGACY_FILE)
+    for pp_rank in range(layout.pp):
+        for ep_rank in range(layout.ep):
+            for tp_rank in range(layout.tp):
+                rank_dir = directory / rank_dir_name(tp_rank, pp_rank, ep_rank, layout.pp > 1, layout.ep > 1)
+                rank_dir.mkdir(parents=True)
+                state = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+                         "model": rank_state(model, layout, tp_rank, pp_rank, ep_rank),
+                         "num_floating_point_operations_so_far": 0}
+                torch.save(state, rank_dir / LEGACY_FILE)
 
 
-def write_megatron(work: Path, config: ModelConfig, load: Load, tp: int, pp: int, iteration: int,
-                   vocab_multiple: int, dtype: torch.dtype, legacy: bool) -> int:
-    """The checkpoint root in ``work``: ``iter_{iteration:07d}`` in the chosen format and its
-    tracker file, every tensor in ``dtype``. Returns the padded vocabulary."""
+def check_layout(config: ModelConfig, layout: Layout) -> None:
+    """Raise, naming the option, when the model cannot be split or named as ``layout`` asks."""
     if biases := missing_biases(config):
         raise CheckpointError(f"--megatron: the model has {biases}, which Megatron's layout (q/k/v biases only) "
                               "cannot hold")
-    if config.num_hidden_layers % pp:
-        raise CheckpointError(f"--pp {pp}: the model's {config.num_hidden_layers} layers do not split evenly into "
-                              f"{pp} pipeline stages (Megatron-LM's default split)")
-    for name, count in (("attention heads", config.num_attention_heads), ("query groups", config.num_key_value_heads),
-                        ("feed-forward width", config.intermediate_size)):
-        if count % tp:
-            raise CheckpointError(f"--tp {tp}: the model's {count} {name} do not divide among {tp} ranks")
-    padded = padded_vocab_size(config.vocab_size, vocab_multiple * tp)  # Megatron-LM's _vocab_size_with_padding
+    if config.num_hidden_layers % layout.pp:
+        raise CheckpointError(f"--pp {layout.pp}: the model's {config.num_hidden_layers} layers do not split evenly "
+                              f"into {layout.pp} pipeline stages (Megatron-LM's default split)")
+    widths = [("attention heads", config.num_attention_heads), ("query groups", config.num_key_value_heads)]
+    if any(not config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
+        widths.append(("feed-forward width", config.intermediate_size))
+    if config.num_experts:  # megatron-core splits experts over tensor-parallel ranks as dense layers
+        widths.append(("expert width (moe_intermediate_size)", config.moe_intermediate_size))
+        if config.shared_expert_intermediate_size:
+            widths.append(("shared expert width", config.shared_expert_intermediate_size))
+    for name, count in widths:
+        if count % layout.tp:
+            raise CheckpointError(f"--tp {layout.tp}: the model's {count} {name} do not divide among {layout.tp} ranks")
+    if layout.ep > 1 and not config.num_experts:
+        raise CheckpointError(f"--ep {layout.ep}: the model ({config.model_type}) has no experts to divide")
+    if config.num_experts % layout.ep:
+        raise CheckpointError(f"--ep {layout.ep}: the model's {config.num_experts} experts do not divide among "
+                              f"{layout.ep} expert-parallel ranks")
+    if layout.grouped and not config.num_experts:
+        raise CheckpointError(f"--moe-grouped-gemm: the model ({config.model_type}) has no experts")
+    if layout.grouped and layout.legacy and layout.spec == "local":
+        raise CheckpointError("--moe-grouped-gemm with --megatron-spec local and --megatron-format legacy: the local "
+                              "spec keeps grouped experts in megatron-core's legacy GroupedMLP (mlp.experts.weight1/"
+                              "weight2), which llmflow does not write; use the transformer_engine spec (TEGroupedMLP)")
+
+
+def write_megatron(work: Path, config: ModelConfig, load: Load, layout: Layout, iteration: int,
+                   vocab_multiple: int, dtype: torch.dtype) -> int:
+    """The checkpoint root in ``work``: ``iter_{iteration:07d}`` in the chosen format and its
+    tracker file, every tensor in ``dtype``. Returns the padded vocabulary."""
+    check_layout(config, layout)
+    padded = padded_vocab_size(config.vocab_size, vocab_multiple * layout.tp)  # Megatron-LM's _vocab_size_with_padding
     model = MegatronModel(config, load, padded, dtype)
-    args = megatron_args(config, tp, pp, padded, vocab_multiple, iteration, dtype)
+    args = megatron_args(config, layout, padded, vocab_multiple, iteration, dtype)
     directory = work / f"iter_{iteration:07d}"
-    if legacy:
-        write_legacy(directory, model, args, iteration, tp, pp)
+    if layout.legacy:
+        write_legacy(directory, model, args, iteration, layout)
     else:
         directory.mkdir(parents=True)
-        write_torch_dist(directory, model, args, iteration)
+        write_torch_dist(directory, model, args, iteration, layout.spec)
     (work / TRACKER).write_text(str(iteration))
     return padded

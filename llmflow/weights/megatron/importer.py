@@ -5,7 +5,9 @@ config before anything is written.
 Supported: the Llama/Qwen2/Qwen3 families as Megatron-LM and MindSpeed-LLM train them — RMSNorm,
 SwiGLU, rotary positions (not interleaved), no linear biases except optional q/k/v biases,
 optional per-head q/k RMSNorms (``qk_layernorm``), tied or untied output layer, grouped-query
-attention. Optimizer and RNG state are not read.
+attention — and their mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral): a softmax top-k
+router, SwiGLU experts, an optional shared expert with its sigmoid gate, dense layers among
+the MoE layers. Optimizer and RNG state are not read.
 """
 
 from __future__ import annotations
@@ -22,13 +24,15 @@ from llmflow.weights.megatron.layout import (
     EMBEDDING,
     FINAL_NORM,
     LAYER_SOURCES,
-    LAYERS,
     OTHER_SOURCES,
     OUTPUT,
+    ROUTER,
     Attention,
+    layer_key,
     layer_shapes,
     layer_tensors,
     missing_biases,
+    moe_pattern,
     other_tensors,
     unfuse,
 )
@@ -43,6 +47,17 @@ _REQUIRED_ARGS: dict[str, tuple[Any, str]] = {
     "apply_layernorm_1p": (False, "plain norm weights (not stored as weight - 1)"),
     "rotary_interleaved": (False, "rotary embeddings on halves, as Hugging Face applies them"),
 }
+# The router settings of a MoE checkpoint llmflow computes (softmax scores, plain top-k),
+# checked when args have them: (the value that means so, what llmflow computes).
+_ROUTER_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "moe_router_score_function": (("softmax", None), "softmax routing scores"),
+    "moe_router_topk_scaling_factor": ((None, 1.0), "unscaled routing weights"),
+    "moe_router_num_groups": ((None, 0, 1), "top-k over all experts, not over groups"),
+    "moe_router_group_topk": ((None, 0), "top-k over all experts, not over groups"),
+    "moe_router_enable_expert_bias": ((False, None), "no expert bias in the top-k choice"),
+    "moe_expert_capacity_factor": ((None,), "dropless routing (no expert capacity)"),
+    "moe_latent_size": ((None,), "experts on the hidden state itself"),
+}
 
 
 @dataclass(frozen=True)
@@ -52,6 +67,43 @@ class Planned:
     shape: tuple[int, ...]
     dtype: torch.dtype
     read: Callable[[], torch.Tensor]
+
+
+def _moe_args(args: Any, config: ModelConfig, source: str) -> list[str]:
+    """What the args of a checkpoint say of experts that is not the model of ``config``."""
+    found = []
+    experts = getattr(args, "num_experts", None) or 0
+    if experts != config.num_experts:
+        found.append(f"args.num_experts={experts or None} where {source} has "
+                     + (f"num_experts={config.num_experts}" if config.num_experts else "a dense model"))
+    if not experts or not config.num_experts:
+        return found
+    shared = getattr(args, "moe_shared_expert_intermediate_size", None) or 0
+    ffn = getattr(args, "moe_ffn_hidden_size", None) or getattr(args, "ffn_hidden_size", None)
+    expected = {"moe_router_topk": (getattr(args, "moe_router_topk", None), config.num_experts_per_tok),
+                "moe_ffn_hidden_size": (ffn, config.moe_intermediate_size),
+                "moe_shared_expert_intermediate_size": (shared, config.shared_expert_intermediate_size)}
+    for name, (value, wanted) in expected.items():
+        if value is not None and value != wanted:
+            found.append(f"args.{name}={value} where {source} has {wanted}")
+    if shared and getattr(args, "moe_shared_expert_gate", False) is not True:
+        found.append("args.moe_shared_expert_gate is not set (llmflow's shared expert is scaled by its sigmoid gate)")
+    pre_softmax = getattr(args, "moe_router_pre_softmax", None)
+    if pre_softmax is not None and bool(pre_softmax) == config.norm_topk_prob:
+        found.append(f"args.moe_router_pre_softmax={pre_softmax} where {source} has norm_topk_prob="
+                     f"{config.norm_topk_prob} (top-k renormalised is moe_router_pre_softmax=False)")
+    for name, (accepted, meaning) in _ROUTER_ARGS.items():
+        value = getattr(args, name, None)
+        if value not in accepted:
+            found.append(f"args.{name}={value!r} (llmflow computes {meaning}: {name}={accepted[0]!r})")
+    freq = getattr(args, "moe_layer_freq", None)
+    if freq is not None:
+        pattern = moe_pattern(freq, config.num_hidden_layers)
+        wanted = [int(config.is_moe_layer(i)) for i in range(config.num_hidden_layers)]
+        if pattern != wanted:
+            found.append(f"args.moe_layer_freq={freq!r} (MoE layers {pattern}) where {source} has MoE layers "
+                         f"{wanted} (mlp_only_layers/decoder_sparse_step)")
+    return found
 
 
 def check_supported(checkpoint: MegatronCheckpoint, config: ModelConfig, source: str) -> None:
@@ -64,12 +116,13 @@ def check_supported(checkpoint: MegatronCheckpoint, config: ModelConfig, source:
             value = getattr(args, name, wanted)
             if value != wanted and not (name == "rotary_interleaved" and value is None):
                 found.append(f"args.{name}={value!r} (llmflow reads {meaning}: {name}={wanted!r})")
-        if getattr(args, "num_experts", None):
-            found.append(f"args.num_experts={args.num_experts} (mixture-of-experts models are not supported)")
+        found += _moe_args(args, config, source)
         groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
+        dense = any(not config.is_moe_layer(i) for i in range(config.num_hidden_layers))
         expected = {
             "num_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
-            "ffn_hidden_size": config.intermediate_size, "num_attention_heads": config.num_attention_heads,
+            "ffn_hidden_size": config.intermediate_size if dense else None,
+            "num_attention_heads": config.num_attention_heads,
             "num_query_groups": config.num_key_value_heads if groups is not None else None,
             "kv_channels": config.head_dim, "untie_embeddings_and_output_weights": not config.tie_word_embeddings,
             "add_qkv_bias": config.qkv_bias, "qk_layernorm": config.qk_norm,
@@ -80,18 +133,23 @@ def check_supported(checkpoint: MegatronCheckpoint, config: ModelConfig, source:
                 found.append(f"args.{name}={actual[name]} where {source} has {value}")
     if biases := missing_biases(config):
         found.append(f"{source} has {biases}, which Megatron's layout (q/k/v biases only) cannot hold")
+    if not found:
+        found += _layer_kinds(checkpoint, config, source)
     missing = [key for key in expected_keys(config) if key not in checkpoint.shapes]
-    if missing:
+    if missing and not found:
         found.append(f"no tensors {missing[:4]} (it holds {sorted(checkpoint.shapes)[:8]})")
     if found:
         raise CheckpointError(f"--megatron {checkpoint.directory} ({checkpoint.format}): not the model of {source}: "
                               + "; ".join(found))
-    layers, hidden = config.num_hidden_layers, config.hidden_size
-    shapes = {LAYERS + name: (layers, *shape) for name, shape in layer_shapes(config).items()} | {FINAL_NORM: (hidden,)}
+    hidden, per_layer = config.hidden_size, layer_shapes(config)
+    shapes = {layer_key(name, i): per_layer[name] for i in range(config.num_hidden_layers)
+              for name in layer_tensors(config, i)} | {FINAL_NORM: (hidden,)}
     for key, shape in shapes.items():
-        if key in checkpoint.shapes and checkpoint.shapes[key] != shape:
-            raise CheckpointError(f"--megatron {checkpoint.directory}: {key} has shape {checkpoint.shapes[key]}, "
-                                  f"{source} implies {shape}")
+        if checkpoint.shapes[key] != shape:
+            what = (f"holds {checkpoint.shapes[key][0]} experts where {source} has num_experts={config.num_experts}"
+                    if key.endswith(ROUTER) and checkpoint.shapes[key][1:] == shape[1:] else
+                    f"has shape {checkpoint.shapes[key]}, {source} implies {shape}")
+            raise CheckpointError(f"--megatron {checkpoint.directory}: {key} {what}")
     for key in (EMBEDDING, OUTPUT):
         if key in checkpoint.shapes and (checkpoint.shapes[key][0] < config.vocab_size
                                          or checkpoint.shapes[key][1:] != (hidden,)):
@@ -99,9 +157,21 @@ def check_supported(checkpoint: MegatronCheckpoint, config: ModelConfig, source:
                                   f"{source} implies ({config.vocab_size} or more rows, {hidden})")
 
 
+def _layer_kinds(checkpoint: MegatronCheckpoint, config: ModelConfig, source: str) -> list[str]:
+    """The layers the checkpoint routes (it has a router) where ``config`` has them dense, or
+    the other way round."""
+    routed = [i for i in range(config.num_hidden_layers) if layer_key(ROUTER, i) in checkpoint.shapes]
+    wanted = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
+    if routed == wanted:
+        return []
+    return [f"MoE layers {routed} (those with {ROUTER}) where {source} has " + (
+        f"MoE layers {wanted}" if config.num_experts else "a dense model")]
+
+
 def expected_keys(config: ModelConfig) -> list[str]:
-    """The Megatron tensors a model of ``config`` is read from."""
-    return other_tensors(config) + [LAYERS + name for name in layer_tensors(config)]
+    """The Megatron tensors (canonical keys) a model of ``config`` is read from."""
+    return other_tensors(config) + [layer_key(name, i) for i in range(config.num_hidden_layers)
+                                    for name in layer_tensors(config, i)]
 
 
 def plan_import(checkpoint: MegatronCheckpoint, config: ModelConfig, padded: int) -> dict[str, Planned]:
@@ -118,17 +188,16 @@ def plan_import(checkpoint: MegatronCheckpoint, config: ModelConfig, padded: int
             return out
         return Planned((padded, hidden), checkpoint.dtypes[key], read)
 
-    def whole(key: str, layer: int | None, select: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> Planned:
-        shape = checkpoint.shapes[key][1:] if layer is not None else checkpoint.shapes[key]
-        sample = select(torch.empty(shape, device="meta"))
-        return Planned(tuple(sample.shape), checkpoint.dtypes[key],
-                       lambda: select(checkpoint.read(key, layer)).contiguous().clone())
+    def whole(key: str, select: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> Planned:
+        sample = select(torch.empty(checkpoint.shapes[key], device="meta"))
+        return Planned(tuple(sample.shape), checkpoint.dtypes[key], lambda: select(checkpoint.read(key)).contiguous()
+                       .clone())
 
-    plan = {OTHER_SOURCES[EMBEDDING]: vocabulary(EMBEDDING), OTHER_SOURCES[FINAL_NORM]: whole(FINAL_NORM, None),
+    plan = {OTHER_SOURCES[EMBEDDING]: vocabulary(EMBEDDING), OTHER_SOURCES[FINAL_NORM]: whole(FINAL_NORM),
             OTHER_SOURCES[OUTPUT]: vocabulary(EMBEDDING if config.tie_word_embeddings else OUTPUT)}
     for i in range(config.num_hidden_layers):
-        for name in layer_tensors(config):
+        for name in layer_tensors(config, i):
             for j, part in enumerate(LAYER_SOURCES[name]):
-                plan[f"model.layers.{i}.{part}"] = whole(LAYERS + name, i,
+                plan[f"model.layers.{i}.{part}"] = whole(layer_key(name, i),
                                                          lambda t, name=name, j=j: unfuse(name, t, attention)[j])
     return plan
