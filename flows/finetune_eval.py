@@ -87,7 +87,8 @@ def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
             target = params.megatron_export
             megatron_export = stages.run(export_task, ExportConfig(
                 ckpt=Path(trained.path), megatron=workspace / "models" / f"{run_name}-megatron-{target.megatron_format}"
-                f"-tp{target.tp}-pp{target.pp}", tp=target.tp, pp=target.pp, megatron_format=target.megatron_format,
+                f"-tp{target.tp}-pp{target.pp}-ep{target.ep}", tp=target.tp, pp=target.pp, ep=target.ep,
+                megatron_format=target.megatron_format,
                 merge_lora=params.train.lora is not None,
             ), refresh=refresh).path
         answers = None

@@ -197,6 +197,8 @@ class MegatronExport(Params):
     """Pipeline-parallel size (an even split of the layers)."""
     megatron_format: Literal["torch_dist", "legacy"] = "torch_dist"
     """torch_dist (megatron-core's distributed checkpoint) or legacy (mp_rank_*/model_optim_rng.pt)."""
+    ep: int = Field(default=1, ge=1)
+    """Expert-parallel size of a mixture of experts (the legacy layout's expert ranks)."""
 
 
 class FinetuneEvalParams(Params):
