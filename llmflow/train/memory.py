@@ -11,18 +11,28 @@ It counts what llmflow really keeps, term by term, on the busiest device:
   on every rank of the group. FSDP2 shards everything over ``dp``. Pipeline stages hold
   their layers (``num_layer_list``); stage 0 the embedding, the last the norm and output
   projection, and with tied embeddings the tied matrix as well.
+- Mixtures of experts: a MoE layer holds its router and every routed expert (and Qwen2-MoE's
+  shared expert); the title gives the total and the active parameters (those one token
+  computes with: its top-k experts of each layer). With expert parallelism (``ep > 1``, ranks
+  carved out of dp) each rank holds num_experts / ep experts of every MoE layer whole, with
+  their fp32 gradients and AdamW state, outside FSDP2; everything else is sharded over dp as
+  in a dense model. At ``ep = 1`` the experts are FSDP2-sharded with the rest of their layer.
 - FSDP2 (``dp > 1`` or a compute dtype other than fp32) all-gathers each layer in the
   compute dtype for its forward and backward: the root unit (embedding, norm, output
   projection) for the whole step, about two layers at a time, and, under pipeline stages
-  (resharded only after the step's last backward), the whole stage.
+  (resharded only after the step's last backward), the whole stage. Under ``ep > 1`` a MoE
+  layer's gather is its other weights, and its local experts are cast to the compute dtype.
 - Gradients: fp32, sharded like the weights; only the trainable ones (LoRA: the adapters).
   Across the micro-batches of a step (gradient accumulation, and always under pp) FSDP2
   keeps each parameter's unsharded gradient in fp32 until the step's last backward.
 - Optimizer: AdamW's exp_avg and exp_avg_sq, fp32, sharded like the weights.
 - Activations: what autograd keeps of each decoder layer per token (measured on this code's
-  kernels, see ``layer_activation_bytes``), times the layers, times the micro-batches a
-  pipeline schedule keeps in flight (1F1B: ``pp - stage``; GPipe: all; Interleaved1F1B:
-  torch's warm-up count).
+  kernels, see ``layer_activation_bytes``; a MoE layer's for its k routed rows per token),
+  summed over the layers, times the micro-batches a pipeline schedule keeps in flight (1F1B:
+  ``pp - stage``; GPipe: all; Interleaved1F1B: torch's warm-up count).
+- Expert dispatch (``ep > 1``): the all-to-all's send and receive buffers, each a micro-batch's
+  tokens x top-k rows of hidden in the compute dtype, planned for balanced routing (a rank
+  receives as many rows as it sends; a step that favours its experts receives more).
 - Loss: the fused cross-entropy (``kernels/cross_entropy.py``) computes the output
   projection's gradient during the forward pass into an fp32 [vocab, hidden] buffer and the
   hidden states' gradient, and holds both until backward; logits exist one chunk of rows at
@@ -61,9 +71,6 @@ another machine than this one (a config's ``device_memory_gb`` takes precedence)
 
 CHUNK_LOGIT_ELEMENTS = 2**26
 """Elements of one chunk of logits in the fused cross-entropy (kernels/cross_entropy.py)."""
-
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW_PARALLEL = ("o_proj", "down_proj")
 
 LOAD, ALWAYS, FORWARD, BACKWARD, UPDATE = "load", "always", "compute", "backward end", "optimizer step"
 """When a term is held: while loading, always, while the model computes (training: from the
@@ -143,57 +150,113 @@ def _count(n: int) -> str:
 # --- shapes ------------------------------------------------------------------------------
 
 
-def _linear_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each Linear of a decoder layer."""
-    h, f = model.hidden_size, model.intermediate_size
+COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+"""The Linears tensor parallelism splits, by their name in a decoder layer (a mixture of
+experts' router, experts and shared expert stay whole)."""
+
+
+def _linear_shapes(model: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each nn.Linear of decoder layer ``layer``, by its name in the
+    layer: attention's four and a dense layer's SwiGLU; a mixture-of-experts layer's shared
+    expert and its gate (Qwen2-MoE), its router and stacked experts being no Linears."""
+    h = model.hidden_size
     q, kv = model.num_attention_heads * model.head_dim, model.num_key_value_heads * model.head_dim
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+    shapes = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
+              "self_attn.o_proj": (q, h)}
+    if not model.is_moe_layer(layer):
+        mlp, width = "mlp", model.intermediate_size
+    elif model.shared_expert_intermediate_size:
+        mlp, width = "mlp.shared_expert", model.shared_expert_intermediate_size
+        shapes["mlp.shared_expert_gate"] = (h, 1)
+    else:
+        return shapes
+    shapes.update({f"{mlp}.gate_proj": (h, width), f"{mlp}.up_proj": (h, width), f"{mlp}.down_proj": (width, h)})
+    return shapes
 
 
-def _targets(lora: LoraConfig | None) -> set[str]:
-    """The Linears of a layer ``lora`` adapts (PEFT's matching on the full module name)."""
+def _split(name: str, tp: int) -> tuple[int, int]:
+    """How tensor parallelism divides the (in, out) features of the Linear ``name``."""
+    return (1, tp) if name in COLUMN_PARALLEL else (tp, 1) if name in ROW_PARALLEL else (1, 1)
+
+
+def _targets(lora: LoraConfig | None, model: ModelConfig, layer: int = 0) -> set[str]:
+    """The Linears of layer ``layer`` that ``lora`` adapts (PEFT's matching on the full module
+    name: in a mixture-of-experts layer ``gate_proj`` names the shared expert's)."""
     if lora is None:
         return set()
-    parents = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
     found = set()
-    for name in COLUMN_PARALLEL + ROW_PARALLEL:
-        full = f"model.layers.0.{parents.get(name, 'mlp')}.{name}"
+    for name in _linear_shapes(model, layer):
+        full = f"model.layers.{layer}.{name}"
         if any(full == t or full.endswith("." + t) for t in lora.target_modules):
             found.add(name)
     return found
 
 
-def layer_params(model: ModelConfig, tp: int = 1) -> int:
-    """Parameters of one decoder layer on one tensor-parallel rank (norms whole: the two of the
-    residual stream and, with ``qk_norm``, the per-head ones of queries and keys)."""
-    shapes = _linear_shapes(model)
-    weights = sum(i * o for i, o in shapes.values()) // tp
-    q, kv, h, f = shapes["q_proj"][1], shapes["k_proj"][1], model.hidden_size, model.intermediate_size
-    # Column-parallel biases split with their weights; row-parallel ones stay whole.
-    biases = ((q + 2 * kv) * model.qkv_bias + 2 * f * model.mlp_bias) // tp + h * (model.o_bias + model.mlp_bias)
-    return weights + biases + 2 * h + 2 * model.head_dim * model.qk_norm
+def expert_params(model: ModelConfig) -> int:
+    """Parameters of one routed expert: its gate, up and down projections."""
+    return 3 * model.moe_intermediate_size * model.hidden_size
 
 
-def lora_layer_params(model: ModelConfig, lora: LoraConfig, tp: int = 1) -> int:
-    """LoRA adapter parameters of one decoder layer on one tensor-parallel rank: lora_A
-    [r, in] and lora_B [out, r]; the side a column- (row-) parallel weight splits is split."""
+def layer_experts(model: ModelConfig, layer: int) -> int:
+    """Parameters of the routed experts of layer ``layer`` (0 for a dense layer)."""
+    return model.num_experts * expert_params(model) if model.is_moe_layer(layer) else 0
+
+
+def layer_params(model: ModelConfig, tp: int = 1, layer: int = 0) -> int:
+    """Parameters of decoder layer ``layer`` on one tensor-parallel rank (norms whole: the two of
+    the residual stream and, with ``qk_norm``, the per-head ones of queries and keys). A
+    mixture-of-experts layer holds its router [experts, hidden], every routed expert and the
+    shared expert with its gate, which tensor parallelism does not split."""
+    h = model.hidden_size
+    q, kv = model.num_attention_heads * model.head_dim, model.num_key_value_heads * model.head_dim
     total = 0
-    for name in _targets(lora):
-        i, o = _linear_shapes(model)[name]
-        total += lora.rank * (i + o // tp) if name in COLUMN_PARALLEL else lora.rank * (i // tp + o)
+    for name, (i, o) in _linear_shapes(model, layer).items():
+        cut_in, cut_out = _split(name, tp)
+        total += i * o // (cut_in * cut_out)
+    # Column-parallel biases split with their weights; row-parallel ones stay whole.
+    total += (q + 2 * kv) * model.qkv_bias // tp + h * model.o_bias
+    if model.is_moe_layer(layer):
+        total += model.num_experts * h + layer_experts(model, layer)
+    else:
+        total += 2 * model.intermediate_size * model.mlp_bias // tp + h * model.mlp_bias
+    return total + 2 * h + 2 * model.head_dim * model.qk_norm
+
+
+def lora_layer_params(model: ModelConfig, lora: LoraConfig, tp: int = 1, layer: int = 0) -> int:
+    """LoRA adapter parameters of decoder layer ``layer`` on one tensor-parallel rank: lora_A
+    [r, in] and lora_B [out, r]; the side a column- (row-) parallel weight splits is split.
+    The routed experts (no Linears) get none."""
+    total = 0
+    shapes = _linear_shapes(model, layer)
+    for name in _targets(lora, model, layer):
+        (i, o), (cut_in, cut_out) = shapes[name], _split(name, tp)
+        total += lora.rank * (i // cut_in + o // cut_out)
     return total
+
+
+def root_params(model: ModelConfig) -> int:
+    """The embedding, the final norm and the output projection (the tied matrix once)."""
+    return model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2) + model.hidden_size
 
 
 def model_params(model: ModelConfig) -> int:
     """Every parameter of the model (the tied matrix counted once)."""
-    vh = model.vocab_size * model.hidden_size
-    return model.num_hidden_layers * layer_params(model) + vh * (1 if model.tie_word_embeddings else 2) + model.hidden_size
+    return sum(layer_params(model, 1, i) for i in range(model.num_hidden_layers)) + root_params(model)
+
+
+def active_params(model: ModelConfig) -> int:
+    """The parameters one token computes with: everything but the routed experts it is not
+    sent to (its ``num_experts_per_tok`` of each mixture-of-experts layer count); all of a
+    dense model's."""
+    unused = (model.num_experts - model.num_experts_per_tok) * expert_params(model)
+    return model_params(model) - unused * sum(model.is_moe_layer(i) for i in range(model.num_hidden_layers))
 
 
 def layer_activation_bytes(model: ModelConfig, dtype_bytes: int, checkpointing: str = "none", tp: int = 1,
-                           lora: LoraConfig | None = None, seq_length: int = 0, documents: bool = False) -> float:
-    """Bytes autograd keeps per token of one decoder layer after its forward pass, on one
+                           lora: LoraConfig | None = None, seq_length: int = 0, documents: bool = False,
+                           layer: int = 0) -> float:
+    """Bytes autograd keeps per token of decoder layer ``layer`` after its forward pass, on one
     tensor-parallel rank (sequence parallel: norms and the residual stream hold 1/tp of the
     tokens; the all-gathered inputs of q/k/v and gate/up, whole).
 
@@ -203,36 +266,77 @@ def layer_activation_bytes(model: ModelConfig, dtype_bytes: int, checkpointing: 
     up and the SwiGLU output (3 d f); with packed documents the attention mask (d s per
     token); with per-head q/k norms (Qwen3) their fp32 input, normalised output (when they
     train) and fp32 rstd per head. A frozen Linear keeps no input unless its LoRA adapter
-    needs it.
+    needs it. A mixture-of-experts layer keeps, in place of the SwiGLU, ``_moe_bytes``.
     selective: the layer's input, the outputs of every matrix multiplication (o_proj's and
     down_proj's before their reduce-scatter: whole) and attention's output and log-sum-exp.
+    A mixture-of-experts layer's router logits and shared expert are matrix multiplications;
+    its experts' grouped matmuls are not among the operations selective checkpointing keeps
+    (``SAVED_OPS``): they are recomputed.
     full: the layer's input only.
     """
     d, h, f = dtype_bytes, model.hidden_size, model.intermediate_size
     heads = model.num_attention_heads
     q, kv = heads * model.head_dim, model.num_key_value_heads * model.head_dim
-    targets = _targets(lora)
-    trains = (lambda name: True) if lora is None else (lambda name: name in targets)
+    moe = model.is_moe_layer(layer)
+    shapes = _linear_shapes(model, layer)
+    targets = _targets(lora, model, layer)
+    trains = (lambda name: name in shapes) if lora is None else (lambda name: name in targets)
     r = lora.rank if lora is not None else 0
     if checkpointing == "full":
         return d * h / tp
     if checkpointing == "selective":
-        kept = d * h / tp + d * (q + 2 * kv) / tp + d * q / tp + 4 * heads / tp + 2 * d * h + 2 * d * f / tp
+        kept = d * h / tp + d * (q + 2 * kv) / tp + d * q / tp + 4 * heads / tp + d * h
+        if moe:  # the router's logits; the shared expert's gate, up, down and gate outputs
+            s = model.shared_expert_intermediate_size
+            kept += d * model.num_experts + (d * (2 * s + h + 1) if s else 0)
+        else:
+            kept += d * h + 2 * d * f / tp
         for name in targets:  # lora_A's and lora_B's outputs are matmuls too
-            out = _linear_shapes(model)[name][1]
+            out = shapes[name][1]
             kept += d * r + d * (out / tp if name in COLUMN_PARALLEL else out)
         return kept
     norm_trains = lora is None
     kept = 2 * (4 + d * norm_trains) * h / tp + 8 / tp  # two norms (and their fp32 rstd)
-    kept += d * h * (trains("q_proj") or trains("k_proj") or trains("v_proj"))
-    kept += d * h * (trains("gate_proj") or trains("up_proj"))
+    kept += d * h * any(trains(f"self_attn.{p}_proj") for p in "qkv")
     kept += d * (2 * q + 2 * kv) / tp + 4 * heads / tp  # rotated q, k; v; attention output; lse
-    kept += d * q / tp * trains("o_proj")
-    kept += 2 * d * f / tp + d * f / tp * trains("down_proj")
+    kept += d * q / tp * trains("self_attn.o_proj")
+    if moe:
+        kept += _moe_bytes(model, d, lora, trains)
+    else:
+        kept += d * h * (trains("mlp.gate_proj") or trains("mlp.up_proj"))
+        kept += 2 * d * f / tp + d * f / tp * trains("mlp.down_proj")
     kept += d * r * len(targets)
     kept += ((4 + d * norm_trains) * (q + kv) + 4 * (heads + model.num_key_value_heads)) / tp * model.qk_norm
     if documents:
         kept += d * seq_length
+    return kept
+
+
+def _moe_bytes(model: ModelConfig, d: int, lora: LoraConfig | None, trains: Callable[[str], bool]) -> float:
+    """Bytes per token a mixture-of-experts block keeps for its backward pass (no
+    checkpointing; ``models/blocks/moe.py``), its k (token, choice) rows counted as routed,
+    each token to k experts:
+
+    - its input (d h), when the router, a shared-expert Linear or its adapter trains;
+    - the router's fp32 probabilities (4 E), the top-k indices (8 k) and, when the top-k
+      weights are renormalised, their fp32 values and sum (4 k + 4); the rows' order and
+      source token (16 k, int64); the routing weights gathered per row (d k);
+    - per row: the token's hidden state gathered for the experts (d h, when the experts
+      train), gate and up (2 d I) and the SwiGLU output (d I, when the experts train), the
+      down projection's output and its product with the routing weight, which index_add
+      keeps (2 d h);
+    - the shared expert (Qwen2-MoE) as a dense SwiGLU of its width, its output (d h) and its
+      sigmoid gate (d).
+    """
+    h, k, width = model.hidden_size, model.num_experts_per_tok, model.moe_intermediate_size
+    experts_train = lora is None
+    shared = "mlp.shared_expert"
+    s = model.shared_expert_intermediate_size
+    inputs = lora is None or any(trains(name) for name in (f"{shared}.gate_proj", f"{shared}.up_proj", f"{shared}_gate"))
+    kept = d * h * inputs + 4 * model.num_experts + 8 * k + (4 * k + 4) * model.norm_topk_prob + 16 * k + d * k
+    kept += k * (d * h * experts_train + 2 * d * width + d * width * experts_train + 2 * d * h)
+    if s:
+        kept += 2 * d * s + d * s * trains(f"{shared}.down_proj") + d * h + d
     return kept
 
 
@@ -263,6 +367,11 @@ class TrainShape:
     fused_optimizer: bool = True
     """Whether AdamW runs fused (CUDA, NPU: no temporaries) or, on CPU, as a loop over the
     parameters that makes two temporaries the size of each parameter (shard) in turn."""
+    ep: int = 1
+    """Expert-parallel degree of a mixture of experts, carved out of the dp ranks: each rank
+    holds num_experts / ep experts of every MoE layer whole (weights, gradients, optimizer
+    state), outside FSDP2, and exchanges its tokens' rows with the others by all-to-all.
+    1: the experts are FSDP2-sharded over dp with the rest of their layer."""
 
     @property
     def sharded(self) -> bool:
@@ -287,100 +396,122 @@ def in_flight(shape: TrainShape, pp_rank: int) -> int:
 
 
 def _stage_plan(model: ModelConfig, shape: TrainShape, pp_rank: int) -> tuple[list[Term], str]:
-    d, tp, dp = shape.dtype_bytes, shape.tp, shape.dp
+    d, tp, dp, ep = shape.dtype_bytes, shape.tp, shape.dp, shape.ep
     h, vh = model.hidden_size, model.vocab_size * model.hidden_size
     stages = shape.pp * (shape.virtual_stages or 1)
     split = layer_split(model.num_hidden_layers, stages, shape.num_layer_list)
     held = rank_stages(pp_rank, shape.pp, shape.virtual_stages or 1)
-    layers = sum(len(split[i]) for i in held)
+    indices = [i for stage in held for i in split[stage]]
+    layers = len(indices)
     first, last = 0 in held, stages - 1 in held
     tied = model.tie_word_embeddings
     root = vh * (first or (last and tied)) + (h + vh * (not tied)) * last
-    base = layers * layer_params(model, tp) + root
-    if shape.lora is None:
-        trainable = base
-        adapters = 0
-    else:
-        adapters = layers * lora_layer_params(model, shape.lora, tp)
-        trainable = adapters
-    params = base + adapters
-    all_adapters = model.num_hidden_layers * lora_layer_params(model, shape.lora) if shape.lora is not None else 0
     sharded = shape.sharded
+    shard = dp if sharded else 1
+    lora = shape.lora
+    # Under expert parallelism (ep > 1) each rank holds 1/ep of every MoE layer's experts whole,
+    # outside FSDP2; everything else (and at ep = 1 the experts too) is sharded over dp.
+    experts = [layer_experts(model, i) if ep > 1 else 0 for i in indices]
+    local = [e // ep for e in experts]
+    adapters = [lora_layer_params(model, lora, tp, i) if lora is not None else 0 for i in indices]
+    unit = [layer_params(model, tp, i) - e + a for i, e, a in zip(indices, experts, adapters, strict=True)]
+    params = sum(unit) + root  # sharded over dp
+    trainable = params if lora is None else sum(adapters)
+    local_trainable = sum(local) if lora is None else 0
+    all_adapters = sum(lora_layer_params(model, lora, 1, i) for i in range(model.num_hidden_layers)) if lora else 0
     over = f"sharded over dp={dp}" if sharded else "whole"
+    if sum(local):
+        over += f"; this rank's {model.num_experts // ep} of {model.num_experts} experts whole (ep={ep})"
     terms = [
         Term("model load: whole model, fp32, before sharding", 4 * (model_params(model) + all_adapters), LOAD),
-        Term(f"weights: fp32, {over}", 4 * params // (dp if sharded else 1), ALWAYS),
-        Term(f"optimizer: AdamW exp_avg + exp_avg_sq, fp32, {over}", 8 * trainable // (dp if sharded else 1), ALWAYS),
-        Term(f"gradients: fp32, {over}", 4 * trainable // (dp if sharded else 1), UPDATE),
+        Term(f"weights: fp32, {over}", 4 * params // shard + 4 * sum(local), ALWAYS),
+        Term(f"optimizer: AdamW exp_avg + exp_avg_sq, fp32, {over}", 8 * trainable // shard + 8 * local_trainable,
+             ALWAYS),
+        Term(f"gradients: fp32, {over}", 4 * trainable // shard + 4 * local_trainable, UPDATE),
     ]
-    layer_local = layer_params(model, tp) + (lora_layer_params(model, shape.lora, tp) if shape.lora else 0)
+    # The local experts need a copy in the compute dtype for their forward and backward (none in fp32).
+    cast = d if d != 4 else 0
     if sharded:
         if shape.pp > 1:
-            gathered, what = d * params, "the whole stage (pp keeps it gathered)"
+            gathered, what = d * params + cast * sum(local), "the whole stage (pp keeps it gathered)"
         else:
-            gathered, what = d * (root + 2 * layer_local), "root unit + 2 layers"
+            gathered, what = d * root + 2 * max(d * u + cast * e for u, e in zip(unit, local, strict=True)), \
+                "root unit + 2 layers"
+        if sum(local):
+            what += ", this rank's experts cast, not gathered"
         terms.append(Term(f"weights gathered by FSDP2, {'bf16' if d == 2 else 'fp32'}: {what}", gathered, FORWARD))
         if shape.accumulation > 1 or shape.pp > 1:
-            terms.append(Term("gradients held unsharded across micro-batches, fp32", 4 * trainable, FORWARD))
+            terms.append(Term("gradients held unsharded across micro-batches, fp32", 4 * (trainable + local_trainable),
+                              FORWARD))
     elif shape.accumulation > 1:
         terms.append(Term("gradients accumulated across micro-batches, fp32", 4 * trainable, FORWARD))
     flight = in_flight(shape, pp_rank)
     tokens = shape.micro_batch_size * shape.seq_length
-    per_layer = layer_activation_bytes(model, d, shape.activation_checkpointing, tp, shape.lora, shape.seq_length,
-                                       shape.documents)
+
+    def activation(mode: str, layer: int) -> float:
+        return layer_activation_bytes(model, d, mode, tp, lora, shape.seq_length, shape.documents, layer)
+
     # A pipeline rank's in-flight chunks each hold one stage's layers.
     chunk_layers = layers / len(held)
-    activations = per_layer * tokens * chunk_layers * flight
+    activations = sum(activation(shape.activation_checkpointing, i) for i in indices) / len(held) * tokens * flight
     rotary = 2 * d * model.head_dim * tokens * flight
     boundaries = d * h * tokens / tp * flight * ((not first) + (not last)) if shape.pp > 1 else 0
     ac = shape.activation_checkpointing
     terms.append(Term(f"activations: {chunk_layers:g} layers x {flight} micro-batch(es) x {tokens} tokens, AC {ac}",
                       int(activations + rotary + boundaries), FORWARD))
-    working = layer_activation_bytes(model, d, "none", tp, shape.lora, shape.seq_length, shape.documents) * tokens
-    if sharded:
-        working += (d + 4 + 4 / dp) * layer_local  # a layer's gradient, its fp32 reduce-scatter in and out
+    working = 0.0
+    for i, u, e in zip(indices, unit, local, strict=True):
+        layer_working = activation("none", i) * tokens
+        if sharded:  # a layer's gradient, its fp32 reduce-scatter in and out; the local experts' in d and fp32
+            layer_working += (d + 4 + 4 / dp) * u + (cast + 4) * e * (lora is None)
+        working = max(working, layer_working)
     terms.append(Term("backward working set: one layer recomputed / its gradients", int(working), FORWARD))
+    if ep > 1 and any(model.is_moe_layer(i) for i in indices):
+        rows = tokens * model.num_experts_per_tok
+        terms.append(Term(f"expert dispatch: all-to-all send and receive buffers, {rows} rows x hidden "
+                          f"(balanced routing), {'bf16' if d == 2 else 'fp32'}", 2 * d * rows * h, FORWARD))
     if last:
-        head_trains = shape.lora is None
+        head_trains = lora is None
         held_losses = shape.accumulation if shape.pp > 1 and shape.pp_schedule == "GPipe" else 1
         rows = min(max(1, CHUNK_LOGIT_ELEMENTS // model.vocab_size), tokens)
         loss = held_losses * (4 * vh * head_trains + d * tokens * h)
         loss += rows * model.vocab_size * (d + 4 + (2 if d == 2 else 0))
         loss += d * vh * head_trains * (d != 4)
         terms.append(Term(f"loss: fused cross-entropy buffers x {held_losses} micro-batch(es)", int(loss), FORWARD))
-    if first and shape.lora is None:
-        terms += _backward_end(model, shape, layers, root, last)
+    if first and lora is None:
+        terms += _backward_end(model, shape, sum(unit), sum(local), root, last)
     if not shape.fused_optimizer:
-        largest = _largest_trainable(model, shape, first or last)
+        largest = _largest_trainable(model, shape, indices, first or last)
         terms.append(Term(f"temporaries of AdamW on CPU: 2 x the largest parameter{' shard' if sharded else ''}, fp32",
-                          2 * 4 * largest // (dp if sharded else 1), UPDATE))
+                          largest, UPDATE))
     where = f"pipeline rank {pp_rank} of {shape.pp}: " if shape.pp > 1 else ""
     desc = f"{where}{layers} layers{', embedding' if first else ''}{', output projection' if last else ''}"
     return terms, desc
 
 
-def _backward_end(model: ModelConfig, shape: TrainShape, layers: int, root: int, last: bool) -> list[Term]:
+def _backward_end(model: ModelConfig, shape: TrainShape, body: int, local: int, root: int, last: bool) -> list[Term]:
     """What the rank holding the embedding keeps at the end of its backward pass (full
-    training): the layers' gradients (each layer's reduce-scattered by then under FSDP2), the
-    root unit's gradients held across micro-batches, and either the embedding's backward
-    (the gathered root unit, the output projection's gradient from the fused cross-entropy,
-    which with tied embeddings waits in the same autograd buffer, and the embedding's dense
-    gradient) or, when larger, FSDP2's reduce-scatter of the root unit (its gradients in the
-    compute dtype, gathered weights freed, an fp32 input and output)."""
+    training): the layers' gradients (each layer's reduce-scattered by then under FSDP2; the
+    ``local`` experts' whole), the root unit's gradients held across micro-batches, and
+    either the embedding's backward (the gathered root unit, the output projection's gradient
+    from the fused cross-entropy, which with tied embeddings waits in the same autograd
+    buffer, and the embedding's dense gradient) or, when larger, FSDP2's reduce-scatter of the
+    root unit (its gradients in the compute dtype, gathered weights freed, an fp32 input and
+    output). ``body``: the parameters of the layers FSDP2 shards."""
     d, dp, vh = shape.dtype_bytes, shape.dp, model.vocab_size * model.hidden_size
     dtype = "bf16" if d == 2 else "fp32"
-    body = 4 * layers * layer_params(model, shape.tp)
     held = shape.accumulation > 1 or shape.pp > 1
     terms = []
     if shape.sharded:
-        terms.append(Term(f"gradients of the layers: fp32, sharded over dp={dp} (reduce-scattered by then)",
-                          body // dp, BACKWARD))
+        experts = ", this rank's experts whole" if local else ""
+        terms.append(Term(f"gradients of the layers: fp32, sharded over dp={dp} (reduce-scattered by then){experts}",
+                          4 * body // dp + 4 * local, BACKWARD))
         if held:
             terms.append(Term("root unit's gradients held unsharded across micro-batches, fp32", 4 * root, BACKWARD))
     elif held:
-        terms.append(Term("gradients accumulated across micro-batches, fp32", body + 4 * root, BACKWARD))
+        terms.append(Term("gradients accumulated across micro-batches, fp32", 4 * body + 4 * root, BACKWARD))
     else:
-        terms.append(Term("gradients of the layers, fp32", body, BACKWARD))
+        terms.append(Term("gradients of the layers, fp32", 4 * body, BACKWARD))
     head = d * vh if last and (not held or (model.tie_word_embeddings and shape.pp == 1)) else 0
     gathered = d * root if shape.sharded else 0
     reduce = (0 if held else d * root) + 4 * root + 4 * root // dp
@@ -396,13 +527,27 @@ def _backward_end(model: ModelConfig, shape: TrainShape, layers: int, root: int,
     return terms
 
 
-def _largest_trainable(model: ModelConfig, shape: TrainShape, holds_vocab: bool) -> int:
-    """Elements of the largest trainable parameter on a tensor-parallel rank (before FSDP2)."""
-    shapes = _linear_shapes(model)
+def _largest_trainable(model: ModelConfig, shape: TrainShape, indices: list[int], holds_vocab: bool) -> int:
+    """Bytes of AdamW's two fp32 temporaries for the largest trainable parameter on this rank
+    (its shard under FSDP2; a local expert projection under ep > 1 is whole)."""
+    shard = shape.dp if shape.sharded else 1
     if shape.lora is not None:
-        return max(shape.lora.rank * max(shapes[name]) for name in _targets(shape.lora)) if _targets(shape.lora) else 0
-    largest = max(i * o for i, o in shapes.values()) // shape.tp
-    return max(largest, model.vocab_size * model.hidden_size if holds_vocab else 0)
+        sizes = [shape.lora.rank * max(_linear_shapes(model, i)[name]) for i in indices
+                 for name in _targets(shape.lora, model, i)]
+        return 2 * 4 * max(sizes, default=0) // shard
+    sharded, whole = model.vocab_size * model.hidden_size if holds_vocab else 0, 0
+    for i in indices:
+        for name, (n_in, n_out) in _linear_shapes(model, i).items():
+            cut_in, cut_out = _split(name, shape.tp)
+            sharded = max(sharded, n_in * n_out // (cut_in * cut_out))
+        if model.is_moe_layer(i):
+            stacked = model.num_experts * model.moe_intermediate_size * model.hidden_size  # one projection
+            sharded = max(sharded, model.num_experts * model.hidden_size)
+            if shape.ep > 1:
+                whole = max(whole, stacked // shape.ep)
+            else:
+                sharded = max(sharded, stacked)
+    return max(2 * 4 * sharded // shard, 2 * 4 * whole)
 
 
 def train_plan(model: ModelConfig, shape: TrainShape, device_bytes: int | None = None, device_label: str = "",
@@ -416,9 +561,19 @@ def train_plan(model: ModelConfig, shape: TrainShape, device_bytes: int | None =
     plan = max(plans, key=lambda p: p.peak)
     dtype = {2: "bf16", 4: "fp32"}[shape.dtype_bytes]
     mode = "LoRA" if shape.lora is not None else "full"
+    count = f"{_count(model_params(model))} parameters"
+    layout = f"pp={shape.pp} dp={shape.dp} tp={shape.tp}"
+    if model.num_experts:
+        count += f", {_count(active_params(model))} active"
+        layout += f" ep={shape.ep}"
+        if shape.ep > 1:
+            plan.notes.append(f"expert dispatch planned for balanced routing: each rank receives as many (token, expert) "
+                              f"rows as it sends ({shape.micro_batch_size * shape.seq_length} tokens x top-"
+                              f"{model.num_experts_per_tok}); a step whose routing favours this rank's experts "
+                              f"receives more")
     plan.title = (
-        f"memory plan per device ({name}, {_count(model_params(model))} parameters, {mode} training in {dtype}; "
-        f"pp={shape.pp} dp={shape.dp} tp={shape.tp}, micro batch {shape.micro_batch_size} x {shape.seq_length} tokens, "
+        f"memory plan per device ({name}, {count}, {mode} training in {dtype}; "
+        f"{layout}, micro batch {shape.micro_batch_size} x {shape.seq_length} tokens, "
         f"{shape.accumulation} micro-batch(es) per step; busiest device: {plan.title})"
     )
     return plan
@@ -432,19 +587,23 @@ def generation_plan(model: ModelConfig, tp: int, batch: int, prompt_tokens: int,
                     name: str = "model", whole_on_host: bool = False) -> MemoryPlan:
     """The memory plan of one device generating for ``batch`` prompts of up to
     ``prompt_tokens`` tokens plus ``max_new_tokens``: fp32 weights (decoder layers split
-    ``tp`` ways, embedding and output projection whole), the KV cache [batch, kv heads / tp,
+    ``tp`` ways, a mixture of experts' router and experts whole, embedding and output
+    projection whole), the KV cache [batch, kv heads / tp,
     prompt + new, head_dim] per layer for keys and values, the prompt's forward pass (one
     layer's working set, the padding mask when prompts differ in length) and the logits.
     ``whole_on_host``: the device is host memory (CPU) and each of the ``tp`` workers first
     loads the whole model there (a Hugging Face directory or a LoRA checkpoint)."""
-    h, f, vh = model.hidden_size, model.intermediate_size, model.vocab_size * model.hidden_size
+    h, f = model.hidden_size, model.intermediate_size
     q, kv = model.num_attention_heads * model.head_dim, model.num_key_value_heads * model.head_dim
     length = prompt_tokens + max_new_tokens
-    weights = model.num_hidden_layers * layer_params(model, tp) + vh * (1 if model.tie_word_embeddings else 2) + h
+    weights = sum(layer_params(model, tp, i) for i in range(model.num_hidden_layers)) + root_params(model)
     tokens = batch * prompt_tokens
-    prefill = 4 * tokens * (2 * h + (q + 2 * kv) / tp + 3 * f / tp)
-    if padded:
-        prefill += 5 * batch * prompt_tokens * prompt_tokens  # boolean mask and its float form
+    per_token = 2 * h + (q + 2 * kv) / tp + 3 * f / tp
+    if model.num_experts:  # a mixture-of-experts layer (whole on every rank): probabilities, its k rows, shared expert
+        k, s = model.num_experts_per_tok, model.shared_expert_intermediate_size
+        moe = 3 * h + (q + 2 * kv) / tp + model.num_experts + k * (2 * h + 3 * model.moe_intermediate_size) + 3 * s
+        per_token = moe if not model.dense_layers else max(per_token, moe)
+    prefill = 4 * tokens * per_token
     terms = [
         Term(f"weights: fp32{f', layers split tp={tp}' if tp > 1 else ''}", 4 * weights, ALWAYS),
         Term(f"KV cache: fp32, {batch} x {length} positions x {model.num_hidden_layers} layers",
@@ -455,7 +614,9 @@ def generation_plan(model: ModelConfig, tp: int, batch: int, prompt_tokens: int,
     if whole_on_host and tp > 1:
         terms.insert(0, Term("model load: whole model, fp32, beside this worker's shard", 4 * model_params(model)
                              + 4 * weights, LOAD))
-    title = (f"memory plan per device ({name}, {_count(model_params(model))} parameters, generation in fp32, "
+    count = f"{_count(model_params(model))} parameters" + (f", {_count(active_params(model))} active"
+                                                          if model.num_experts else "")
+    title = (f"memory plan per device ({name}, {count}, generation in fp32, "
              f"tp={tp}, {batch} prompt(s) of up to {prompt_tokens} tokens + {max_new_tokens} new)")
     return MemoryPlan(title, terms, device_bytes, device_label)
 
@@ -503,12 +664,14 @@ def device_memory(device_type: str, local_ranks: int = 1, override_gb: float | N
 
 def suggestions(plan_of: Callable[[dict], MemoryPlan | None], current: dict, model: ModelConfig,
                 world_size: int) -> list[str]:
-    """The smallest change of each setting that makes the plan fit (a larger tp, a larger pp,
-    activation checkpointing, a smaller micro batch, LoRA), each with its peak:
-    ``plan_of(settings)`` plans ``current`` updated with the settings (None where the layout
-    cannot run)."""
+    """The smallest change of each setting that makes the plan fit (a larger tp, a larger pp, a
+    larger ep for a mixture of experts when ``current`` has one, activation checkpointing, a
+    smaller micro batch, LoRA), each with its peak: ``plan_of(settings)`` plans ``current``
+    updated with the settings (None where the layout cannot run)."""
     modes = ("none", "selective", "full")
     groups: list[list[tuple[str, dict]]] = [
+        [(f"ep={ep}", {"ep": ep}) for ep in (2, 4, 8, 16, 32, 64, 128, 256)
+         if "ep" in current and ep > current["ep"] and model.num_experts % ep == 0 and world_size % ep == 0],
         [(f"tp={tp}", {"tp": tp}) for tp in (2, 4, 8, 16, 32, 64)
          if tp > current["tp"] and world_size % (tp * current["pp"]) == 0],
         [(f"pp={pp}", {"pp": pp, "num_layer_list": None}) for pp in (2, 4, 8, 16)
@@ -555,7 +718,12 @@ def generation_suggestions(plan_of: Callable[[int, int, int], MemoryPlan], model
 def refusal(plan: MemoryPlan, fixes: list[str]) -> str:
     """The one line refusing ``plan``: the peak, its largest term and what would fit."""
     big = plan.largest()
-    fix = f"fits with {', or '.join(fixes)}" if fixes else "no single change fits; combine them or use more devices"
+    if fixes:
+        fix = f"fits with {', or '.join(fixes)}"
+    elif plan.peak_moment == LOAD:
+        fix = "no setting changes it: every rank loads the whole model before sharding; use devices with more memory"
+    else:
+        fix = "no single change fits; combine them or use more devices"
     return (f"memory: the plan needs {size(plan.peak)} per device ({plan.peak_moment}) but a device has "
             f"{size(plan.device_bytes)} ({plan.device_label}); largest term: {big.name}, {size(big.bytes)}; {fix}")
 
@@ -574,5 +742,5 @@ def train_shape(config: TrainConfig, world_size: int, seq_length: int, device_ty
         activation_checkpointing=config.activation_checkpointing, lora=config.lora, pp_schedule=config.pp_schedule,
         virtual_stages=config.virtual_stages, num_layer_list=config.num_layer_list,
         documents=config.data.kind == "sft" or config.data.document_attention,
-        fused_optimizer=device_type in ("cuda", "npu"),
+        fused_optimizer=device_type in ("cuda", "npu"), ep=getattr(config, "ep", 1),
     )

@@ -382,13 +382,18 @@ def memory_check(config: TrainConfig, model: ModelConfig, world: int, nproc: int
         changed = config.model_copy(update=change)
         if settings_problems(changed, world, model):
             return None
-        return train_plan(model, train_shape(changed, world, seq_length, device_type), device_bytes, label, name)
+        shape = train_shape(changed, world, seq_length, device_type)
+        if shape.ep > 1 and (not model.num_experts or model.num_experts % shape.ep or shape.dp % shape.ep):
+            return None  # the experts cannot be split ep ways over these dp ranks
+        return train_plan(model, shape, device_bytes, label, name)
 
     plan = plan_of({})
     if plan is None or plan.fits:
         return plan, []
     current = {"tp": config.tp, "pp": config.pp, "micro_batch_size": config.micro_batch_size,
                "activation_checkpointing": config.activation_checkpointing, "lora": config.lora}
+    if "ep" in type(config).model_fields and model.num_experts:
+        current["ep"] = config.ep
     return plan, [refusal(plan, suggestions(plan_of, current, model, world))]
 
 
