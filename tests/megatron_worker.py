@@ -516,7 +516,7 @@ def parse_args(argv: list[str] | None = None) -> Namespace:
 def main(argv: list[str] | None = None) -> None:
     cli = parse_args(argv)
     install_cpu_shims()
-    init_parallel(cli.tp, cli.pp, getattr(cli, "ep", 1))
+    init_parallel(cli.tp, cli.pp, getattr(cli, "ep", 1))  # only "load" takes --ep
     try:
         cli.run(cli)
     finally:

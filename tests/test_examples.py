@@ -10,7 +10,6 @@ import re
 from pathlib import Path
 
 import pytest
-import yaml
 
 from llmflow.mesh import ParallelLayout
 from llmflow.models import ModelConfig
@@ -74,14 +73,8 @@ def kind(path: Path) -> str:
 
 
 def load(path: Path) -> TrainConfig:
-    """The config in ``path``. Until TrainConfig has ``ep`` (expert parallelism lands apart from
-    the examples), an ``ep`` key is read here and carried beside the validated rest, where
-    ``train_shape`` reads it."""
-    if "ep" in TrainConfig.model_fields:
-        return load_train_config(path)
-    tree = yaml.safe_load(path.read_text())
-    ep = tree.pop("ep", 1)
-    return TrainConfig.model_validate(tree).model_copy(update={"ep": ep})
+    """The config in ``path``, as ``llmflow train`` reads it."""
+    return load_train_config(path)
 
 
 def seq_length(path: Path, config: TrainConfig) -> int:
@@ -109,8 +102,7 @@ def layout(config: TrainConfig, world: int) -> str:
     parts = [f"{name}={value}" for name, value in (("tp", config.tp), ("pp", config.pp)) if value > 1]
     dp = ParallelLayout.of_world(world, config.pp, config.tp, config.dp).dp
     text = " x ".join(parts + ([f"dp={dp}"] if dp > 1 else []))
-    ep = getattr(config, "ep", 1)
-    return f"{text}, ep={ep}" if ep > 1 else text
+    return f"{text}, ep={config.ep}" if config.ep > 1 else text
 
 
 def parameters(model: ModelConfig) -> str:
@@ -149,10 +141,10 @@ def test_example_passes_the_checks_and_fits_64_gb(path):
     model = ModelConfig.from_file(path.parent / "config.json")
     world = devices(path)
     dp = ParallelLayout.of_world(world, config.pp, config.tp, config.dp).dp
-    assert parallel_problems(world, config.tp, config.dp, model, config.pp) == []
+    assert parallel_problems(world, config.tp, config.dp, model, config.pp, config.ep) == []
     assert batch_problems(config.global_batch_size, config.micro_batch_size, dp) == []
     assert pipeline_problems(config, dp, model.num_hidden_layers) == []
-    ep = getattr(config, "ep", 1)
+    ep = config.ep
     if model.num_experts:  # experts split over ep ranks carved out of dp
         assert ep > 1 and dp % ep == 0 and model.num_experts % ep == 0
     else:
@@ -171,15 +163,6 @@ def test_example_passes_the_checks_and_fits_64_gb(path):
     assert (int(command[1]), int(command[2] or 1), command[3]) == (DEVICES_PER_NODE, nodes(path),
                                                                   f"{path.parent.name}/{path.name}")
     assert f"--tokenizer workspace/models/{path.parent.name}" in text and "llmflow convert" in text
-
-
-@pytest.mark.parametrize("path", [p for p in CONFIGS if "ep" in (yaml.safe_load(p.read_text()) or {})],
-                         ids=lambda p: str(p.relative_to(EXAMPLES)))
-def test_example_with_expert_parallelism_loads_as_llmflow_train_reads_it(path):
-    if "ep" not in TrainConfig.model_fields:
-        pytest.skip("TrainConfig has no ep yet (expert parallelism lands separately); the other checks read ep "
-                    "from the YAML. Remove this skip when it lands")
-    assert load_train_config(path).ep == yaml.safe_load(path.read_text())["ep"]
 
 
 def test_readme_table_is_the_plan():

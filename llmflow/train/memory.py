@@ -742,5 +742,5 @@ def train_shape(config: TrainConfig, world_size: int, seq_length: int, device_ty
         activation_checkpointing=config.activation_checkpointing, lora=config.lora, pp_schedule=config.pp_schedule,
         virtual_stages=config.virtual_stages, num_layer_list=config.num_layer_list,
         documents=config.data.kind == "sft" or config.data.document_attention,
-        fused_optimizer=device_type in ("cuda", "npu"), ep=getattr(config, "ep", 1),
+        fused_optimizer=device_type in ("cuda", "npu"), ep=config.ep,
     )

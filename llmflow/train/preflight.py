@@ -392,7 +392,7 @@ def memory_check(config: TrainConfig, model: ModelConfig, world: int, nproc: int
         return plan, []
     current = {"tp": config.tp, "pp": config.pp, "micro_batch_size": config.micro_batch_size,
                "activation_checkpointing": config.activation_checkpointing, "lora": config.lora}
-    if "ep" in type(config).model_fields and model.num_experts:
+    if model.num_experts:
         current["ep"] = config.ep
     return plan, [refusal(plan, suggestions(plan_of, current, model, world))]
 
