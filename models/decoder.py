@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from llmflow import kernels
+from llmflow.models.blocks.moe import GroupedExperts, TopKRouter
 from llmflow.models.blocks.norm import RMSNorm
 from llmflow.models.blocks.rotary import inverse_frequencies, positions_from_documents, rotary_cos_sin
 from llmflow.models.config import ModelConfig, family_of
@@ -118,13 +119,16 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
-        """Random initialisation for training from scratch: normal(0, std) weights, unit
-        norms, zero biases."""
+        """Random initialisation for training from scratch: normal(0, std) weights (the
+        experts' and routers' too), unit norms, zero biases."""
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
+            if isinstance(module, (nn.Linear, nn.Embedding, TopKRouter)):
                 module.weight.normal_(0.0, std, generator=generator)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
+            elif isinstance(module, GroupedExperts):
+                for weight in module.parameters():
+                    weight.normal_(0.0, std, generator=generator)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
         self.model.reset_rope()

@@ -161,15 +161,6 @@ def _live_bytes() -> int:
     return info.hblkhd + info.uordblks
 
 
-@torch.no_grad()
-def init_experts(model: CausalLM, generator: torch.Generator) -> None:
-    """normal(0, 0.02) routers and experts, which ``init_weights`` (nn.Linear, nn.Embedding and
-    the norms) leaves as allocated."""
-    for name, param in model.named_parameters():
-        if ".mlp.gate." in name or ".mlp.experts." in name:
-            param.normal_(0.0, 0.02, generator=generator)
-
-
 LAYER_CONFIGS = {"qwen2": qwen2, "qwen3_moe": moe, "qwen2_moe": lambda **changes: moe("qwen2_moe", **changes)}
 
 
@@ -180,8 +171,8 @@ def measure_layer(dtype: str, mode: str, lora: bool, documents: bool, family: st
     kept = {}
     for layers in (1, 2, 4):  # the first run warms up the kernels
         model = CausalLM(LAYER_CONFIGS[family](num_hidden_layers=layers))
-        if family != "qwen2":
-            init_experts(model, torch.Generator().manual_seed(0))
+        if family != "qwen2":  # the experts are allocated, not initialised, until init_weights
+            model.init_weights(generator=torch.Generator().manual_seed(0))
         model = model.to(getattr(torch, dtype))
         if lora:
             apply_lora(model, LoraConfig(rank=8))
@@ -586,7 +577,6 @@ def measure_training(root: str, hidden: int, layers: int, ffn: int, heads: int, 
                                       "head_dim": hidden // heads, **experts})
     model = CausalLM(config)
     model.init_weights(generator=torch.Generator().manual_seed(0))
-    init_experts(model, torch.Generator().manual_seed(1))
     save_hf_model(model, root_dir / "model")
     del model
     source = root_dir / "model"

@@ -155,3 +155,21 @@ def test_mmlu_predictions_of_a_mixture_of_experts_are_lm_evals(sample_assets, ma
         scores = [float(response[0]) for response in sample_row["filtered_resps"]]
         assert prediction["scores"] == pytest.approx(scores, rel=5e-7, abs=1e-5), sample_row["doc_id"]
         assert prediction["prediction"] == "ABCD"[max(range(4), key=scores.__getitem__)]
+
+
+def test_random_initialisation_covers_routers_and_experts():
+    """``init_weights`` (convert --init random, pretraining from scratch) draws the routers'
+    and the stacked experts' weights like every other matrix."""
+    from llmflow.models import CausalLM
+
+    config = ModelConfig.from_hf({"model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32,
+                                  "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 2,
+                                  "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                                  "moe_intermediate_size": 64})
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model.to_empty(device="cpu")
+    model.init_weights(std=0.02, generator=torch.Generator().manual_seed(0))
+    for name, block in moe_layers(model):
+        for weight in (block.gate.weight, block.experts.gate_proj, block.experts.up_proj, block.experts.down_proj):
+            assert torch.isfinite(weight).all() and abs(weight.std().item() - 0.02) < 0.002, name
