@@ -51,6 +51,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.train_step
+	$(PY) -m bench.moe_step
 
 clean:
 	rm -rf $(VENV) $(WORK) build *.egg-info

@@ -10,6 +10,8 @@
 - Cross-entropy fused with the output projection (see cross_entropy.py).
 - The experts of a mixture of experts through ``F.grouped_mm`` (one kernel for every
   expert's rows, CPU and CUDA); shapes or dtypes it does not take go expert by expert.
+  Under torch.compile outside bfloat16 (which is all the compiler traces it in) the same
+  kernel runs as the custom op ``llmflow::grouped_mm``.
 """
 
 from __future__ import annotations
@@ -83,4 +85,46 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
     if not _grouped_mm_takes(x, weight):
         return reference.grouped_mm(x, weight, counts)
     offsets = counts.cumsum(0, dtype=torch.int32)
+    if x.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        # torch.compile traces grouped_mm in bfloat16 only (its fake kernel refuses fp32):
+        # in other dtypes the same kernel runs as an op the compiler does not look into.
+        return torch.ops.llmflow.grouped_mm(x, weight, offsets)
     return F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+
+
+@torch.library.custom_op("llmflow::grouped_mm", mutates_args=())
+def _opaque_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``grouped_mm`` with the groups' end offsets, for torch.compile outside bfloat16."""
+    return F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+
+
+@_opaque_grouped_mm.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[-2])
+
+
+@torch.library.custom_op("llmflow::grouped_mm_backward", mutates_args=())
+def _opaque_grouped_mm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                                offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of x [N, in] (grad [N, out] times each group's weight [out, in]) and of
+    weight [E, out, in] (each group's grad rows transposed times its x rows)."""
+    return F.grouped_mm(grad, weight, offs=offsets), F.grouped_mm(grad.t(), x, offs=offsets)
+
+
+@_opaque_grouped_mm_backward.register_fake
+def _(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+      offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _grouped_mm_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_mm_backward(ctx, grad: torch.Tensor):
+    x, weight, offsets = ctx.saved_tensors
+    grad_x, grad_weight = torch.ops.llmflow.grouped_mm_backward(grad.contiguous(), x, weight, offsets)
+    return grad_x, grad_weight, None
+
+
+_opaque_grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)

@@ -38,8 +38,8 @@ class _Dispatch:
     """For each row of the regrouped (by local expert) order, its row in arrival order."""
 
 
-def _dispatch(module: GroupedExperts, inputs: tuple[torch.Tensor, torch.Tensor], mesh: DeviceMesh):
-    rows, counts = inputs
+def _dispatch(module: GroupedExperts, inputs: tuple[torch.Tensor, ...], mesh: DeviceMesh):
+    rows, counts, *scale = inputs
     group = mesh.get_group()
     ranks = mesh.size()
     local = counts.numel() // ranks
@@ -50,7 +50,6 @@ def _dispatch(module: GroupedExperts, inputs: tuple[torch.Tensor, torch.Tensor],
     state = _Dispatch()
     state.sent = sending.sum(1).tolist()
     state.received = receiving.sum(1).tolist()
-    arrived = all_to_all_single_autograd(rows, state.received, state.sent, group)
     # Arrival order is (source rank, local expert): regroup to (local expert, source rank).
     sizes = receiving.flatten()
     starts = (sizes.cumsum(0) - sizes).view(ranks, local).t().flatten()
@@ -58,7 +57,8 @@ def _dispatch(module: GroupedExperts, inputs: tuple[torch.Tensor, torch.Tensor],
     state.order = torch.repeat_interleave(starts - (lengths.cumsum(0) - lengths), lengths) + torch.arange(
         int(lengths.sum()), device=rows.device)
     module._dispatch = state
-    return arrived[state.order], receiving.sum(0)
+    arrived = [all_to_all_single_autograd(t, state.received, state.sent, group)[state.order] for t in (rows, *scale)]
+    return arrived[0], receiving.sum(0), *arrived[1:]
 
 
 def _combine(module: GroupedExperts, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:

@@ -173,3 +173,29 @@ def test_random_initialisation_covers_routers_and_experts():
     for name, block in moe_layers(model):
         for weight in (block.gate.weight, block.experts.gate_proj, block.experts.up_proj, block.experts.down_proj):
             assert torch.isfinite(weight).all() and abs(weight.std().item() - 0.02) < 0.002, name
+
+
+def test_the_moe_block_compiles_in_fp32_as_one_graph_with_eager_results():
+    """torch.compile traces F.grouped_mm in bfloat16 only: in fp32 the fused kernel runs as an
+    opaque op, and the block (counts, permutation, experts, combine) compiles without a
+    graph break to the eager block's output, gradients and routing counts."""
+    torch.manual_seed(0)
+    block = MoE(64, 32, num_experts=4, top_k=2, norm_topk_prob=True)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(2, 24, 64)
+    upstream = torch.randn(2, 24, 64)
+    results = []
+    for forward in (block, torch.compile(block, fullgraph=True)):
+        with K.use_kernels(K.FUSED):
+            xx = x.clone().requires_grad_()
+            out = forward(xx)
+        out.backward(upstream)
+        results.append((out.detach(), xx.grad, block.experts.down_proj.grad.clone(), block.gate.weight.grad.clone(),
+                        block.routing.tokens_per_expert))
+        block.zero_grad(set_to_none=True)
+    for compiled, eager in zip(*reversed(results), strict=True):
+        assert_close(compiled, eager)
+    torch.library.opcheck(torch.ops.llmflow.grouped_mm.default,
+                          (torch.randn(24, 64, requires_grad=True), torch.randn(4, 32, 64, requires_grad=True),
+                           torch.tensor([5, 5, 16, 24], dtype=torch.int32)))

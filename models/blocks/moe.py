@@ -66,11 +66,15 @@ class GroupedExperts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, hidden] holds ``counts[e]`` rows for each expert e, in expert order (under
-        expert parallelism: this rank's experts, ``models/expert_parallel.py``)."""
+        expert parallelism: this rank's experts, ``models/expert_parallel.py``); each row's
+        output times ``scale`` [N, 1] when given (applied to the SwiGLU's output, the narrower
+        of the down projection's two sides)."""
         gate, up, down = (_local(w, x.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
         hidden = kernels.swiglu(kernels.grouped_mm(x, gate, counts), kernels.grouped_mm(x, up, counts))
+        if scale is not None:
+            hidden = hidden * scale
         return kernels.grouped_mm(hidden, down, counts)
 
 
@@ -99,12 +103,18 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, shape[-1])
         probabilities, weights, experts = self.gate(tokens)
         choices = experts.reshape(-1)
-        counts = torch.bincount(choices, minlength=self.num_experts)
+        # Counted by scatter_add_, not bincount: bincount sizes its output from the largest
+        # index, a device-to-host sync per layer on an accelerator (and a dynamic shape
+        # torch.compile cannot trace); scatter_add_ is also deterministic on CUDA.
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=choices.device)
+        counts.scatter_add_(0, choices, torch.ones_like(choices))
         self.routing = Routing(counts.detach(), probabilities.sum(dim=0), tokens.shape[0])
         # Every (token, choice) pair once, grouped by expert; stable, so tokens keep their order.
         order = torch.argsort(choices, stable=True)
         source = order // experts.shape[1]
-        routed = self.experts(tokens[source], counts) * weights.reshape(-1, 1)[order]
+        # index_select, whose backward is index_add_ (advanced indexing's is the slower
+        # accumulating index_put_); the routing weight scales each pair's SwiGLU output.
+        routed = self.experts(tokens.index_select(0, source), counts, weights.reshape(-1, 1)[order])
         out = torch.zeros_like(tokens).index_add_(0, source, routed)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)

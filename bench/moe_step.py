@@ -1,0 +1,365 @@
+"""Mixture-of-experts training-step benchmark: llmflow's Qwen3-MoE against transformers'
+Qwen3MoeForCausalLM.
+
+One forward + backward + AdamW step on the same weights and batch, CPU, fp32, one process,
+for a Qwen3-30B-A3B-shaped model shrunk to fit two cores (GQA, q/k norms, every layer sparse,
+top-8 of 32 experts with renormalised weights, load-balancing auxiliary loss at
+``router_aux_loss_coef`` 0.001). Four sides, each in its own subprocess (all import the same
+libraries, so peak resident memory is measured per side):
+
+- ``transformers``: ``Qwen3MoeForCausalLM`` as ``from_pretrained`` sets it up: SDPA attention
+  and its default experts implementation, ``grouped_mm`` (``F.grouped_mm`` over the experts'
+  stacked ``gate_up_proj``/``down_proj``; transformers 5's other choices are ``eager``, a
+  Python loop over the experts, and ``batched_mm``, which gathers every token's k expert
+  matrices); ``output_router_logits`` on, so its loss includes the auxiliary loss;
+- ``transformers+compile``: the same model through ``torch.compile(model)``, as
+  transformers' and PyTorch's training guides recommend (in fp32 its experts then run its
+  ``grouped_mm_fallback`` custom op: Inductor takes ``grouped_mm`` in bf16 only);
+- ``llmflow``: llmflow's decoder eager (the training default, ``compile: false``), its loss
+  and auxiliary loss computed by the training loop's own ``forward_backward`` and
+  ``RoutingLog`` with the coefficient ``aux_loss_coefficient`` reads from config.json;
+- ``llmflow+compile``: with the training config's ``compile: true`` (``apply_compile``).
+
+A round runs every side once (the order reversed every other round), each side timing
+``--steps`` steps after ``--warmup`` warm-up steps (``--eager-warmup`` for the eager sides);
+compilation happens in the first warm-up step and its time (that step less a timed step) is
+reported, not counted. Inductor's cache starts empty in each run, so the first round
+compiles cold and later rounds reuse the cache.
+Per round, each llmflow side's tokens/s is divided by each transformers side's; the median
+and spread (min-max) of each ratio over the rounds are printed, with llmflow eager against
+the faster transformers side of the round (the bar: 1.5x). The first-step losses (cross
+entropy + 0.001 x auxiliary loss) of every side must agree with transformers eager within
+``LOSS_TOLERANCE``, and so must their auxiliary losses within ``AUX_TOLERANCE``.
+
+Achieved FLOP/s = model FLOPs per token of the weights a token goes through (6 x the active
+matmul weights: attention, router, its k experts' SwiGLU and the output layer, plus
+12 x layers x heads x head_dim x seq for attention) x tokens/s, shown as a fraction of the
+machine's measured peak: the best fp32 2048^3 matmul on the same threads, measured between
+the rounds.
+
+    python -m bench.moe_step [--rounds 5] [--steps 3] [--warmup 2] [--eager-warmup 1] [--record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from bench.flops import measured_peak_flops
+from bench.machine import cpu_model
+from bench.results import update_results
+
+REPO = Path(__file__).resolve().parent.parent
+
+CONFIG = {
+    "vocab_size": 8192, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
+    "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 768, "num_experts": 32,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 128, "norm_topk_prob": True,
+    "router_aux_loss_coef": 0.001, "output_router_logits": True, "tie_word_embeddings": False,
+    "max_position_embeddings": 2048,
+}
+"""Qwen3-30B-A3B (hidden 2048, 48 layers, 32 heads / 4 KV of 128, 128 experts, top-8 of
+width 768, vocabulary 151,936, untied) shrunk to two cores: hidden 256 with 8 heads / 2 KV
+of 64 (attention twice the hidden width, as there), 32 experts, top-8 of width 128 (a
+token's experts 4x the hidden width, as 8 x 768 is 3x 2048 there), 4 layers, vocabulary
+8,192 (small enough that the output layer, the same matmul on every side, does not hide
+the experts)."""
+SIDES = ("transformers", "transformers+compile", "llmflow", "llmflow+compile")
+BASELINES = ("transformers", "transformers+compile")
+OURS = ("llmflow", "llmflow+compile")
+TARGET = 1.5
+"""The bar: llmflow's eager MoE step at least this times the faster transformers side."""
+LOSS_TOLERANCE = 1e-5
+"""Largest first-step loss difference (absolute, fp32, losses ~9.1) allowed between any side
+and transformers eager: the same sums in another order differ by a few fp32 roundings."""
+AUX_TOLERANCE = 1e-5
+"""The same for the auxiliary loss alone (~8: top-k, its value at perfect balance)."""
+
+
+def moe_flops_per_token(config: dict, seq: int) -> tuple[int, float]:
+    """(active matmul weights per token, training FLOPs per token) of the MoE config."""
+    h, layers = config["hidden_size"], config["num_hidden_layers"]
+    q = config["num_attention_heads"] * config["head_dim"]
+    kv = config["num_key_value_heads"] * config["head_dim"]
+    experts = config["num_experts_per_tok"] * 3 * h * config["moe_intermediate_size"]
+    per_layer = h * q + 2 * h * kv + q * h + h * config["num_experts"] + experts
+    active = layers * per_layer + config["vocab_size"] * h
+    return active, 6 * active + 12 * layers * q * seq
+
+
+class LlmflowStep:
+    """The training loop's forward and backward of one micro-batch (``forward_backward``),
+    on a single-process run: the summed cross entropy over the batch's target tokens plus
+    ``aux_loss_coef`` x the auxiliary loss that ``RoutingLog`` computes after the forward."""
+
+    def __init__(self, model, hf_config: dict, batch: dict) -> None:
+        from llmflow.train.routing import RoutingLog, aux_loss_coefficient
+
+        self.batch = batch
+        self.total = float((batch["targets"] != -100).sum())
+        self.run = SimpleNamespace(
+            pipeline=None, env=SimpleNamespace(device=torch.device("cpu")), parts=[model], sharded=False,
+            routing=RoutingLog([model], None), aux_loss_coef=aux_loss_coefficient(None, hf_config),
+            topo=SimpleNamespace(layout=SimpleNamespace(dp=1)))
+
+    def __call__(self) -> tuple[float, float]:
+        """Forward and backward; (loss as transformers reports it, auxiliary loss)."""
+        from llmflow.train.loop import forward_backward
+
+        self.run.routing.reset()
+        loss_sum = forward_backward(self.run, [self.batch], self.total)
+        aux = float(self.run.routing.aux_sum)
+        return loss_sum.item() / self.total + self.run.aux_loss_coef * aux, aux
+
+
+def build_side(side: str, model_dir: str, tokens: torch.Tensor):
+    """The model of ``side`` and a function running its forward and backward on ``tokens``,
+    returning (loss, auxiliary loss)."""
+    # The same imports on every side: equal baseline memory.
+    import transformers
+
+    from llmflow.train.data import collate
+    from llmflow.train.loop import forward_backward  # noqa: F401
+
+    if side.startswith("transformers"):
+        model = transformers.Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model.train()
+        implementation = model.config._experts_implementation
+        assert implementation == "grouped_mm", f"transformers' experts implementation is {implementation}"
+        step_model = torch.compile(model) if side.endswith("+compile") else model
+
+        def step() -> tuple[float, float]:
+            out = step_model(input_ids=tokens, labels=tokens)
+            out.loss.backward()
+            return out.loss.item(), out.aux_loss.item()
+
+        return model, step
+
+    from llmflow.models.parallelize import apply_compile
+    from llmflow.train.data import Sample
+    from llmflow.weights import load_hf_model
+
+    model = load_hf_model(model_dir)
+    model.train()
+    if side.endswith("+compile"):
+        apply_compile(model)
+    targets = torch.cat([tokens[:, 1:], torch.full((tokens.shape[0], 1), -100)], dim=1)
+    batch = collate([Sample(row.numpy(), target.numpy(), None, f"bench row {i}")
+                     for i, (row, target) in enumerate(zip(tokens, targets))])
+    hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+    return model, LlmflowStep(model, hf_config, batch)
+
+
+def run_side(side: str, model_dir: str, batch: int, seq: int, steps: int, warmup: int) -> dict:
+    """Runs in a child process: train warm-up and timed steps, report timings and memory."""
+    torch.manual_seed(0)
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    tokens = torch.randint(0, vocab, (batch, seq))
+    model, step = build_side(side, model_dir, tokens)
+    # The same optimizer on every side: the fused AdamW kernel where torch has one.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    times, cpu, losses = [], [], []
+    for _ in range(warmup + steps):
+        t0, c0 = time.perf_counter(), time.process_time()
+        losses.append(step())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    step_s = statistics.median(times[warmup:])
+    return {
+        "side": side,
+        "tokens_per_s": batch * seq / step_s,
+        "step_s": step_s,
+        "cpu_s": statistics.median(cpu[warmup:]),
+        "first_step_s": times[0],
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "first_loss": losses[0][0],
+        "first_aux": losses[0][1],
+        "threads": torch.get_num_threads(),
+    }
+
+
+def make_model(directory: str) -> None:
+    """Random weights of ``CONFIG`` saved in ``directory`` (transformers' own initialisation:
+    normal(0, 0.02) for every matrix, the router and the experts included)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(1234)
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(**CONFIG)).save_pretrained(directory)
+
+
+def run_child(side: str, model_dir: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
+    warmup = args.warmup if side.endswith("+compile") else args.eager_warmup or args.warmup
+    cmd = [sys.executable, "-m", "bench.moe_step", "--child", side, model_dir, "--batch", str(args.batch),
+           "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(warmup)]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, cwd=REPO)
+    if proc.returncode != 0:
+        sys.exit(f"bench.moe_step: the {side} side failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def bench(args: argparse.Namespace, sides: tuple[str, ...], peaks: list[float], loads: list[float]) -> dict:
+    """Every round; appends the peaks measured and the load average at each round's start."""
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
+    with tempfile.TemporaryDirectory() as model_dir, tempfile.TemporaryDirectory() as cache:
+        make_model(model_dir)
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        for r in range(args.rounds):
+            loads.append(os.getloadavg()[0])
+            peaks.append(measured_peak_flops(torch.device("cpu")))
+            for side in sides if r % 2 == 0 else reversed(sides):
+                result = run_child(side, model_dir, args, env)
+                runs[side].append(result)
+                print(f"round {r + 1}/{args.rounds} {side}: {result['tokens_per_s']:.0f} tok/s "
+                      f"({result['step_s']:.2f} s/step, CPU {result['cpu_s']:.2f} s), first step {result['first_step_s']:.1f} s, "
+                      f"loss {result['first_loss']:.6f}, aux {result['first_aux']:.6f}, "
+                      f"peak RSS {result['peak_rss_mib']:.0f} MiB", flush=True)
+    reference = runs["transformers"][0]
+    loss_diff = max(abs(run["first_loss"] - reference["first_loss"]) for side in sides for run in runs[side])
+    aux_diff = max(abs(run["first_aux"] - reference["first_aux"]) for side in sides for run in runs[side])
+    if loss_diff > LOSS_TOLERANCE or aux_diff > AUX_TOLERANCE:
+        sys.exit(f"bench.moe_step: first-step losses differ by {loss_diff:.2e} (tolerance {LOSS_TOLERANCE:.0e}), "
+                 f"auxiliary losses by {aux_diff:.2e} ({AUX_TOLERANCE:.0e}): the sides did not compute the same step")
+    _, flops = moe_flops_per_token(CONFIG, args.seq)
+    summary = {}
+    for side, results in runs.items():
+        tok = [r["tokens_per_s"] for r in results]
+        summary[side] = {
+            "tokens_per_s": spread(tok),
+            "flops_per_s": statistics.median(tok) * flops,
+            "cpu_s": statistics.median(r["cpu_s"] for r in results),
+            "peak_rss_mib": max(r["peak_rss_mib"] for r in results),
+            "compile_s": [r["first_step_s"] - r["step_s"] for r in results] if side.endswith("+compile") else None,
+        }
+    ours = [s for s in OURS if s in runs]
+    bases = [s for s in BASELINES if s in runs]
+    ratios = {f"{o} / {b}": spread([x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(runs[o], runs[b])])
+              for o in ours for b in bases}
+    for o in ours:
+        ratios[f"{o} / faster transformers"] = spread(
+            [runs[o][r]["tokens_per_s"] / max(runs[b][r]["tokens_per_s"] for b in bases) for r in range(args.rounds)])
+    for o in ours:
+        ratios[f"{o} / cheaper transformers, CPU time"] = spread(
+            [min(runs[b][r]["cpu_s"] for b in bases) / runs[o][r]["cpu_s"] for r in range(args.rounds)])
+    return {"sides": summary, "ratios": ratios, "loss_diff": loss_diff, "aux_diff": aux_diff,
+            "loss": reference["first_loss"], "aux": reference["first_aux"],
+            "threads": reference["threads"]}
+
+
+def describe_config(seq: int) -> str:
+    active, flops = moe_flops_per_token(CONFIG, seq)
+    c = CONFIG
+    return (f"Qwen3-MoE, hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, {c['num_attention_heads']} heads / "
+            f"{c['num_key_value_heads']} KV of {c['head_dim']}, {c['num_experts']} experts, top-{c['num_experts_per_tok']} "
+            f"of width {c['moe_intermediate_size']} (renormalised), vocabulary {c['vocab_size']}, untied, aux loss "
+            f"coefficient {c['router_aux_loss_coef']}; model FLOPs per token = 6 x {active / 1e6:.2f}M active matmul "
+            f"weights (q, k, v, o, router, k experts' gate/up/down, output layer) + 12 x layers x heads x head_dim x "
+            f"seq = {flops / 1e9:.3f} GFLOP")
+
+
+def report(row: dict, args: argparse.Namespace, peak: float, loads: list[float], load_after: float) -> list[str]:
+    """The History entry (markdown lines)."""
+    import transformers
+
+    load = ", ".join(f"{x:.1f}" for x in loads)
+    eager = row["ratios"]["llmflow / faster transformers"]
+    lines = [
+        (f"### moe_step ({time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores, torch "
+         f"{torch.__version__}, transformers {transformers.__version__}, {row['threads']} threads, load average "
+         f"{load} at the rounds' starts, {load_after:.1f} after)"),
+        "",
+        (f"`python -m bench.moe_step --rounds {args.rounds} --steps {args.steps} --warmup {args.warmup} "
+         f"--eager-warmup {args.eager_warmup or args.warmup}{' --sides ' + ' '.join(args.sides) if args.sides != list(SIDES) else ''}`: "
+         f"batch {args.batch} x seq {args.seq}, fp32, forward+backward+AdamW (fused), each side in its own process; "
+         f"{args.rounds} rounds, sides alternating; tokens/s = median of {args.steps} steps after {args.warmup} warm-up "
+         f"steps ({args.eager_warmup or args.warmup} on the eager sides). transformers: `Qwen3MoeForCausalLM`, "
+         f"`output_router_logits=True`, SDPA attention, experts_implementation `grouped_mm` (its default). Peak = "
+         f"best fp32 2048^3 matmul on the same threads over all rounds: {peak / 1e9:.1f} GFLOP/s."),
+        "",
+        (f"{describe_config(args.seq)}. First-step loss {row['loss']:.6f} (auxiliary {row['aux']:.6f}); every side "
+         f"within {row['loss_diff']:.1e} (tolerance {LOSS_TOLERANCE:.0e}), auxiliary within {row['aux_diff']:.1e} "
+         f"({AUX_TOLERANCE:.0e})."),
+        "",
+        "| side | tok/s median (min-max) | CPU s/step (all threads) | achieved GFLOP/s | of peak | peak RSS MiB | compile s (first round, cold; later) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for side, s in row["sides"].items():
+        t = s["tokens_per_s"]
+        compile_s = "-" if s["compile_s"] is None else (
+            f"{s['compile_s'][0]:.0f}; {statistics.median(s['compile_s'][1:]) if len(s['compile_s']) > 1 else 0:.0f}")
+        lines.append(f"| {side} | {t['median']:.0f} ({t['min']:.0f}-{t['max']:.0f}) | {s['cpu_s']:.2f} "
+                     f"| {s['flops_per_s'] / 1e9:.1f} "
+                     f"| {s['flops_per_s'] / peak:.1%} | {s['peak_rss_mib']:.0f} | {compile_s} |")
+    lines += ["", "| speed ratio | median | min | max |", "|---|---|---|---|"]
+    lines += [f"| {k} | {v['median']:.2f}x | {v['min']:.2f}x | {v['max']:.2f}x |" for k, v in row["ratios"].items()]
+    lines += ["", (f"Bar: llmflow eager at least {TARGET}x the faster transformers side: "
+              f"{'met' if eager['median'] >= TARGET else 'not met'} ({eager['median']:.2f}x median)."), ""]
+    return lines
+
+
+def record(row: dict, args: argparse.Namespace, entry: list[str], loads: list[float]) -> None:
+    """Append ``entry`` to History and replace this benchmark's row of the Current table."""
+    r, s = row["ratios"], row["sides"]
+    eager = r["llmflow / faster transformers"]
+    memory = s["llmflow"]["peak_rss_mib"] / min(s[b]["peak_rss_mib"] for b in BASELINES if b in s)
+    compiled = (f"; compiled llmflow {r['llmflow+compile / faster transformers']['median']:.2f}x"
+                if "llmflow+compile / faster transformers" in r else "")
+    current = [
+        (f"| `bench.moe_step` | transformers `Qwen3MoeForCausalLM` train step (grouped_mm experts, aux loss), eager and "
+        f"`torch.compile`, the faster of the two each round (fp32, Qwen3-30B-A3B shape shrunk: 32 experts top-8, "
+        f"batch {args.batch} x {args.seq}, same first-step loss) | {eager['median']:.2f}x speed, llmflow eager against "
+        f"the faster transformers side (bar {TARGET}x){compiled}; {memory:.2f}x peak memory (llmflow eager against "
+        f"the lighter transformers side) | {eager['min']:.2f}x-{eager['max']:.2f}x over {args.rounds} rounds "
+        f"| {row['threads']} | {', '.join(f'{x:.1f}' for x in loads)} | {time.strftime('%Y-%m-%d')} |")]
+    update_results(current, entry)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of every side, alternating (at least 1)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per side and round")
+    parser.add_argument("--warmup", type=int, default=2, help="warm-up steps of the compiled sides (compilation happens in the first)")
+    parser.add_argument("--eager-warmup", type=int, help="warm-up steps of the eager sides (default: --warmup)")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=list(SIDES),
+                        help="sides to run (transformers and llmflow always run: the loss check and the ratio need them)")
+    parser.add_argument("--record", action="store_true", help="record the result in bench/RESULTS.md")
+    parser.add_argument("--child", nargs=2, metavar=("SIDE", "MODEL_DIR"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    for flag in ("rounds", "steps", "warmup", "eager_warmup", "batch", "seq"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.child:
+        print(json.dumps(run_side(args.child[0], args.child[1], args.batch, args.seq, args.steps, args.warmup)))
+        return
+
+    sides = tuple(s for s in SIDES if s in args.sides or s in ("transformers", "llmflow"))
+    args.sides = list(sides)
+    peaks: list[float] = []
+    loads: list[float] = []
+    row = bench(args, sides, peaks, loads)
+    entry = report(row, args, max(peaks), loads, os.getloadavg()[0])
+    print("\n".join(entry))
+    if args.record:
+        record(row, args, entry, loads)
+
+
+if __name__ == "__main__":
+    main()
