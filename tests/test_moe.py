@@ -199,3 +199,18 @@ def test_the_moe_block_compiles_in_fp32_as_one_graph_with_eager_results():
     torch.library.opcheck(torch.ops.llmflow.grouped_mm.default,
                           (torch.randn(24, 64, requires_grad=True), torch.randn(4, 32, 64, requires_grad=True),
                            torch.tensor([5, 5, 16, 24], dtype=torch.int32)))
+
+
+def test_flops_per_token_count_the_experts_a_token_goes_through():
+    """MFU's FLOPs of a mixture of experts: a token computes with the router and its top-k
+    experts, as a dense model of k experts' width would, plus the router."""
+    from llmflow.train.metrics import flops_per_token
+
+    shape = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 2, "head_dim": 16}
+    moe = ModelConfig.from_hf({"model_type": "qwen3_moe", **shape, "intermediate_size": 48, "num_experts": 8,
+                               "num_experts_per_tok": 2, "moe_intermediate_size": 24, "mlp_only_layers": [1]})
+    dense = ModelConfig.from_hf({"model_type": "qwen3", **shape, "intermediate_size": 48})
+    narrow = ModelConfig.from_hf({"model_type": "qwen3", **shape, "intermediate_size": 2 * 24})
+    router = 6 * 8 * 32
+    # Layers 0 and 2 route (two experts of 24 = one SwiGLU of 48, and the router); layer 1 is dense.
+    assert flops_per_token(moe, 128) == flops_per_token(narrow, 128) + 2 * router == flops_per_token(dense, 128) + 2 * router

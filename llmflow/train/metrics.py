@@ -34,13 +34,18 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 def flops_per_token(config: ModelConfig, seq_length: int) -> float:
-    """Training FLOPs per token: 6 x the matmul parameters (forward + backward) plus the
-    attention score and value products (12 x layers x hidden x seq), as in PaLM's MFU."""
-    h, f, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    """Training FLOPs per token: 6 x the matmul parameters a token goes through (forward +
+    backward; in a mixture-of-experts layer the router, its top-k experts and the shared
+    expert) plus the attention score and value products (12 x layers x hidden x seq), as in
+    PaLM's MFU."""
+    h, layers = config.hidden_size, config.num_hidden_layers
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
-    per_layer = h * q + 2 * h * kv + q * h + 3 * h * f
-    matmul_params = layers * per_layer + config.vocab_size * h
+    attention = h * q + 2 * h * kv + q * h
+    routed = (config.num_experts + 3 * config.num_experts_per_tok * config.moe_intermediate_size
+              + 3 * config.shared_expert_intermediate_size) * h
+    feed_forward = sum(routed if config.is_moe_layer(i) else 3 * h * config.intermediate_size for i in range(layers))
+    matmul_params = layers * attention + feed_forward + config.vocab_size * h
     return 6 * matmul_params + 12 * layers * q * seq_length
 
 
