@@ -347,8 +347,8 @@ def resume(run: Run) -> None:
 
 
 def same_layout(saved: dict[str, int], current: dict[str, int]) -> bool:
-    """Whether a checkpoint's layout is this run's (a layout recorded without pp had pp=1)."""
-    return {"pp": 1, **saved} == {"pp": 1, **current}
+    """Whether a checkpoint's layout is this run's (a layout recorded without pp or ep had 1)."""
+    return {"pp": 1, "ep": 1, **saved} == {"pp": 1, "ep": 1, **current}
 
 
 def micro_batches(run: Run, step: int) -> list[dict[str, torch.Tensor | None]]:

@@ -322,9 +322,9 @@ def _moe_bytes(model: ModelConfig, d: int, lora: LoraConfig | None, trains: Call
       weights are renormalised, their fp32 values and sum (4 k + 4); the rows' order and
       source token (16 k, int64); the routing weights gathered per row (d k);
     - per row: the token's hidden state gathered for the experts (d h, when the experts
-      train), gate and up (2 d I) and the SwiGLU output (d I, when the experts train), the
-      down projection's output and its product with the routing weight, which index_add
-      keeps (2 d h);
+      train), gate and up (2 d I), the SwiGLU output the routing weight multiplies (d I) and
+      their product, the down projection's input (d I, when the experts train), and the down
+      projection's output, which index_add keeps (d h);
     - the shared expert (Qwen2-MoE) as a dense SwiGLU of its width, its output (d h) and its
       sigmoid gate (d).
     """
@@ -334,7 +334,7 @@ def _moe_bytes(model: ModelConfig, d: int, lora: LoraConfig | None, trains: Call
     s = model.shared_expert_intermediate_size
     inputs = lora is None or any(trains(name) for name in (f"{shared}.gate_proj", f"{shared}.up_proj", f"{shared}_gate"))
     kept = d * h * inputs + 4 * model.num_experts + 8 * k + (4 * k + 4) * model.norm_topk_prob + 16 * k + d * k
-    kept += k * (d * h * experts_train + 2 * d * width + d * width * experts_train + 2 * d * h)
+    kept += k * (d * h * experts_train + 3 * d * width + d * width * experts_train + d * h)
     if s:
         kept += 2 * d * s + d * s * trains(f"{shared}.down_proj") + d * h + d
     return kept
