@@ -323,10 +323,10 @@ def test_backward_end_holds_the_embedding_gradient_beside_the_output_projection_
 
 
 def test_a_moe_layer_keeps_each_tokens_routed_rows():
-    # Each more choice per token: its gathered row, gate, up, SwiGLU, down and weighted outputs
-    # (2 (3 h + 3 I) + 2 bytes in bf16), its index (8), order and source (16), top-k value (4).
+    # Each more choice per token: its gathered row, gate, up, SwiGLU, weighted SwiGLU and down
+    # outputs (2 (2 h + 4 I) + 2 bytes in bf16), its index (8), order and source (16), top-k value (4).
     two, four = (layer_activation_bytes(moe(num_experts_per_tok=k), 2) for k in (2, 4))
-    assert four - two == 2 * (2 * (3 * 512 + 3 * 256 + 1) + 8 + 16 + 4)
+    assert four - two == 2 * (2 * (2 * 512 + 4 * 256 + 1) + 8 + 16 + 4)
     # A dense layer of the same model keeps its SwiGLU instead; attention is the same.
     mixed = moe(num_hidden_layers=2, mlp_only_layers=[1])
     dense = layer_activation_bytes(qwen2(model_type="qwen3", head_dim=64), 2)
