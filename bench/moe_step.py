@@ -47,7 +47,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -59,8 +58,7 @@ import torch
 from bench.flops import measured_peak_flops
 from bench.machine import cpu_model
 from bench.results import update_results
-
-REPO = Path(__file__).resolve().parent.parent
+from bench.train_step import run_child, spread
 
 CONFIG = {
     "vocab_size": 8192, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
@@ -200,20 +198,6 @@ def make_model(directory: str) -> None:
     Qwen3MoeForCausalLM(Qwen3MoeConfig(**CONFIG)).save_pretrained(directory)
 
 
-def run_child(side: str, model_dir: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
-    warmup = args.warmup if side.endswith("+compile") else args.eager_warmup or args.warmup
-    cmd = [sys.executable, "-m", "bench.moe_step", "--child", side, model_dir, "--batch", str(args.batch),
-           "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(warmup)]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, cwd=REPO)
-    if proc.returncode != 0:
-        sys.exit(f"bench.moe_step: the {side} side failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def bench(args: argparse.Namespace, sides: tuple[str, ...], peaks: list[float], loads: list[float]) -> dict:
     """Every round; appends the peaks measured and the load average at each round's start."""
     runs: dict[str, list[dict]] = {side: [] for side in sides}
@@ -224,7 +208,7 @@ def bench(args: argparse.Namespace, sides: tuple[str, ...], peaks: list[float], 
             loads.append(os.getloadavg()[0])
             peaks.append(measured_peak_flops(torch.device("cpu")))
             for side in sides if r % 2 == 0 else reversed(sides):
-                result = run_child(side, model_dir, args, env)
+                result = run_child(side, model_dir, args, env, module="bench.moe_step")
                 runs[side].append(result)
                 print(f"round {r + 1}/{args.rounds} {side}: {result['tokens_per_s']:.0f} tok/s "
                       f"({result['step_s']:.2f} s/step, CPU {result['cpu_s']:.2f} s), first step {result['first_step_s']:.1f} s, "

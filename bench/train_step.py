@@ -125,13 +125,15 @@ def make_model(name: str, directory: str) -> ModelConfig:
     return ModelConfig.from_file(directory)
 
 
-def run_child(side: str, model_dir: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
+def run_child(side: str, model_dir: str, args: argparse.Namespace, env: dict[str, str],
+              module: str = "bench.train_step") -> dict:
+    """One side's steps in a fresh process of ``module`` (its ``--child`` mode); its JSON result."""
     warmup = args.warmup if side.endswith("+compile") else args.eager_warmup or args.warmup
-    cmd = [sys.executable, "-m", "bench.train_step", "--child", side, model_dir, "--batch", str(args.batch),
+    cmd = [sys.executable, "-m", module, "--child", side, model_dir, "--batch", str(args.batch),
            "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(warmup)]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, cwd=REPO)
     if proc.returncode != 0:
-        sys.exit(f"bench.train_step: the {side} side failed:\n{proc.stderr[-4000:]}")
+        sys.exit(f"{module}: the {side} side failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
