@@ -77,9 +77,7 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh) -> None:
     """Split the experts of every MoE layer of ``model`` over the 1-D ``mesh``, in place."""
     for module in model.modules():
         if isinstance(module, MoE):
-            distribute_module(module.experts, mesh, _shard_experts,
-                              input_fn=lambda mod, inputs, mesh: _dispatch(mod, inputs, mesh),
-                              output_fn=lambda mod, output, mesh: _combine(mod, output, mesh))
+            distribute_module(module.experts, mesh, _shard_experts, input_fn=_dispatch, output_fn=_combine)
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
