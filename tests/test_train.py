@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from train_helpers import assert_close, config, losses, run, train_in_subprocess, training_assets
+from train_helpers import SINGLE_THREAD, assert_close, config, losses, run, train_in_subprocess, training_assets
 
 from llmflow.cli import main
 from llmflow.data.indexed import IndexedDatasetWriter
@@ -186,7 +186,7 @@ def test_sigkill_then_resume_is_exact_and_resumes_onto_another_layout(assets, re
     path.write_text(cfg.model_dump_json())
     proc = subprocess.Popen(
         [sys.executable, "-m", "llmflow.train", str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "LLMFLOW_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, **SINGLE_THREAD, "LLMFLOW_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"},
     )
     before = []
     for line in proc.stdout:

@@ -53,7 +53,7 @@ def losses(lines: list[str]) -> dict[int, float]:
 def run(cfg: TrainConfig, nproc: int) -> dict[int, float]:
     """Train ``cfg`` on ``nproc`` gloo ranks forked with the training loop imported (the
     torchrun worker, started without torchrun's cost); its losses by step."""
-    return losses(train_forked(cfg, nproc, env={"OMP_NUM_THREADS": "1"}))
+    return losses(train_forked(cfg, nproc, env=SINGLE_THREAD))
 
 
 def assert_close(got: dict[int, float], want: dict[int, float]) -> None:
@@ -62,6 +62,11 @@ def assert_close(got: dict[int, float], want: dict[int, float]) -> None:
         assert abs(loss - want[step]) <= TOLERANCE, (step, loss, want[step])
 
 
+SINGLE_THREAD = {"OMP_NUM_THREADS": "1"}
+"""The environment of runs whose losses are compared bit for bit: one thread makes every
+reduction's order the same from run to run, whatever the machine's load."""
+
+
 def train_in_subprocess(cfg: TrainConfig) -> dict[int, float]:
-    """Train ``cfg`` in one process without a process group; its losses by step."""
-    return losses(train_forked(cfg, 1))
+    """Train ``cfg`` in one process without a process group, single-threaded; its losses by step."""
+    return losses(train_forked(cfg, 1, env=SINGLE_THREAD))
