@@ -1,7 +1,8 @@
 """A rank of ``tests/test_sharded_loading.py``'s multi-rank check (``run_forked``): under each
 layout, the model the training loop's sharded load gives against the whole model loaded in
 one piece and then sharded, parameter by parameter, bitwise, from a Hugging Face directory
-and from a training checkpoint. Prints one ``ok`` line per case and what the rank read."""
+and from a training checkpoint. Prints one ``ok`` line per case and what the rank read, then
+``refused ...`` for a directory whose NaN lies in rank 1's shard."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from llmflow.mesh import ParallelLayout, build_mesh
 from llmflow.models import LoraConfig, apply_lora
 from llmflow.models.parallelize import parallelize_decoder
-from llmflow.weights import load_model
+from llmflow.weights import CheckpointError, load_model
 from llmflow.weights.hf import index_hf_tensors
 from llmflow.weights.sharded_loading import load_sharded, meta_model, sharded_source
 
@@ -71,6 +72,15 @@ def main(argv: list[str]) -> None:
             assert torch.equal(sharded.model.inv_freq, whole.model.inv_freq)
             print(f"ok {name} {'checkpoint' if source.checkpoint else 'hf'} bytes_read {report.bytes_read} "
                   f"largest_read {report.largest_read} stored {stored_bytes}", flush=True)
+    # A NaN in rows only rank 1 holds under dp=2: both ranks refuse, naming the file and tensor.
+    poisoned = Path(argv[2])
+    source = sharded_source(poisoned)
+    model = meta_model(source)
+    parallelize_decoder(model, build_mesh(ParallelLayout.of_world(2, 1, 1, 2, 1), "cpu"), fsdp_dtype=torch.float32)
+    try:
+        load_sharded(model, [model], source, torch.device("cpu"))
+    except CheckpointError as error:
+        print(f"refused {error}", flush=True)
     dist.destroy_process_group()
 
 

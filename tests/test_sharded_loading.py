@@ -7,11 +7,13 @@ ep=2, from a Hugging Face directory and from a training checkpoint; a rank reads
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from forked_workers import run_forked
+from safetensors.torch import load_file, save_file
 
 from llmflow.models import LoraConfig, apply_lora
 from llmflow.weights import CheckpointError, load_model
@@ -77,8 +79,6 @@ def test_a_lora_checkpoint_is_loaded_whole(tmp_path, moe_sources):
 
 def test_non_finite_weights_are_refused_naming_file_and_tensor(make_hf_model):
     _, path = make_hf_model("llama", seed=1)
-    from safetensors.torch import load_file, save_file
-
     file = path / "model.safetensors"
     tensors = load_file(file)
     tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
@@ -92,9 +92,19 @@ def test_non_finite_weights_are_refused_naming_file_and_tensor(make_hf_model):
 @pytest.mark.slow
 def test_ranks_load_their_shards_bitwise_and_read_their_share(moe_sources, tmp_path):
     """Two gloo ranks (one forked launch, every layout in turn): dp=2 (FSDP2; with LoRA and full
-    checkpointing), tp=2, dp=2 x ep=2, from the Hugging Face directory and the checkpoint."""
-    lines = run_forked("sharded_load_worker:main", [str(p) for p in moe_sources], 2, tmp_path / "load",
+    checkpointing), tp=2, dp=2 x ep=2, from the Hugging Face directory and the checkpoint; then an
+    Inf in the embedding rows only rank 1 reads, which both ranks refuse naming file and tensor."""
+    poisoned = tmp_path / "poisoned"
+    shutil.copytree(moe_sources[0], poisoned)
+    file = poisoned / "model.safetensors"
+    tensors = load_file(file)
+    tensors["model.embed_tokens.weight"][150, 3] = float("inf")  # FSDP2: rows 81-160 are rank 1's
+    save_file(tensors, file, metadata={"format": "pt"})
+    lines = run_forked("sharded_load_worker:main", [*map(str, moe_sources), str(poisoned)], 2, tmp_path / "load",
                        env={"OMP_NUM_THREADS": "1"})
+    refused = [line for line in lines if line.startswith("refused ")]
+    assert len(refused) == 2 and all(f"{file}: tensor 'model.embed_tokens.weight' holds non-finite" in line
+                                     for line in refused), lines
     results = [re.match(r"ok (.+) (hf|checkpoint) bytes_read (\d+) largest_read (\d+) stored (\d+)", line)
                for line in lines if line.startswith("ok ")]
     assert len(results) == 2 * 2 * 4, lines

@@ -8,7 +8,8 @@ model: a rank holds its shards plus one tensor in flight.
   rows the piece covers are read (rows are contiguous in a safetensors file) and the columns
   it covers cut from them; of stacked experts only the experts the rank holds (expert
   parallelism and FSDP2 shard dim 0) are read. The tensors are found and checked against
-  config.json by ``hf.stored_parameters``; NaN or ±Inf is refused naming the file and tensor.
+  config.json by ``hf.stored_parameters``; NaN or ±Inf is refused naming the file and tensor,
+  on every rank (the one whose shard holds it first, the others after hearing of it).
 - A full-weight training checkpoint (DCP): DCP reads straight into the sharded (DTensor)
   parameters and reshards whatever layout the checkpoint was saved under.
 - A LoRA checkpoint is not loaded here (``sharded_source`` gives None): its base is loaded
@@ -29,14 +30,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from llmflow.models.config import ModelConfig
 from llmflow.models.decoder import CausalLM
 from llmflow.models.lora import LoraLinear, is_lora_param
+from llmflow.weights.errors import CheckpointError
 from llmflow.weights.finite import check_finite
 from llmflow.weights.hf import StoredParts, stored_parameters
 from llmflow.weights.hf_names import is_stacked_experts
+from llmflow.weights.process_group import distributed
 from llmflow.weights.safetensors_io import StoredTensor, read_rows, read_tensor
 from llmflow.weights.training_checkpoint import MODEL_KEY, is_checkpoint, load_checkpoint, read_meta, resolve_step_dir
 
@@ -112,10 +116,15 @@ def load_sharded(model: CausalLM, parts: list[CausalLM], source: ShardedSource, 
         part.model.reset_rope(device)
     params = _local_parameters(parts)
     report = LoadReport()
-    if source.checkpoint:
-        _load_checkpoint_shards(source.path, params)
-    else:
-        _load_hf_shards(source, params, report)
+    refused = None
+    try:
+        if source.checkpoint:
+            _load_checkpoint_shards(source.path, params)
+        else:
+            _load_hf_shards(source, params, report)
+    except CheckpointError as error:
+        refused = error
+    _refuse_together(refused)
     if lora_seed is not None:
         _init_adapters(model, torch.Generator(device=device).manual_seed(lora_seed), device)
     return report
@@ -192,6 +201,20 @@ def _load_checkpoint_shards(step_dir: Path, params: dict[str, nn.Parameter]) -> 
     load_checkpoint(step_dir, {MODEL_KEY: state})
     for name, tensor in state.items():
         check_finite(tensor.to_local() if isinstance(tensor, DTensor) else tensor, step_dir, f"{MODEL_KEY}.{name}")
+
+
+def _refuse_together(error: CheckpointError | None) -> None:
+    """Raise ``error`` on this rank, and on every other rank the first rank's refusal: a NaN
+    lies in one rank's shard, and the others would otherwise wait for it at the first step."""
+    messages = [str(error) if error is not None else None]
+    if distributed():
+        messages = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, str(error) if error is not None else None)
+    if error is not None:
+        raise error
+    first = next((m for m in messages if m is not None), None)
+    if first is not None:
+        raise CheckpointError(first)
 
 
 def _is_meta(tensor: torch.Tensor) -> bool:
