@@ -37,16 +37,19 @@ from llmflow.train.memory import (
     device_memory,
     generation_plan,
     in_flight,
+    largest_stored_tensor,
     layer_activation_bytes,
     layer_experts,
     layer_params,
     lora_layer_params,
     model_params,
+    model_source,
     refusal,
     train_plan,
     train_shape,
 )
 from llmflow.train.preflight import PreflightError, check_training, memory_check
+from llmflow.weights.convert import ConvertConfig, convert
 
 MEASURE_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "LLMFLOW_DEVICE": "cpu"}
 MOE_MEASURE_ENV = {**MEASURE_ENV, "LRU_CACHE_CAPACITY": "1", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}
@@ -245,7 +248,12 @@ def test_fsdp_shards_weights_gradients_and_optimizer_over_dp():
     for prefix in ("weights: fp32", "gradients: fp32", "optimizer"):
         assert abs(term(one, prefix) / 8 - term(eight, prefix)) <= 1
     assert term(one, "optimizer") == 8 * model_params(LLAMA2_7B)
-    assert term(one, "model load") == 4 * model_params(LLAMA2_7B)
+    # Each rank loads its shards, one stored tensor (the embedding, the largest) in flight.
+    assert largest_stored_tensor(LLAMA2_7B) == 32000 * 4096
+    assert term(eight, "model load") == term(eight, "weights: fp32") + 4 * 32000 * 4096
+    # A LoRA checkpoint's base: the whole model on every rank.
+    assert term(train_plan(LLAMA2_7B, shape(dp=8, accumulation=1, source="lora")), "model load") == \
+        4 * model_params(LLAMA2_7B)
 
 
 def test_tensor_parallel_keeps_embedding_and_output_projection_whole():
@@ -404,10 +412,36 @@ def test_a_larger_ep_is_proposed_when_it_fits():
 
 
 def test_a_plan_that_peaks_at_loading_says_no_setting_changes_it():
-    plan = train_plan(QWEN3_30B_A3B, shape(dp=16, ep=16), 64 * 10**9, "64 GB")
+    lora = LoraConfig(rank=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    plan = train_plan(QWEN3_30B_A3B, shape(dp=16, ep=16, lora=lora, source="lora"), 64 * 10**9, "64 GB")
     assert plan.peak_moment == LOAD and not plan.fits
     line = refusal(plan, [])
-    assert "largest term: model load" in line and "no setting changes it: every rank loads the whole model" in line
+    assert "largest term: model load" in line and "no setting changes it: every rank loads a LoRA checkpoint's base" in line
+
+
+def test_ranks_loading_their_shards_hold_them_and_one_stored_tensor():
+    """Qwen3-30B-A3B at dp=16 x ep=16: a rank loads its shards (8 of every layer's 128 experts
+    whole, the rest 1/16) beside the largest stored tensor, the embedding (a checkpoint's
+    stacked experts of one projection, 128 x 768 x 2048, are smaller); loading is no longer
+    the peak."""
+    assert largest_stored_tensor(QWEN3_30B_A3B, "checkpoint") == 151936 * 2048
+    assert largest_stored_tensor(moe(vocab_size=100), "checkpoint") == 8 * 256 * 512  # stacked experts
+    assert largest_stored_tensor(moe(vocab_size=100), "hf") == 512 * 512  # q_proj: one expert is 256 x 512
+    for source in ("checkpoint", "hf"):
+        plan = train_plan(QWEN3_30B_A3B, shape(dp=16, ep=16, source=source), 64 * 10**9, "64 GB")
+        load = term(plan, "model load")
+        assert load == term(plan, "weights: fp32") + 4 * 151936 * 2048 < 4 * model_params(QWEN3_30B_A3B) / 10
+        assert plan.peak_moment != LOAD
+
+
+def test_the_plan_knows_what_it_loads(tmp_path, make_hf_model):
+    _, hf = make_hf_model("llama")
+    ckpt = convert(ConvertConfig(hf=hf, out=tmp_path / "ckpt"))
+    lora = tmp_path / "lora" / "step_00000001"
+    lora.mkdir(parents=True)
+    (lora / "meta.json").write_text('{"hf_config": {}, "padded_vocab_size": 256, "lora": {"rank": 4, "alpha": 8}}')
+    assert [model_source(p) for p in (hf, ckpt, lora, tmp_path / "not-yet")] == ["hf", "checkpoint", "lora", "checkpoint"]
+    assert train_shape(train_config(model=str(hf), global_batch_size=16), 16, 2048, "cuda").source == "hf"
 
 
 def test_train_shape_reads_ep():

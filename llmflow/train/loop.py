@@ -1,8 +1,10 @@
 """The training loop a torchrun worker runs.
 
-``setup``: every rank builds the whole model from ``config.model`` (a Hugging Face
-directory or a checkpoint), adds LoRA adapters (seeded, identical on every rank), then
-``parallelize_decoder`` shards it (tensor parallel, activation checkpointing, FSDP2). When
+``setup``: every rank builds the model from ``config.model`` (a Hugging Face directory or a
+checkpoint) on the meta device, adds LoRA adapters, cuts its pipeline stages, and
+``parallelize_decoder`` shards them (tensor parallel, activation checkpointing, FSDP2); then
+the rank loads only its shards (``weights/sharded_loading.py``; adapters seeded, the values
+one process gives them). A LoRA checkpoint's base is loaded whole first, as one process would. When
 ``config.out`` holds a checkpoint, ``resume`` loads the trained weights (or adapters),
 optimizer state and each rank's RNG state from it, resharded to this run's layout.
 ``train_step`` is one optimizer step (``forward_backward`` over this rank's micro-batches);
@@ -59,6 +61,7 @@ from llmflow.weights import (
     resume_note,
     save_checkpoint,
 )
+from llmflow.weights.sharded_loading import load_sharded, meta_model, sharded_source
 
 # --- model ----------------------------------------------------------------------------------------
 
@@ -253,7 +256,13 @@ def setup(config: TrainConfig) -> Run:
     dtype = runtime.resolve_dtype(config.dtype, env.device.type)
     torch.manual_seed(config.seed)
 
-    model, hf_config = load_model(config.model, env.device)
+    # A Hugging Face directory or a full-weight checkpoint: built on the meta device, sharded,
+    # then each rank loads its shard (load_sharded below). A LoRA checkpoint: its base whole.
+    source = sharded_source(config.model)
+    if source is None:
+        model, hf_config = load_model(config.model, env.device)
+    else:
+        model, hf_config = meta_model(source), source.hf_config
     if env.is_main:
         carry_tokenizer(Path(config.model), Path(config.out))
     topo = topology(config, env, model.config)
@@ -268,7 +277,7 @@ def setup(config: TrainConfig) -> Run:
     if not sharded and dtype != torch.float32:
         raise ValueError(f"dtype {dtype} needs a torchrun launch (mixed precision comes with FSDP2); use dtype=fp32")
 
-    if config.lora is not None:
+    if config.lora is not None:  # on the meta device the adapters are initialised by load_sharded
         apply_lora(model, config.lora, generator=torch.Generator(device=env.device).manual_seed(config.seed))
     parameter_order = [name for name, _ in model.named_parameters()]
     stages = [(0, model)]
@@ -282,6 +291,8 @@ def setup(config: TrainConfig) -> Run:
         parallelize_decoder(part, topo.mesh, lora=config.lora is not None,
                             activation_checkpointing=config.activation_checkpointing, compile=config.compile,
                             fsdp_dtype=dtype if sharded else None, reshard_after_forward=layout.pp == 1)
+    if source is not None:
+        load_sharded(model, parts, source, env.device, config.seed if config.lora is not None else None)
     accumulation = config.global_batch_size // (config.micro_batch_size * layout.dp)
     experts = [p for part in parts for p in expert_parameters(part) if p.requires_grad]
     moe_replicated = [p for part in parts for p in moe_parameters(part) if p.requires_grad] if layout.tp > 1 else []

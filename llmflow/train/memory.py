@@ -3,9 +3,13 @@ shape and the run's settings before any worker starts.
 
 It counts what llmflow really keeps, term by term, on the busiest device:
 
-- Loading: every training rank (and a one-process generation) first builds the whole model
-  in fp32 on its device (``load_model``), before pipeline stages are cut and tensor and
-  data parallelism shard it.
+- Loading: a training rank builds the model on the meta device, shards it, and reads only its
+  own shards from a Hugging Face directory or a full-weight checkpoint
+  (``weights/sharded_loading.py``): its shards in fp32 plus one stored tensor in flight (the
+  largest; a checkpoint's stacked experts are one tensor, a Hugging Face file's one per
+  expert). From a LoRA checkpoint it first builds the whole model in fp32 on its device
+  (``load_model``: the base, the adapters merged), before pipeline stages are cut and tensor
+  and data parallelism shard it, as a one-process generation does.
 - Weights: fp32 (the master weights; the optimizer updates them). Tensor parallelism splits
   the decoder layers' matrices ``tp`` ways; the embedding and output projection stay whole
   on every rank of the group. FSDP2 shards everything over ``dp``. Pipeline stages hold
@@ -235,6 +239,20 @@ def lora_layer_params(model: ModelConfig, lora: LoraConfig, tp: int = 1, layer: 
     return total
 
 
+def largest_stored_tensor(model: ModelConfig, source: str = "checkpoint") -> int:
+    """Elements of the largest tensor a loading rank reads at once: the embedding (or output
+    projection), a layer's largest Linear, or the routed experts of a layer's projection,
+    stored stacked in a checkpoint ([experts, out, in], which DCP reads whole) and one per
+    expert in a Hugging Face directory."""
+    largest = model.vocab_size * model.hidden_size
+    for layer in range(model.num_hidden_layers):
+        largest = max([largest, *(i * o for i, o in _linear_shapes(model, layer).values())])
+        if model.is_moe_layer(layer):
+            experts = model.num_experts if source == "checkpoint" else 1
+            largest = max(largest, experts * model.moe_intermediate_size * model.hidden_size)
+    return largest
+
+
 def root_params(model: ModelConfig) -> int:
     """The embedding, the final norm and the output projection (the tied matrix once)."""
     return model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2) + model.hidden_size
@@ -372,6 +390,10 @@ class TrainShape:
     holds num_experts / ep experts of every MoE layer whole (weights, gradients, optimizer
     state), outside FSDP2, and exchanges its tokens' rows with the others by all-to-all.
     1: the experts are FSDP2-sharded over dp with the rest of their layer."""
+    source: str = "checkpoint"
+    """What ``config.model`` is: "checkpoint" (a full-weight training checkpoint) or "hf" (a
+    Hugging Face directory), whose shards each rank loads alone; "lora" (a LoRA checkpoint),
+    whose base every rank loads whole before sharding."""
 
     @property
     def sharded(self) -> bool:
@@ -422,9 +444,17 @@ def _stage_plan(model: ModelConfig, shape: TrainShape, pp_rank: int) -> tuple[li
     over = f"sharded over dp={dp}" if sharded else "whole"
     if sum(local):
         over += f"; this rank's {model.num_experts // ep} of {model.num_experts} experts whole (ep={ep})"
+    weights = 4 * params // shard + 4 * sum(local)
+    if shape.source == "lora":
+        load = Term("model load: whole model, fp32, before sharding (a LoRA checkpoint's base)",
+                    4 * (model_params(model) + all_adapters), LOAD)
+    else:
+        load = Term(f"model load: this rank's shards, fp32, + the largest stored tensor in flight "
+                    f"({'a checkpoint' if shape.source == 'checkpoint' else 'a Hugging Face directory'})",
+                    weights + 4 * largest_stored_tensor(model, shape.source), LOAD)
     terms = [
-        Term("model load: whole model, fp32, before sharding", 4 * (model_params(model) + all_adapters), LOAD),
-        Term(f"weights: fp32, {over}", 4 * params // shard + 4 * sum(local), ALWAYS),
+        load,
+        Term(f"weights: fp32, {over}", weights, ALWAYS),
         Term(f"optimizer: AdamW exp_avg + exp_avg_sq, fp32, {over}", 8 * trainable // shard + 8 * local_trainable,
              ALWAYS),
         Term(f"gradients: fp32, {over}", 4 * trainable // shard + 4 * local_trainable, UPDATE),
@@ -721,7 +751,9 @@ def refusal(plan: MemoryPlan, fixes: list[str]) -> str:
     if fixes:
         fix = f"fits with {', or '.join(fixes)}"
     elif plan.peak_moment == LOAD:
-        fix = "no setting changes it: every rank loads the whole model before sharding; use devices with more memory"
+        fix = ("no setting changes it: every rank loads a LoRA checkpoint's base whole before sharding; export it "
+               "merged (llmflow export --merge-lora) and convert that, so that each rank loads its shards, or use "
+               "devices with more memory")
     else:
         fix = "no single change fits; combine them or use more devices"
     return (f"memory: the plan needs {size(plan.peak)} per device ({plan.peak_moment}) but a device has "
@@ -742,5 +774,22 @@ def train_shape(config: TrainConfig, world_size: int, seq_length: int, device_ty
         activation_checkpointing=config.activation_checkpointing, lora=config.lora, pp_schedule=config.pp_schedule,
         virtual_stages=config.virtual_stages, num_layer_list=config.num_layer_list,
         documents=config.data.kind == "sft" or config.data.document_attention,
-        fused_optimizer=device_type in ("cuda", "npu"), ep=config.ep,
+        fused_optimizer=device_type in ("cuda", "npu"), ep=config.ep, source=model_source(config.model),
     )
+
+
+def model_source(path: str | os.PathLike) -> str:
+    """What the plan loads from ``path`` (``TrainShape.source``): "lora" for a LoRA checkpoint,
+    "hf" for a Hugging Face directory, else "checkpoint" (a path not there yet is planned as
+    a converted checkpoint, whose stacked experts are the larger tensor in flight)."""
+    from pathlib import Path
+
+    from llmflow.weights.training_checkpoint import is_checkpoint, read_meta, resolve_step_dir
+
+    path = Path(path)
+    if is_checkpoint(path):
+        try:
+            return "lora" if read_meta(resolve_step_dir(path)).lora is not None else "checkpoint"
+        except (OSError, ValueError):  # a damaged checkpoint: the training checks name it
+            return "checkpoint"
+    return "hf" if (path / "config.json").is_file() else "checkpoint"

@@ -18,6 +18,9 @@ The ways in and out:
 - a model from whatever path a user gives (generation, evaluation, the start of training):
   ``load_model`` and ``hf_config_of`` (``loading.py``), ``tokenizer_dir``
   (``tokenizer_files.py``), ``is_checkpoint``;
+- a training rank's own shards of a model built on the meta device and sharded there:
+  ``sharded_source``, ``meta_model``, ``load_sharded`` (``sharded_loading.py``, imported from
+  its module by the training loop alone);
 - the training loop: ``save_checkpoint``, ``latest_step_dir``, ``load_checkpoint``,
   ``optimizer_state_flattened``, ``load_rng_state`` and ``carry_tokenizer`` (its run
   directory keeps the tokenizer of the model it started from);

@@ -85,15 +85,31 @@ def read_tensor(stored: StoredTensor, rows: int | None = None) -> torch.Tensor:
     tensor = torch.empty(shape, dtype=stored.dtype)
     if rows:
         tensor[stored.shape[0]:].zero_()
-    target = memoryview(tensor.view(-1).view(torch.uint8).numpy())[: stored.nbytes]
+    _read_into(stored, stored.offset, memoryview(tensor.view(-1).view(torch.uint8).numpy())[: stored.nbytes])
+    return tensor
+
+
+def read_rows(stored: StoredTensor, start: int, stop: int) -> torch.Tensor:
+    """Rows ``[start, stop)`` of the tensor (along dim 0, where its bytes are contiguous),
+    read alone with a plain file read: a rank holding a shard of a tensor reads its share."""
+    if not stored.shape:
+        return read_tensor(stored)
+    if not 0 <= start <= stop <= stored.shape[0]:
+        raise ValueError(f"{stored.path}: rows [{start}, {stop}) of a tensor of {stored.shape[0]} rows")
+    tensor = torch.empty((stop - start, *stored.shape[1:]), dtype=stored.dtype)
+    row_bytes = math.prod(stored.shape[1:]) * stored.dtype.itemsize
+    _read_into(stored, stored.offset + start * row_bytes, memoryview(tensor.view(-1).view(torch.uint8).numpy()))
+    return tensor
+
+
+def _read_into(stored: StoredTensor, offset: int, target: memoryview) -> None:
     with open(stored.path, "rb", buffering=0) as f:
-        f.seek(stored.offset)
+        f.seek(offset)
         while target:
             n = f.readinto(target)
             if not n:
                 raise CheckpointError(f"{stored.path}: file ends inside a tensor; the file is truncated")
             target = target[n:]
-    return tensor
 
 
 def safetensors_header(specs: TensorSpecs) -> bytes:
