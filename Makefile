@@ -35,10 +35,11 @@ system-packages:
 			$(SYSTEM_PACKAGES) >/dev/null; \
 	fi
 
-# Everything, as CI runs it; the 25 slowest tests and the time per module are listed at the end.
+# Everything, as CI runs it, in two pytest-xdist processes that take whole test modules (module
+# fixtures are built once); the 25 slowest tests and the time per module are listed at the end.
 test: $(STAMP) system-packages
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest --durations=25
+	$(PY) -m pytest -n 2 --dist loadfile --durations=25
 
 # The edit-test loop: every test not marked slow (no flows end to end, multi-rank runs,
 # browser or finetune). A run that selects no test fails (tests/conftest.py).

@@ -23,6 +23,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # two pytest processes share the cores: one thread each
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest
 import torch
@@ -134,6 +136,23 @@ def sample_assets(tmp_path_factory) -> Callable[..., Path]:
         return built[key]
 
     return assets
+
+
+@pytest.fixture(scope="session")
+def sample_tokenizer_model(sample_assets, make_hf_model) -> Callable[..., Path]:
+    """Factory: ``sample_tokenizer_model(family, **config_overrides)``: the directory of a tiny
+    random ``family`` model over the sample's vocabulary with the sample's tokenizer files, so
+    that any family goes through the stages that tokenize the sample data."""
+    from llmflow.weights.tokenizer_files import copy_tokenizer_files
+
+    def factory(family: str, **overrides) -> Path:
+        sample = sample_assets() / "model"
+        vocab = json.loads((sample / "config.json").read_text())["vocab_size"]
+        _, model = make_hf_model(family, vocab_size=vocab, **overrides)
+        copy_tokenizer_files(sample, model)
+        return model
+
+    return factory
 
 
 @pytest.fixture(scope="session")
@@ -397,3 +416,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         if reporter is not None:
             reporter.write_line("error: no test was selected (pytest exit status 5)", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+LONGEST_FIRST = ("test_sample.py", "test_flows.py", "test_memory_plan.py", "test_slurm.py")
+"""The modules that take longest (``make test`` prints the time per module), run first: the two
+pytest-xdist processes of ``make test`` take whole modules in collection order, and a long one
+taken last would run alone while the other process waits."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

@@ -39,8 +39,9 @@ pytestmark = pytest.mark.slow
 CHROMIUM = "chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 RUN_TIMEOUT_S = 240
-# Small enough for a few seconds of training on one CPU worker, with a checkpoint half-way.
-TRAIN = {"Steps": 8, "Save Interval": 4, "Micro Batch Size": 8, "Global Batch Size": 8}
+# Small enough for a few seconds of training on two CPU workers (one expert-parallel group of
+# two), with a checkpoint half-way.
+TRAIN = {"Steps": 8, "Save Interval": 4, "Micro Batch Size": 4, "Global Batch Size": 8, "Nproc": 2, "Ep": 2}
 
 
 # --- the browser -----------------------------------------------------------------------------
@@ -281,8 +282,9 @@ def shown_state(driver, name: str, timeout_s: float = 60) -> None:
     )))
 
 
-def small_run(version: str, **evaluation) -> list[tuple[list[str], object, str | None]]:
-    fields = [(["train", label], value, "int" if label == "Save Interval" else None) for label, value in TRAIN.items()]
+def small_run(version: str, model: Path, **evaluation) -> list[tuple[list[str], object, str | None]]:
+    fields = [(["model"], model, None)]
+    fields += [(["train", label], value, "int" if label == "Save Interval" else None) for label, value in TRAIN.items()]
     fields += [(["evaluation", label.title()], value, None) for label, value in evaluation.items()]
     fields += [(["evaluation", "Limit"], 8, "int"), (["version"], version, "str")]
     return fields
@@ -303,8 +305,10 @@ def registered(run_id: str) -> bool:
 
 @pytest.mark.timeout(900)  # includes starting the servers
 def test_ui_runs_finetune_eval_and_its_retry_skips_finished_stages(llmflow_server, prefect_api, browser, sample_assets,
-                                                                  tmp_path):
+                                                                  sample_tokenizer_model, tmp_path):
     server = llmflow_server
+    model = sample_tokenizer_model("qwen3_moe", num_key_value_heads=2, head_dim=16, num_experts=4,
+                                   num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
     with screenshots_on_failure(browser, tmp_path):
         # 1. The on-demand finetune-and-eval, run from its parameter form with its MMLU data
         # going bad once training has saved a checkpoint (the base model was scored before
@@ -327,7 +331,7 @@ def test_ui_runs_finetune_eval_and_its_retry_skips_finished_stages(llmflow_serve
         corrupter = threading.Thread(target=corrupt_once_training_saved, daemon=True)
         corrupter.start()
         open_deployment(browser, server.url, "finetune-eval", "on-demand")
-        run_id = custom_run(browser, server, "browser-e2e-retried", small_run("browser-2", data=data))
+        run_id = custom_run(browser, server, "browser-e2e-retried", small_run("browser-2", model, data=data))
         try:
             run = wait_for_flow_run(run_id, RUN_TIMEOUT_S)
         finally:
@@ -336,6 +340,7 @@ def test_ui_runs_finetune_eval_and_its_retry_skips_finished_stages(llmflow_serve
         assert corrupted.is_set(), f"no new checkpoint in {server.workspace / 'runs'}; the run is {run.state.name}"
         assert run.state.is_failed(), f"{run.state.name}: {run.state.message}"
         assert run.parameters["train"]["steps"] == 8 and run.parameters["version"] == "browser-2"
+        assert run.parameters["model"] == str(model) and run.parameters["train"]["ep"] == 2
         assert run.parameters["evaluation"]["limit"] == 8 and run.parameters["evaluation"]["data"] == str(data)
         assert run.parameters["workspace"] == str(server.workspace)
         first = attempt_task_states(run_id, 1)

@@ -112,10 +112,9 @@ def stored_parameters(directory: Path, config: ModelConfig, shapes: dict[str, tu
             continue
         found.setdefault(name, {})[expert or 0] = (hf_name, stored)
     if unknown:
-        raise CheckpointError(f"{hf_tensors[unknown[0]].path}: tensors with no place in a {config.model_type} model "
-                              f"of num_experts={config.num_experts}: {unknown[:5]}" if config.num_experts else
-                              f"{hf_tensors[unknown[0]].path}: tensors with no place in a {config.model_type} model: "
-                              f"{unknown[:5]}")
+        experts = f" of num_experts={config.num_experts}" if config.num_experts else ""
+        raise CheckpointError(f"{hf_tensors[unknown[0]].path}: tensor {unknown[0]!r} has no place in a "
+                              f"{config.model_type} model{experts} ({len(unknown)} such tensors)")
     sources: dict[str, StoredParts] = {}
     missing = []
     for name, shape in shapes.items():
@@ -157,38 +156,13 @@ def _set_parameter(model: nn.Module, name: str, value: torch.Tensor) -> None:
 def load_hf_weights(
     model: CausalLM, directory: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu"
 ) -> None:
-    """Fill ``model`` (typically on the meta device) from the HF checkpoint in ``directory``.
-    Stacked expert projections are filled expert by expert as their tensors stream past."""
+    """Fill ``model`` (typically on the meta device) from the HF checkpoint in ``directory``,
+    one parameter at a time (a stacked expert projection from its experts' tensors), every
+    tensor checked against config.json before any is read (``stored_parameters``)."""
     config = model.config
-    shapes = {name: model.get_parameter(name).shape for name in expected_names(model)}
-    expected = {(name, i): hf_name for name in shapes for i, hf_name in enumerate(hf_names(name, config))}
-    stacks: dict[str, torch.Tensor] = {}
-    loaded: set[tuple[str, int]] = set()
-    for path, hf_name, tensor in iter_hf_tensors(directory):
-        mapped = hf_to_ours(hf_name, config)
-        if mapped is None:
-            continue
-        name, expert = mapped
-        if (name, expert or 0) not in expected:
-            raise CheckpointError(f"{path}: tensor {hf_name!r} has no place in a {config.model_type} model"
-                                  + (f" of num_experts={config.num_experts}" if expert is not None else ""))
-        shape = shapes[name][1:] if expert is not None else shapes[name]
-        if tensor.shape != shape:
-            raise CheckpointError(
-                f"{path}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, config.json implies {tuple(shape)}"
-            )
-        check_finite(tensor, path, hf_name)
-        if expert is None:
-            _set_parameter(model, name, tensor.to(device=device, dtype=dtype))
-        else:
-            if name not in stacks:
-                stacks[name] = torch.empty(shapes[name], dtype=dtype, device=device)
-                _set_parameter(model, name, stacks[name])
-            stacks[name][expert].copy_(tensor)
-        loaded.add((name, expert or 0))
-    missing = [hf_name for key, hf_name in expected.items() if key not in loaded]
-    if missing:
-        raise CheckpointError(f"{directory}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+    shapes = {name: tuple(model.get_parameter(name).shape) for name in expected_names(model)}
+    for name, parts in stored_parameters(Path(directory), config, shapes).items():
+        _set_parameter(model, name, read_parameter(name, parts).to(device=device, dtype=dtype))
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.reset_rope(device)
