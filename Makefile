@@ -45,7 +45,7 @@ test: $(STAMP) system-packages
 # browser or finetune). A run that selects no test fails (tests/conftest.py).
 test-fast: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -n 2 --dist loadfile -m "not slow"
 
 demo: $(STAMP)
 	$(VENV)/bin/llmflow demo --workspace $(WORK)
