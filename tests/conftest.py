@@ -419,7 +419,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 LONGEST_FIRST = ("test_sample.py", "test_flows.py", "test_memory_plan.py", "test_multinode.py", "test_slurm.py",
-                 "test_browser.py", "test_train_tasks.py")
+                 "test_browser.py", "test_train_tasks.py", "test_real_size.py")
 """The modules that take longest (``make test`` prints the time per module), run first: the two
 pytest-xdist processes of ``make test`` take whole modules in collection order, and a long one
 taken last would run alone while the other process waits."""
