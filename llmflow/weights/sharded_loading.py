@@ -35,7 +35,7 @@ from torch import nn
 
 from llmflow.models.config import ModelConfig
 from llmflow.models.decoder import CausalLM
-from llmflow.models.lora import LoraLinear, is_lora_param
+from llmflow.models.lora import LoraLinear, init_lora_weights, is_lora_param
 from llmflow.weights.errors import CheckpointError
 from llmflow.weights.finite import check_finite
 from llmflow.weights.hf import StoredParts, stored_parameters
@@ -225,18 +225,16 @@ def _is_meta(tensor: torch.Tensor) -> bool:
 
 def _init_adapters(model: nn.Module, generator: torch.Generator, device: torch.device) -> None:
     """Every adapter of ``model`` (in module order, this rank's and the others') drawn as
-    ``apply_lora`` draws it on a whole model on ``device``; this rank's pieces kept."""
+    ``apply_lora`` draws it on a whole model on ``device`` (``init_lora_weights``: the full
+    lora_A from ``generator``, this rank's piece kept)."""
     for module in model.modules():
         if not isinstance(module, LoraLinear):
             continue
-        a, b = module.lora_A.weight, module.lora_B.weight
+        a = module.lora_A.weight
         # Building lora_A and lora_B on the device initialised them from the default generator.
         for features, out in ((module.in_features, a.shape[0]), (a.shape[0], module.out_features)):
             nn.Linear(features, out, bias=False, device=device, dtype=a.dtype)
-        full = torch.empty(a.shape, dtype=a.dtype, device=device)
-        nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator)
-        if _is_meta(a):
-            continue
-        local, offset, shape = local_box(a)
-        local.copy_(_box(full, offset, shape))
-        local_box(b)[0].zero_()
+        if _is_meta(a):  # a layer of another pipeline stage: drawn and dropped, so the later adapters get their values
+            nn.init.kaiming_uniform_(torch.empty(a.shape, dtype=a.dtype, device=device), a=math.sqrt(5), generator=generator)
+        else:
+            init_lora_weights(module, generator)
