@@ -11,13 +11,16 @@ WORK ?= workspace
 
 venv: $(STAMP)
 
-# torch goes in first and pinned: an unpinned torch requirement would pull a
-# multi-GB CUDA build where only the CPU wheel is wanted.
+# torch goes in first and pinned, through pip and its configuration (an index or wheel folder
+# that holds the CPU build): an unpinned torch requirement would pull a multi-GB CUDA build.
+# uv installs the rest (pinned in constraints.txt), keeping that torch, in about half pip's
+# time; compiled to bytecode as pip does, since environments that set PYTHONDONTWRITEBYTECODE
+# would otherwise compile every module again in every process.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	$(PY) -m pip install --quiet -c constraints.txt uv
+	$(VENV)/bin/uv pip install --python $(PY) --quiet --compile-bytecode -c constraints.txt -e ".[dev]"
 	touch $@
 
 # Real services the slow tests start for themselves, from Debian's packages (never downloaded
