@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 CHUNK = 64
 """Positions per chunk of the chunked form (transformers' and fla's default)."""
-SEGMENT_CHUNKS = 16
+SEGMENT_CHUNKS = 4
 """Chunks whose intra-chunk quantities the torch path computes at once (bounds its temporaries)."""
 RECURRENT_MAX_LEN = 16
 """Sequences up to this length (decoding steps) run the per-token recurrence on the torch path."""
@@ -185,69 +185,75 @@ def _recurrent(q, k, v, g, beta, scale, initial_state, starts, use_qk_l2norm):
 
 
 def _segment(x: torch.Tensor, start: int, end: int, chunks: int) -> torch.Tensor:
-    """Positions [start, end) of x [B, S, H(, D)] as fp32 [B*H, chunks, CHUNK(, D)], zero-padded."""
+    """Positions [start, end) of x [B, S, H(, D)] as fp32 [chunks, B*H, CHUNK(, D)] (chunk-major,
+    so that one chunk of every row and head is contiguous), zero-padded at the end."""
     part = x[:, start:end].float()
     pad = chunks * CHUNK - (end - start)
+    batch, heads = x.shape[0], x.shape[2]
     if x.dim() == 4:
-        part = F.pad(part.permute(0, 2, 1, 3), (0, 0, 0, pad))
-        return part.reshape(-1, chunks, CHUNK, x.shape[-1])
-    return F.pad(part.permute(0, 2, 1), (0, pad)).reshape(-1, chunks, CHUNK)
+        part = F.pad(part, (0, 0, 0, 0, 0, pad)).view(batch, chunks, CHUNK, heads, -1)
+        return part.permute(1, 0, 3, 2, 4).reshape(chunks, batch * heads, CHUNK, x.shape[-1])
+    part = F.pad(part, (0, 0, 0, pad)).view(batch, chunks, CHUNK, heads)
+    return part.permute(1, 0, 3, 2).reshape(chunks, batch * heads, CHUNK)
 
 
 def _unsegment(x: torch.Tensor, batch: int, length: int) -> torch.Tensor:
-    """[B*H, chunks, CHUNK(, D)] -> [B, length, H(, D)] (the inverse of ``_segment``)."""
+    """[chunks, B*H, CHUNK(, D)] -> [B, length, H(, D)] (the inverse of ``_segment``), a view."""
+    chunks, bh = x.shape[:2]
     if x.dim() == 4:
-        return x.reshape(batch, -1, x.shape[1] * CHUNK, x.shape[-1])[:, :, :length].transpose(1, 2)
-    return x.reshape(batch, -1, x.shape[1] * CHUNK)[:, :, :length].transpose(1, 2)
+        x = x.view(chunks, batch, bh // batch, CHUNK, x.shape[-1]).permute(1, 0, 3, 2, 4)
+        return x.flatten(1, 2)[:, :length]
+    return x.view(chunks, batch, bh // batch, CHUNK).permute(1, 0, 3, 2).flatten(1, 2)[:, :length]
 
 
 @functools.cache
-def _masks(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(strictly upper, strictly lower) [CHUNK, CHUNK] bool masks."""
+def _masks(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(strictly upper, strictly lower) [CHUNK, CHUNK] bool masks and the fp32 identity."""
     ones = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=device)
-    return ones.triu(1), ones.tril(-1)
+    return ones.triu(1), ones.tril(-1), torch.eye(CHUNK, device=device)
 
 
 class _Intra:
-    """The intra-chunk quantities of a segment (shapes [BH, n, C, ...]); the chunk recurrence
-    is S' = lam S + kd^T (u - w S), o = qd S + attn (u - w S)."""
+    """The intra-chunk quantities of a segment (shapes [n, BH, C, ...]); the chunk recurrence
+    is S' = lam S + kd^T (u - w S), o = qd S + attn (u - w S), where [u w] = T [v*beta x],
+    T = (I + strictly_lower(system))^-1."""
 
     def __init__(self, q, k, v, g, beta, scale, use_qk_l2norm):
+        upper, _, eye = _masks(q.device)
         if use_qk_l2norm:
             self.q_rstd = torch.rsqrt((q * q).sum(-1, keepdim=True) + L2NORM_EPS)
             self.k_rstd = torch.rsqrt((k * k).sum(-1, keepdim=True) + L2NORM_EPS)
             q, k = q * self.q_rstd, k * self.k_rstd
         self.qn, self.kn = q, k  # the normalised q and k (q before the scale)
-        self.qs = q * scale
         self.v, self.beta = v, beta
         gc = g.cumsum(-1)
-        upper, _ = _masks(q.device)
-        self.gamma = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
-        self.kb = k * beta.unsqueeze(-1)
+        self.gamma = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill_(upper, float("-inf")).exp_()
         self.egc = gc.exp().unsqueeze(-1)
+        self.tail = (gc[..., -1:] - gc).exp_().unsqueeze(-1)
+        self.lam = gc[..., -1].exp()
+        self.qs = q * scale
+        self.kb = k * beta.unsqueeze(-1)
         self.kk = self.kb @ k.transpose(-1, -2)
         self.system = self.kk * self.gamma
+        self.t = torch.linalg.solve_triangular(self.system, eye, upper=False, unitriangular=True)
         self.x = self.kb * self.egc
-        uw = torch.linalg.solve_triangular(self.system, torch.cat((v * beta.unsqueeze(-1), self.x), -1),
-                                           upper=False, unitriangular=True)
-        self.u, self.w = uw.split([v.shape[-1], k.shape[-1]], -1)
+        self.u = self.t @ (v * beta.unsqueeze(-1))
+        self.w = self.t @ self.x
         self.scores = self.qs @ k.transpose(-1, -2)
         self.attn = self.scores * self.gamma
         self.qd = self.qs * self.egc
-        self.tail = (gc[..., -1:] - gc).exp().unsqueeze(-1)
         self.kd = k * self.tail
-        self.lam = gc[..., -1].exp()
 
 
 class _ChunkGatedDelta(torch.autograd.Function):
-    """The chunked gated delta rule over rows of whole sequences, ``keep`` [B*H, chunks] (or
+    """The chunked gated delta rule over rows of whole sequences, ``keep`` [chunks, B*H] (or
     None) zeroing the state entering a chunk where a packed document starts.
 
     Saves its inputs as given and the fp32 state entering every chunk; backward recomputes
     the intra-chunk quantities a segment at a time and runs the chunk recurrence backwards:
         dvn = attn^T dO + kd dS',  dS = qd^T dO + lam dS' - w^T dvn
-    then differentiates the intra-chunk quantities (the triangular solve through its
-    transpose) down to q, k, v, g, beta and the initial state."""
+    then differentiates the intra-chunk quantities (through T^T for the triangular system)
+    down to q, k, v, g, beta and the initial state."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, keep, scale, use_qk_l2norm):
@@ -255,24 +261,26 @@ class _ChunkGatedDelta(torch.autograd.Function):
         dv = v.shape[-1]
         chunks = -(-length // CHUNK)
         bh = batch * heads
-        resets = set() if keep is None else set((keep == 0).any(0).nonzero().flatten().tolist())
+        resets = set() if keep is None else set((keep == 0).any(1).nonzero().flatten().tolist())
         state = (q.new_zeros(bh, dk, dv, dtype=torch.float32) if initial_state is None
                  else initial_state.reshape(bh, dk, dv).float().clone())
-        states = q.new_empty(bh, chunks, dk, dv, dtype=torch.float32)
+        states = q.new_empty(chunks, bh, dk, dv, dtype=torch.float32)
         out = q.new_empty(batch, length, heads, dv)
         for c0 in range(0, chunks, SEGMENT_CHUNKS):
             n = min(SEGMENT_CHUNKS, chunks - c0)
             start, end = c0 * CHUNK, min((c0 + n) * CHUNK, length)
             it = _Intra(*(_segment(x, start, end, n) for x in (q, k, v, g, beta)), scale, use_qk_l2norm)
             vn = torch.empty_like(it.u)
+            kd_t = it.kd.transpose(-1, -2)
             for j in range(n):
                 if c0 + j in resets:
-                    state = state * keep[:, c0 + j, None, None]
-                states[:, c0 + j] = state
-                vn[:, j] = torch.baddbmm(it.u[:, j], it.w[:, j], state, alpha=-1)
-                state = torch.baddbmm(state * it.lam[:, j, None, None], it.kd[:, j].transpose(-1, -2), vn[:, j])
-            o = it.qd @ states[:, c0:c0 + n] + it.attn @ vn
-            out[:, start:end] = _unsegment(o, batch, end - start)
+                    state = state * keep[c0 + j, :, None, None]
+                states[c0 + j] = state
+                torch.baddbmm(it.u[j], it.w[j], state, alpha=-1, out=vn[j])
+                state = torch.baddbmm(state * it.lam[j, :, None, None], kd_t[j], vn[j])
+            o = torch.baddbmm(it.attn.flatten(0, 1) @ vn.flatten(0, 1), it.qd.flatten(0, 1),
+                              states[c0:c0 + n].flatten(0, 1))
+            out[:, start:end] = _unsegment(o.view(n, bh, CHUNK, dv), batch, end - start)
         ctx.save_for_backward(q, k, v, g, beta, states, keep)
         ctx.scale, ctx.use_qk_l2norm, ctx.resets = scale, use_qk_l2norm, resets
         ctx.has_initial_state = initial_state is not None
@@ -284,8 +292,7 @@ class _ChunkGatedDelta(torch.autograd.Function):
         q, k, v, g, beta, states, keep = ctx.saved_tensors
         batch, length, heads, dk = k.shape
         dv = v.shape[-1]
-        bh, chunks = states.shape[:2]
-        _, lower = _masks(q.device)
+        chunks, bh = states.shape[:2]
         d_state = (q.new_zeros(bh, dk, dv, dtype=torch.float32) if grad_state is None
                    else grad_state.reshape(bh, dk, dv).float())
         grads = [torch.empty_like(x) for x in (q, k, v, g, beta)]
@@ -293,50 +300,49 @@ class _ChunkGatedDelta(torch.autograd.Function):
             n = min(SEGMENT_CHUNKS, chunks - c0)
             start, end = c0 * CHUNK, min((c0 + n) * CHUNK, length)
             it = _Intra(*(_segment(x, start, end, n) for x in (q, k, v, g, beta)), ctx.scale, ctx.use_qk_l2norm)
-            s_in = states[:, c0:c0 + n]
+            s_in = states[c0:c0 + n]
             vn = it.u - it.w @ s_in
             if grad_out is None:
-                d_o = vn.new_zeros(bh, n, CHUNK, dv)
+                d_o = vn.new_zeros(n, bh, CHUNK, dv)
             else:
                 d_o = _segment(grad_out, start, end, n)
             # The chunk recurrence backwards: d_vn and the gradient of each chunk's leaving state.
             attn_do = it.attn.transpose(-1, -2) @ d_o
             qd_do = it.qd.transpose(-1, -2) @ d_o
+            w_t = it.w.transpose(-1, -2)
             d_vn = torch.empty_like(vn)
             d_s_out = torch.empty_like(s_in)
             for j in reversed(range(n)):
-                d_s_out[:, j] = d_state
-                d_vn[:, j] = torch.baddbmm(attn_do[:, j], it.kd[:, j], d_state)
-                d_state = torch.baddbmm(qd_do[:, j] + it.lam[:, j, None, None] * d_state,
-                                        it.w[:, j].transpose(-1, -2), d_vn[:, j], alpha=-1)
+                d_s_out[j] = d_state
+                torch.baddbmm(attn_do[j], it.kd[j], d_state, out=d_vn[j])
+                d_state = torch.baddbmm(qd_do[j].add_(d_state * it.lam[j, :, None, None]), w_t[j], d_vn[j], alpha=-1)
                 if c0 + j in ctx.resets:
-                    d_state = d_state * keep[:, c0 + j, None, None]
-            _intra_backward(it, s_in, vn, d_o, d_vn, d_s_out, lower, ctx.scale, ctx.use_qk_l2norm, grads,
-                            batch, start, end)
+                    d_state = d_state * keep[c0 + j, :, None, None]
+            _intra_backward(it, s_in, vn, d_o, d_vn, d_s_out, ctx.scale, ctx.use_qk_l2norm, grads, batch, start, end)
         d_initial = d_state.reshape(batch, heads, dk, dv) if ctx.has_initial_state else None
         return (*grads, d_initial, None, None, None)
 
 
-def _intra_backward(it, s_in, vn, d_o, d_vn, d_s_out, lower, scale, use_qk_l2norm, grads, batch, start, end):
+def _intra_backward(it, s_in, vn, d_o, d_vn, d_s_out, scale, use_qk_l2norm, grads, batch, start, end):
     """Gradients of one segment's q, k, v, g, beta from those of its chunk recurrence,
     written into ``grads`` at positions [start, end)."""
+    _, lower, _ = _masks(vn.device)
     d_qd = d_o @ s_in.transpose(-1, -2)
     d_attn = d_o @ vn.transpose(-1, -2)
     d_kd = vn @ d_s_out.transpose(-1, -2)
     d_lam = (s_in * d_s_out).sum((-1, -2))
     d_w = -(d_vn @ s_in.transpose(-1, -2))
-    # u and w solve (I + strictly_lower(system)) [u w] = [v*beta x]: the gradients of the
-    # right-hand side solve the transposed system; the system's own is -d_rhs [u w]^T.
-    d_rhs = torch.linalg.solve_triangular(it.system.transpose(-1, -2), torch.cat((d_vn, d_w), -1),
-                                          upper=True, unitriangular=True)
-    d_vb, d_x = d_rhs.split([vn.shape[-1], d_w.shape[-1]], -1)
-    d_system = -(d_vb @ it.u.transpose(-1, -2) + d_x @ it.w.transpose(-1, -2))
-    d_system = d_system.masked_fill_(~lower, 0.0)
+    # [u w] = T [v*beta x] with T = (I + L)^-1, L = strictly_lower(system): the right-hand
+    # side's gradient is T^T [d_u d_w], L's is -(T^T d_[u w]) [u w]^T = -d_rhs [u w]^T.
+    t_t = it.t.transpose(-1, -2)
+    d_vb = t_t @ d_vn
+    d_x = t_t @ d_w
+    d_system = (d_vb @ it.u.transpose(-1, -2)).add_(d_x @ it.w.transpose(-1, -2)).neg_().masked_fill_(~lower, 0.0)
     d_kk = d_system * it.gamma  # of kb @ k^T
     d_qk = d_attn * it.gamma  # of qs @ k^T
-    e = (d_system * it.kk + d_attn * it.scores) * it.gamma  # d gamma * gamma
+    e = (d_system * it.kk).add_(d_attn * it.scores).mul_(it.gamma)  # d gamma * gamma
     d_gc = e.sum(-1) - e.sum(-2)
-    d_kb = d_kk @ it.kn + d_x * it.egc
+    d_kb = torch.baddbmm((d_x * it.egc).flatten(0, 1), d_kk.flatten(0, 1), it.kn.flatten(0, 1)).view_as(d_x)
     d_k = d_kk.transpose(-1, -2) @ it.kb + d_qk.transpose(-1, -2) @ it.qs + d_kd * it.tail
     d_qs = d_qk @ it.kn + d_qd * it.egc
     kd_term = (d_kd * it.kd).sum(-1)
@@ -415,7 +421,7 @@ def torch_gated_delta_rule(
         flat = torch.cat((flat, flat.new_zeros(1, *x.shape[2:])))
         return flat[source].view(batch, padded_len, *x.shape[2:])
 
-    keep = keep.repeat_interleave(heads, dim=0)
+    keep = keep.repeat_interleave(heads, dim=0).t().contiguous()
     out, state = _ChunkGatedDelta.apply(*(packed(x) for x in (q, k, v, g, beta)), initial_state, keep, scale,
                                         use_qk_l2norm)
     out = out.reshape(batch * padded_len, heads, -1)[target].view(batch, length, heads, -1)

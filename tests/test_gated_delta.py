@@ -179,7 +179,7 @@ def test_backward_keeps_inputs_and_chunk_states_only():
         torch_gated_delta_rule(*inputs)
     others = [t for t in saved if not any(t is x for x in inputs)]
     assert len(saved) == len(inputs) + 1
-    assert len(others) == 1 and others[0].shape == (H, -(-length // 64), DK, DV) and others[0].dtype == torch.float32
+    assert len(others) == 1 and others[0].shape == (-(-length // 64), H, DK, DV) and others[0].dtype == torch.float32
 
 
 # ----------------------------------------------------------------------------- packed documents
