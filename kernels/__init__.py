@@ -13,6 +13,8 @@ __all__ = [
     "KernelSet",
     "apply_rotary",
     "attention",
+    "causal_conv1d",
+    "gated_delta_rule",
     "grouped_mm",
     "kernels_for",
     "linear_cross_entropy",
@@ -55,6 +57,59 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
     """The experts' matmul: ``x`` [N, in] holds ``counts[e]`` rows for each expert e in
     order, each multiplied by its ``weight[e]`` [out, in] as nn.Linear does; [N, out]."""
     return kernels_for(x.device.type).grouped_mm(x, weight, counts)
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    document_ids: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gated delta rule of Qwen3-Next/Qwen3.5's linear attention: (output [B, S, H, Dv]
+    in q's dtype, final state [B, H, Dk, Dv] fp32 or None).
+
+    q, k [B, S, H, Dk] (heads already repeated to v's), v [B, S, H, Dv], g [B, S, H] the log
+    decay (<= 0), beta [B, S, H]. q and k are L2-normalised in the kernel when
+    ``use_qk_l2norm`` (eps 1e-6, as transformers and fla), q is scaled by ``scale``
+    (default 1/sqrt(Dk)). ``document_ids`` [B, S] (documents contiguous) resets the state at
+    every document boundary, as separate calls per document would; ``initial_state``
+    [B, H, Dk, Dv] seeds each row's first document and the final state is each row's last
+    document's. Computed in fp32 (on CUDA with flash-linear-attention, in bf16/fp16, by its
+    kernels). Decoding (a few positions with ``initial_state``) runs the recurrence. Paths
+    and what backward keeps: llmflow/kernels/gated_delta.py."""
+    return kernels_for(q.device.type).gated_delta_rule(
+        q, k, v, g, beta, scale=scale, document_ids=document_ids, initial_state=initial_state,
+        output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
+    )
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    document_ids: torch.Tensor | None = None,
+    activation: str | None = "silu",
+    state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Depthwise causal convolution of x [B, S, D] (channels last) with weight [D, K] (the
+    checkpoint's ``conv1d.weight`` [D, 1, K] squeezed), then ``activation`` ("silu"/"swish"
+    or None): (output [B, S, D] in x's dtype, final state [B, D, K-1] or None). Each packed
+    document of ``document_ids`` [B, S] starts from zeros; ``state`` [B, D, K-1] holds the
+    K-1 inputs before x (generation), for each row's first document; the final state is the
+    K-1 inputs before the next position (zeros before the last document's start)."""
+    return kernels_for(x.device.type).causal_conv1d(
+        x, weight, bias, document_ids=document_ids, activation=activation, state=state,
+        output_final_state=output_final_state,
+    )
 
 
 def linear_cross_entropy(

@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from llmflow.kernels import cross_entropy, fused, reference
+from llmflow.kernels import cross_entropy, fused, gated_delta, reference
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,8 @@ class KernelSet:
     attention: Callable
     linear_cross_entropy: Callable
     grouped_mm: Callable
+    gated_delta_rule: Callable
+    causal_conv1d: Callable
 
 
 REFERENCE = KernelSet(
@@ -32,6 +34,8 @@ REFERENCE = KernelSet(
     reference.attention,
     reference.linear_cross_entropy,
     reference.grouped_mm,
+    gated_delta.reference_gated_delta_rule,
+    gated_delta.reference_causal_conv1d,
 )
 FUSED = KernelSet(
     "fused",
@@ -41,6 +45,8 @@ FUSED = KernelSet(
     fused.attention,
     cross_entropy.linear_cross_entropy,
     fused.grouped_mm,
+    gated_delta.fused_gated_delta_rule,
+    gated_delta.fused_causal_conv1d,
 )
 
 
@@ -50,6 +56,8 @@ def _npu_kernels() -> KernelSet:
     return KernelSet(
         "npu", npu.rms_norm, npu.apply_rotary, npu.swiglu, npu.attention, cross_entropy.linear_cross_entropy,
         npu.grouped_mm,
+        # torch_npu documents no gated delta rule or causal conv1d operator: the torch paths.
+        gated_delta.torch_gated_delta_rule, gated_delta.fused_causal_conv1d,
     )
 
 
