@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from llmflow.kernels.dispatch import FUSED, REFERENCE, KernelSet, kernels_for, use_kernels
+from llmflow.kernels.gated_delta import causal_conv1d, gated_delta_rule
 
 __all__ = [
     "FUSED",
@@ -13,6 +14,8 @@ __all__ = [
     "KernelSet",
     "apply_rotary",
     "attention",
+    "causal_conv1d",
+    "gated_delta_rule",
     "grouped_mm",
     "kernels_for",
     "linear_cross_entropy",
