@@ -11,13 +11,6 @@ import torch
 import torch.nn.functional as F
 
 
-def _segments(document_ids: torch.Tensor) -> torch.Tensor:
-    """[B, S] index of each position's run of equal document ids (0 for the first run)."""
-    starts = torch.zeros_like(document_ids, dtype=torch.long)
-    starts[:, 1:] = (document_ids[:, 1:] != document_ids[:, :-1]).long()
-    return starts.cumsum(dim=1)
-
-
 def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -89,7 +82,9 @@ def causal_conv1d(
     history = x.new_zeros(batch, width - 1, dim) if state is None else state.transpose(1, 2).to(x.dtype)
     padded = torch.cat([history, x], dim=1)  # [B, K - 1 + S, D]
     if document_ids is not None:
-        segments = _segments(document_ids)
+        starts = torch.zeros_like(document_ids, dtype=torch.long)
+        starts[:, 1:] = (document_ids[:, 1:] != document_ids[:, :-1]).long()
+        segments = starts.cumsum(dim=1)  # [B, S] index of each position's document run
         source = torch.cat([segments.new_zeros(batch, width - 1), segments], dim=1)  # the history is segment 0's
     windows = padded.unfold(1, width, 1)  # [B, S, D, K]
     if document_ids is not None:
