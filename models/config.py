@@ -4,7 +4,8 @@ and the registry of model families by HF ``model_type``.
 The keys every family shares (shape, rotary, dtype, token ids) are read here; the keys of
 one family (biases, sliding window, ...) by that family's ``read_options``. Both key
 spellings are read: ``rope_theta``/``rope_scaling`` (transformers 4) and ``rope_parameters``
-(transformers 5), ``torch_dtype`` and ``dtype``.
+(transformers 5), ``torch_dtype`` and ``dtype``. A multimodal config.json whose family names a
+``text_config_key`` (Qwen3.5's ``text_config``) is read from that nested config.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from typing import Any
 from torch import nn
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_SHAPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+"""``rope_parameters`` keys that are not a scaling: the rotary part of each head, and the
+multimodal sections (text positions are equal on all three, which makes them ordinary rotary)."""
+LAYER_TYPES = ("full_attention", "linear_attention")
 
 
 class ConfigError(ValueError):
@@ -78,6 +83,29 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = ()
     """Layers of a MoE model whose feed-forward block is dense (``mlp_only_layers``, and the
     layers ``decoder_sparse_step`` skips), of width ``intermediate_size``."""
+    layer_types: tuple[str, ...] = ()
+    """Each layer's token mixer: 'full_attention' or 'linear_attention' (a Gated DeltaNet,
+    Qwen3-Next and Qwen3.5); empty: attention on every layer."""
+    linear_num_key_heads: int = 0
+    """Query/key heads of a Gated DeltaNet layer."""
+    linear_num_value_heads: int = 0
+    """Value heads of a Gated DeltaNet layer (a multiple of its key heads, each query/key head
+    serving that many consecutive value heads)."""
+    linear_key_head_dim: int = 0
+    """Width of a Gated DeltaNet layer's query/key head."""
+    linear_value_head_dim: int = 0
+    """Width of a Gated DeltaNet layer's value head (and of its recurrent state's columns)."""
+    linear_conv_kernel_dim: int = 0
+    """Width of the depthwise causal convolution over a Gated DeltaNet layer's q, k and v."""
+    partial_rotary_factor: float = 1.0
+    """Share of each attention head's dims that rotary rotates (its first ones; Qwen3-Next and
+    Qwen3.5: 0.25)."""
+    attention_output_gate: bool = False
+    """Attention's q_proj also emits one gate value per output dim; the attention output is
+    scaled by their sigmoid before o_proj (Qwen3-Next, Qwen3.5)."""
+    zero_centered_norms: bool = False
+    """Every RMSNorm weight (the layers', q/k and final norms) is stored zero-centred and
+    applied as (1 + weight) (Qwen3-Next, Qwen3.5)."""
     torch_dtype: str = "float32"
     """dtype the weights were saved in."""
     bos_token_id: int | None = None
@@ -101,6 +129,10 @@ class ModelConfig:
         """Whether layer ``index`` routes its tokens to experts."""
         return self.num_experts > 0 and index not in self.dense_layers
 
+    def is_linear_layer(self, index: int) -> bool:
+        """Whether layer ``index`` mixes tokens with a Gated DeltaNet instead of attention."""
+        return bool(self.layer_types) and self.layer_types[index] == "linear_attention"
+
     @property
     def rope_type(self) -> str:
         return (self.rope_scaling or {}).get("rope_type", "default")
@@ -109,12 +141,13 @@ class ModelConfig:
     def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
         """Build from a parsed HF config.json; ``source`` names it in error messages."""
         family = family_of(hf.get("model_type"), source)
+        original, hf = hf, text_config(hf, family, source)
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"{source}: hidden_act={act!r}; the Llama/Qwen2 decoder uses 'silu'")
         missing = [
             k
-            for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+            for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
             if k not in hf
         ]
         if missing:
@@ -125,7 +158,7 @@ class ModelConfig:
             model_type=family.model_type,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
+            intermediate_size=hf.get("intermediate_size", 0),
             num_hidden_layers=hf["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=hf.get("num_key_value_heads") or heads,
@@ -139,9 +172,13 @@ class ModelConfig:
             torch_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
-            hf_config=dict(hf),
+            partial_rotary_factor=float(_rope_shape(hf).get("partial_rotary_factor", 1.0)),
+            hf_config=dict(original),
         )
-        return dataclasses.replace(shared, **family.read_options(hf, source))
+        config = dataclasses.replace(shared, **family.read_options(hf, source))
+        if not config.intermediate_size and not all(config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
+            raise ConfigError(f"{source}: missing required keys ['intermediate_size']")
+        return config
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
@@ -182,6 +219,12 @@ class Family:
     hf_expert_projections: tuple[tuple[str, str], ...] = (
         ("gate_proj", "gate_proj"), ("up_proj", "up_proj"), ("down_proj", "down_proj"))
     """(our stacked expert projection, the checkpoint's per-expert module name)."""
+    text_config_key: str | None = None
+    """config.json nests the decoder's keys under this key (a multimodal model's
+    ``text_config``); None: they are at the top level."""
+    hf_left_out: tuple[tuple[str, str], ...] = ()
+    """(checkpoint name prefix, what it holds) of tensors that are no part of the decoder (a
+    vision tower, multi-token prediction layers): loading leaves them out and says so."""
 
 
 FAMILIES: dict[str, Family] = {}
@@ -200,12 +243,39 @@ def family_of(model_type: str | None, source: str = "config.json") -> Family:
     return FAMILIES[model_type]
 
 
+def text_config(hf: dict[str, Any], family: Family | None = None, source: str = "config.json") -> dict[str, Any]:
+    """The decoder's keys of config.json: itself, or (a family with a ``text_config_key``) its
+    nested text config, with the top level's ``tie_word_embeddings`` (transformers ties the
+    output projection by the top-level key) and its dtype and token ids where the nested
+    config has none."""
+    family = family or family_of(hf.get("model_type"), source)
+    key = family.text_config_key
+    if key is None:
+        return hf
+    nested = hf.get(key)
+    if not isinstance(nested, dict):
+        raise ConfigError(f"{source}: model_type={hf.get('model_type')!r} needs a {key!r} object")
+    merged = dict(nested)
+    if "tie_word_embeddings" in hf:
+        merged["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    for k in ("dtype", "torch_dtype", "bos_token_id", "eos_token_id"):
+        if k in hf and k not in merged:
+            merged[k] = hf[k]
+    return merged
+
+
+def _rope_shape(hf: dict[str, Any]) -> dict[str, Any]:
+    """The ``ROPE_SHAPE_KEYS`` config.json has, from rope_parameters or the top level."""
+    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    return {k: params.get(k, hf.get(k)) for k in ROPE_SHAPE_KEYS if k in params or k in hf}
+
+
 def _read_rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling with a 'rope_type' key or None), from either spelling."""
     params = hf.get("rope_parameters")
     if isinstance(params, dict):
         theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        scaling = {k: v for k, v in params.items() if k != "rope_theta" and k not in ROPE_SHAPE_KEYS}
     else:
         theta = hf.get("rope_theta", 10000.0)
         scaling = dict(hf.get("rope_scaling") or {})

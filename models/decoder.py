@@ -10,8 +10,9 @@ embedded) and returns logits or, without ``lm_head``, hidden states. Parallelism
 from outside (``models/parallelize.py``, ``models/pipeline.py``), never here.
 
 Generation passes a ``KVCache``: each attention layer appends its new keys and values to
-preallocated buffers and its queries attend over every cached position. Training passes
-none and runs exactly as without it.
+preallocated buffers and its queries attend over every cached position; each Gated DeltaNet
+layer replaces its convolution and recurrent states. Training passes none and runs exactly
+as without it.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import torch
 from torch import nn
 
 from llmflow import kernels
+from llmflow.models.blocks.gated_deltanet import GatedDeltaNet, init_a_log
 from llmflow.models.blocks.moe import GroupedExperts, TopKRouter
-from llmflow.models.blocks.norm import RMSNorm
+from llmflow.models.blocks.norm import GatedRMSNorm, RMSNorm, ZeroCenteredRMSNorm, rms_norm
 from llmflow.models.blocks.rotary import inverse_frequencies, positions_from_documents, rotary_cos_sin
 from llmflow.models.config import ModelConfig, family_of
 from llmflow.models.kv_cache import KVCache
@@ -44,7 +46,8 @@ class DecoderModel(nn.Module):
             config.vocab_size, config.hidden_size, _weight=embedding_weight(config.vocab_size, config.hidden_size))
         build_layer = family_of(config.model_type).build_layer
         self.layers = nn.ModuleDict({str(i): build_layer(config, i) for i in range(config.num_hidden_layers)})
-        self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm: RMSNorm | ZeroCenteredRMSNorm | None = rms_norm(
+            config.hidden_size, config.rms_norm_eps, config.zero_centered_norms)
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
 
     def reset_rope(self, device: torch.device | str | None = None) -> None:
@@ -120,7 +123,9 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
         """Random initialisation for training from scratch: normal(0, std) weights (the
-        experts' and routers' too), unit norms, zero biases."""
+        experts', routers' and convolutions' too), unit norms (zero where stored
+        zero-centred), zero biases; a Gated DeltaNet's ``dt_bias`` ones and ``A_log`` as
+        transformers draws it."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding, TopKRouter)):
                 module.weight.normal_(0.0, std, generator=generator)
@@ -129,6 +134,12 @@ class CausalLM(nn.Module):
             elif isinstance(module, GroupedExperts):
                 for weight in module.parameters():
                     weight.normal_(0.0, std, generator=generator)
-            elif isinstance(module, RMSNorm):
+            elif isinstance(module, (RMSNorm, GatedRMSNorm)):
                 module.weight.fill_(1.0)
+            elif isinstance(module, ZeroCenteredRMSNorm):
+                module.weight.zero_()
+            elif isinstance(module, GatedDeltaNet):
+                module.conv1d.weight.normal_(0.0, std, generator=generator)
+                module.dt_bias.fill_(1.0)
+                init_a_log(module.A_log, generator)
         self.model.reset_rope()

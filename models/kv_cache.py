@@ -1,4 +1,5 @@
-"""The key/value cache that generation threads through the decoder's attention layers."""
+"""The cache that generation threads through the decoder's layers: the keys and values of
+attention layers, and the states of Gated DeltaNet (linear attention) layers."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ class KVCache:
     """Keys and values of the positions processed so far, in buffers [B, Hkv, max_len, D]
     allocated on each layer's first write (so their shapes follow the weights, sharded or
     not), plus the keys' document ids when the batch has any (left padding as a document of
-    its own keeps pad positions out of every real token's attention)."""
+    its own keeps pad positions out of every real token's attention).
+
+    A Gated DeltaNet layer keeps its state instead, replaced at each step: the last inputs of
+    its causal convolution [B, D, K - 1] and its recurrent state [B, H, Dk, Dv]."""
 
     def __init__(self, max_len: int) -> None:
         self.max_len = max_len
@@ -18,6 +22,7 @@ class KVCache:
         self._keys: dict[str, torch.Tensor] = {}
         self._values: dict[str, torch.Tensor] = {}
         self._documents: torch.Tensor | None = None
+        self._linear: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def documents(self, document_ids: torch.Tensor | None) -> torch.Tensor | None:
         """Store the new positions' document ids [B, S]; the ids of every key up to them."""
@@ -41,6 +46,15 @@ class KVCache:
         self._values[layer][:, :, self.filled : end] = v
         return self._keys[layer][:, :, :end], self._values[layer][:, :, :end]
 
+    def linear_state(self, layer: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(convolution state, recurrent state) of linear-attention ``layer`` after the cached
+        positions; (None, None) before its first write."""
+        return self._linear.get(layer, (None, None))
+
+    def set_linear_state(self, layer: str, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Replace ``layer``'s states with those after the positions it just processed."""
+        self._linear[layer] = (conv, recurrent)
+
     def repeat(self, batch: int, max_len: int) -> KVCache:
         """A cache of ``batch`` rows with room for ``max_len`` positions, each row starting
         with this one-row cache's positions (a prompt prefix computed once, shared by a batch)."""
@@ -48,6 +62,8 @@ class KVCache:
         for layer in self._keys:
             keys, values = self._keys[layer][:, :, : self.filled], self._values[layer][:, :, : self.filled]
             out.update(layer, keys.expand(batch, -1, -1, -1), values.expand(batch, -1, -1, -1))
+        for layer, states in self._linear.items():
+            out.set_linear_state(layer, *(s.expand(batch, *s.shape[1:]).contiguous() for s in states))
         if self._documents is not None:
             out.documents(self._documents[:, : self.filled].expand(batch, -1))
         out.filled = self.filled

@@ -110,6 +110,7 @@ def moe_layer_tp_plan(plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle
 def apply_tp(model: CausalLM, mesh: DeviceMesh, extra_layer_plan: dict[str, ParallelStyle] | None = None) -> None:
     """Shard ``model`` over the 1-D tensor-parallel ``mesh`` in place. ``extra_layer_plan``
     adds entries to every layer's plan (LoRA adapters)."""
+    _refuse_linear_attention(model)
     decoder = model.model
     plan = {**layer_tp_plan(model.config), **(extra_layer_plan or {})}
     for name, layer in decoder.layers.items():
@@ -150,10 +151,18 @@ def inference_layer_tp_plan() -> dict[str, ParallelStyle]:
     }
 
 
+def _refuse_linear_attention(model: CausalLM) -> None:
+    """The plans shard attention heads; a Gated DeltaNet layer's heads have no plan yet."""
+    if "linear_attention" in model.config.layer_types:
+        raise NotImplementedError(f"{model.config.model_type}: tensor parallelism of Gated DeltaNet (linear "
+                                  "attention) layers is not supported; run with tp=1")
+
+
 def apply_tp_inference(model: CausalLM, mesh: DeviceMesh) -> None:
     """Shard ``model`` for generation over the 1-D tensor-parallel ``mesh`` in place (see
     ``inference_layer_tp_plan``). Sharding a model on the meta device only records the
     layout, so its shards can then be allocated without ever holding the whole model."""
+    _refuse_linear_attention(model)
     for layer in model.model.layers.values():
         parallelize_module(layer, mesh, inference_layer_tp_plan())
 

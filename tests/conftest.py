@@ -55,17 +55,30 @@ def _hf_classes(family: str):
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
+        "qwen3_5_text": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
+        "qwen3_5_moe_text": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
+        "qwen3_5": (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration),
+        "qwen3_5_moe": (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration),
     }[family]
+
+
+# Families whose RMSNorms store their weight zero-centred (applied as 1 + w), except the gated
+# norm inside each Gated DeltaNet (``linear_attn.norm``).
+ZERO_CENTERED = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
 
 
 @torch.no_grad()
 def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.08) -> None:
     """Give every parameter non-trivial values: transformers initialises biases to zero and
-    norm weights to one, which would let bias- or norm-handling bugs pass unnoticed."""
+    norm weights to one, which would let bias- or norm-handling bugs pass unnoticed. Norms
+    stored zero-centred get 0.1 * randn (the same 1 + 0.1 * randn as applied)."""
     g = torch.Generator().manual_seed(seed)
+    zero_centered = getattr(getattr(model, "config", None), "model_type", None) in ZERO_CENTERED
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            centre = 0.0 if zero_centered and "linear_attn" not in name else 1.0
+            p.copy_(centre + 0.1 * torch.randn(p.shape, generator=g))
         elif name.endswith(".bias"):
             p.copy_(0.1 * torch.randn(p.shape, generator=g))
         else:
@@ -81,13 +94,15 @@ def make_hf_model(tmp_path_factory):
     def factory(family: str = "llama", seed: int = 0, save_kwargs: dict | None = None, **overrides):
         config_cls, model_cls = _hf_classes(family)
         kwargs = {**TINY, **overrides}
+        if "text_config" in overrides:  # a multimodal model: the tiny shapes are its text model's
+            kwargs = {**overrides, "text_config": {**TINY, **overrides["text_config"]}}
         config = config_cls(**kwargs)
         config._attn_implementation = "eager"
         torch.manual_seed(seed)
         model = model_cls(config)
         randomize_(model, seed)
         if config.tie_word_embeddings:
-            assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+            assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
         path = tmp_path_factory.mktemp(f"hf_{family}")
         model.save_pretrained(path, **(save_kwargs or {}))
         return model.eval(), path

@@ -381,7 +381,7 @@ def test_unsupported_model_type_raises(make_hf_model):
 
 def test_unsupported_model_type_names_every_registered_family():
     with pytest.raises(ConfigError, match=r"model_type='gpt2' is not supported; "
-                                          r"expected one of \('llama', 'mistral', 'qwen2', 'qwen3', 'qwen3_moe', 'qwen2_moe', 'mixtral'\)"):
+                                          r"expected one of \('llama', 'mistral', 'qwen2', 'qwen3', 'qwen3_moe', 'qwen2_moe', 'mixtral', 'qwen3_next', 'qwen3_5_text', 'qwen3_5', 'qwen3_5_moe_text', 'qwen3_5_moe'\)"):
         ModelConfig.from_hf({"model_type": "gpt2"})
 
 

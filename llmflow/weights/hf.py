@@ -10,6 +10,7 @@ flight), never as a random-initialised model and a state dict side by side.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import secrets
@@ -21,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from llmflow.models.config import ModelConfig, family_of
+from llmflow.models.config import ROPE_SHAPE_KEYS, ModelConfig, family_of
 from llmflow.models.decoder import CausalLM
 from llmflow.weights.errors import CheckpointError
 from llmflow.weights.finite import check_finite
@@ -32,6 +33,7 @@ from llmflow.weights.hf_names import (
     hf_names,
     hf_to_ours,
     is_stacked_experts,
+    left_out,
     split_experts,
 )
 from llmflow.weights.safetensors_io import (
@@ -45,6 +47,8 @@ from llmflow.weights.safetensors_io import (
 
 SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+log = logging.getLogger(__name__)
 def safetensors_files(directory: str | Path) -> list[Path]:
     """The weight files of an HF checkpoint directory, from its index when there is one."""
     directory = Path(directory)
@@ -100,6 +104,9 @@ def stored_parameters(directory: Path, config: ModelConfig, shapes: dict[str, tu
     reads the embedding. Checked before anything is read: a tensor with no place in the model,
     a shape config.json does not imply, or a missing tensor is a ``CheckpointError`` naming it."""
     hf_tensors = index_hf_tensors(directory) if hf_tensors is None else hf_tensors
+    report = left_out(list(hf_tensors), config)
+    if report is not None:
+        log.warning("%s: %s; llmflow builds the %s text model", directory, report, config.model_type)
     found: dict[str, dict[int, tuple[str, StoredTensor]]] = {}
     unknown = []
     for hf_name, stored in hf_tensors.items():
@@ -182,32 +189,47 @@ def load_hf_model(
 def hf_config_dict(config: ModelConfig) -> dict:
     """config.json for ``config``: the original keys, updated with the current shape.
     Rope and dtype are written in the spelling the original used (transformers 4 style
-    when there was none), which transformers 4 and 5 both read."""
+    when there was none), which transformers 4 and 5 both read. A multimodal config keeps its
+    other towers' keys: the decoder's are written into its nested text config."""
     family = family_of(config.model_type)
     hf = dict(config.hf_config)
-    hf.update(
-        model_type=config.model_type,
-        architectures=[family.architecture],
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        max_position_embeddings=config.max_position_embeddings,
-        rms_norm_eps=config.rms_norm_eps,
-        tie_word_embeddings=config.tie_word_embeddings,
-        hidden_act="silu",
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-    )
-    hf.update(family.write_options(config))
-    if "rope_parameters" in hf:
-        hf["rope_parameters"] = {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta}
+    nested = family.text_config_key
+    text = dict(hf.get(nested) or {}) if nested else hf
+    shape = {
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "hidden_act": "silu",
+    }
+    if "intermediate_size" not in text and not config.intermediate_size:  # every layer routes (Qwen3.5-MoE)
+        del shape["intermediate_size"]
+    text.update(shape)
+    # Where transformers reads them: a multimodal model ties by its top-level key.
+    (hf if nested else text)["tie_word_embeddings"] = config.tie_word_embeddings
+    for key in ("bos_token_id", "eos_token_id"):
+        (hf if nested and key not in text and key in hf else text)[key] = getattr(config, key)
+    text.update(family.write_options(config))
+    params = text.get("rope_parameters")
+    kept = {k: v for k, v in params.items() if k in ROPE_SHAPE_KEYS} if isinstance(params, dict) else {}
+    if "partial_rotary_factor" in kept:
+        kept["partial_rotary_factor"] = config.partial_rotary_factor
+    elif "partial_rotary_factor" in text:
+        text["partial_rotary_factor"] = config.partial_rotary_factor
+    if "rope_parameters" in text:
+        text["rope_parameters"] = {"rope_type": "default", **(config.rope_scaling or {}), **kept,
+                                   "rope_theta": config.rope_theta}
     else:
-        hf["rope_theta"] = config.rope_theta
-        hf["rope_scaling"] = config.rope_scaling
+        text["rope_theta"] = config.rope_theta
+        text["rope_scaling"] = config.rope_scaling
+    if nested:
+        hf[nested] = text
+    hf.update(model_type=config.model_type, architectures=[family.architecture])
     hf["dtype" if "dtype" in hf else "torch_dtype"] = config.torch_dtype
     return hf
 

@@ -6,7 +6,9 @@ exports), the output projection that tied checkpoints omit, the family's own spe
 module (``Family.hf_renames``: Mixtral's ``block_sparse_moe``), and the routed experts: the
 decoder stacks each projection of a layer's experts into one tensor
 (``mlp.experts.gate_proj`` [experts, out, in]) where the Hub stores one tensor per expert
-(``mlp.experts.{i}.gate_proj.weight``).
+(``mlp.experts.{i}.gate_proj.weight``). Tensors that are no part of the decoder
+(``Family.hf_left_out``: a vision tower, multi-token prediction layers) are left out, and
+``left_out`` says which.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def split_experts(name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
 def hf_to_ours(hf_name: str, config: ModelConfig) -> tuple[str, int | None] | None:
     """(our parameter name, the expert's index in it or None) for an HF tensor name; None for
     tensors we do not load."""
-    if _IGNORED_HF_KEYS.search(hf_name):
+    if _IGNORED_HF_KEYS.search(hf_name) or _left_out_part(hf_name, config) is not None:
         return None
     if config.tie_word_embeddings and hf_name == TIED_OUTPUT:
         return None
@@ -69,6 +71,23 @@ def hf_to_ours(hf_name: str, config: ModelConfig) -> tuple[str, int | None] | No
             experts = _renamed(per_expert["experts"], config, to_hf=False)
             return f"{experts}.{projection}", int(per_expert["index"])
     return _renamed(hf_name, config, to_hf=False), None
+
+
+def _left_out_part(hf_name: str, config: ModelConfig) -> tuple[str, str] | None:
+    return next((part for part in family_of(config.model_type).hf_left_out if hf_name.startswith(part[0])), None)
+
+
+def left_out(hf_names: list[str], config: ModelConfig) -> str | None:
+    """One line naming the checkpoint tensors the decoder leaves out ("left out 123 tensors of
+    the vision tower (model.visual.*)"), or None when it loads them all."""
+    counts: dict[tuple[str, str], int] = {}
+    for name in hf_names:
+        part = _left_out_part(name, config)
+        if part is not None:
+            counts[part] = counts.get(part, 0) + 1
+    if not counts:
+        return None
+    return "left out " + ", ".join(f"{n} tensors of {what} ({prefix}*)" for (prefix, what), n in counts.items())
 
 
 def expected_names(model: nn.Module) -> list[str]:

@@ -1,7 +1,8 @@
 """The pre-norm decoder layer: ``x + self_attn(norm(x))``, then ``x + mlp(norm(x))``.
 
-A family fills its two slots: any attention block that takes (x, cos, sin, document_ids,
-cache) and any feed-forward block that takes x (a dense MLP, or a mixture of experts).
+A family fills its two slots: any token mixer that takes (x, cos, sin, document_ids, cache)
+(attention, or a Gated DeltaNet registered under HF's name ``linear_attn``) and any
+feed-forward block that takes x (a dense MLP, or a mixture of experts).
 """
 
 from __future__ import annotations
@@ -9,16 +10,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmflow.models.blocks.norm import RMSNorm
+from llmflow.models.blocks.norm import rms_norm
 from llmflow.models.kv_cache import KVCache
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hidden_size: int, rms_norm_eps: float, self_attn: nn.Module, mlp: nn.Module) -> None:
+    def __init__(self, hidden_size: int, rms_norm_eps: float, self_attn: nn.Module, mlp: nn.Module, *,
+                 mixer_name: str = "self_attn", zero_centered_norm: bool = False) -> None:
+        """``mixer_name``: the module name of the token mixer (``linear_attn`` for a Gated
+        DeltaNet); ``zero_centered_norm``: both norms store their weight zero-centred."""
         super().__init__()
-        self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps)
-        self.self_attn = self_attn
-        self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps)
+        self.input_layernorm = rms_norm(hidden_size, rms_norm_eps, zero_centered_norm)
+        self.mixer_name = mixer_name
+        self.add_module(mixer_name, self_attn)
+        self.post_attention_layernorm = rms_norm(hidden_size, rms_norm_eps, zero_centered_norm)
         self.mlp = mlp
 
     def forward(
@@ -31,5 +36,5 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         # Tensor-parallel plans give self_attn fixed input layouts: pass a cache only when there is one.
         cached = (cache,) if cache is not None else ()
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, document_ids, *cached)
+        x = x + getattr(self, self.mixer_name)(self.input_layernorm(x), cos, sin, document_ids, *cached)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -1,4 +1,5 @@
-"""Rotary position embedding frequencies, including the scaling types Llama 3 uses."""
+"""Rotary position embedding frequencies, including the scaling types Llama 3 uses, over
+all of each head or its first ``partial_rotary_factor`` part."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from llmflow.models.config import ModelConfig
 
 
 def inverse_frequencies(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
-    """inv_freq [head_dim // 2] in fp32, computed exactly as transformers does."""
-    dim = config.head_dim
+    """inv_freq [rotary_dim // 2] in fp32, computed exactly as transformers does; the rotary
+    dims are ``int(head_dim * partial_rotary_factor)`` (all of them unless a family rotates
+    only part of each head)."""
+    dim = int(config.head_dim * config.partial_rotary_factor)
     if torch.empty(0, device=device).is_meta:  # shape only: arithmetic on meta imports torch._dynamo (seconds)
         return torch.empty(dim // 2, device=device)
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
@@ -44,7 +47,7 @@ def _llama3_scaling(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 def rotary_cos_sin(
     inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [B, S, head_dim] for ``position_ids`` [B, S] (halves repeated)."""
+    """cos and sin [B, S, rotary_dim] for ``position_ids`` [B, S] (halves repeated)."""
     freqs = position_ids[:, :, None].float() * inv_freq[None, None, :].float()
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -12,7 +12,9 @@ from llmflow.models.families.mixtral import MIXTRAL
 from llmflow.models.families.qwen2 import QWEN2
 from llmflow.models.families.qwen2_moe import QWEN2_MOE
 from llmflow.models.families.qwen3 import QWEN3
+from llmflow.models.families.qwen3_5 import QWEN3_5, QWEN3_5_MOE, QWEN3_5_MOE_TEXT, QWEN3_5_TEXT
 from llmflow.models.families.qwen3_moe import QWEN3_MOE
+from llmflow.models.families.qwen3_next import QWEN3_NEXT
 
 register_family(LLAMA)
 register_family(MISTRAL)
@@ -21,3 +23,8 @@ register_family(QWEN3)
 register_family(QWEN3_MOE)
 register_family(QWEN2_MOE)
 register_family(MIXTRAL)
+register_family(QWEN3_NEXT)
+register_family(QWEN3_5_TEXT)
+register_family(QWEN3_5)
+register_family(QWEN3_5_MOE_TEXT)
+register_family(QWEN3_5_MOE)

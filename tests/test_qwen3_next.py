@@ -1,0 +1,249 @@
+"""Qwen3-Next and Qwen3.5 (hybrid Gated DeltaNet / gated attention layers) against transformers
+on tiny random weights (fp32, eager attention; transformers runs its own torch gated delta
+rule and convolution, flash-linear-attention and causal-conv1d not being installed): logits,
+packed documents, greedy generation with the linear layers' states in the cache, the
+checkpoint and config round trip, and a multimodal Qwen3.5 checkpoint whose vision tower is
+left out. Also the reference gated delta rule and convolution against transformers' own."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_generate import VOCAB, add_tokenizer, hf_greedy
+
+import llmflow.kernels as K
+from llmflow.data.tokenizer import load_tokenizer
+from llmflow.infer.generate import GenerateConfig, generate
+from llmflow.models import ModelConfig
+from llmflow.models.blocks.gated_deltanet import GatedDeltaNet
+from llmflow.models.blocks.moe import MoE
+from llmflow.weights import load_hf_model, load_model, save_hf_model
+from llmflow.weights.hf import hf_config_dict
+
+ATOL = 1e-5
+BATCH, SEQ = 2, 32
+
+# Linear heads: 2 query/key heads, each serving 2 value heads; head widths 16.
+LINEAR = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+          "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4}
+HYBRID = {**LINEAR, "num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 16}
+EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+           "shared_expert_intermediate_size": 48}
+CASES = {
+    # layers 0-2 linear, 3 attention (full_attention_interval 4); layer 1 dense (mlp_only_layers)
+    "qwen3_next_moe": ("qwen3_next", {**HYBRID, **EXPERTS, "mlp_only_layers": [1]}),
+    "qwen3_next_dense_tied": ("qwen3_next", {**HYBRID, "num_experts": 0, "tie_word_embeddings": True,
+                                             "layer_types": ["linear_attention", "full_attention"] * 2}),
+    "qwen3_5_text": ("qwen3_5_text", {**HYBRID, "num_key_value_heads": 1}),
+    "qwen3_5_text_tied": ("qwen3_5_text", {**HYBRID, "tie_word_embeddings": True, "attention_bias": True}),
+    "qwen3_5_moe_text": ("qwen3_5_moe_text", {**HYBRID, **EXPERTS}),
+}
+
+
+def assert_close(actual, expected, atol=ATOL):
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=0.0)
+
+
+def hf_model(make_hf_model, case, **extra):
+    family, overrides = CASES[case]
+    return make_hf_model(family, **overrides, **extra)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers(case, make_hf_model, tokens):
+    hf, path = hf_model(make_hf_model, case)
+    ours = load_hf_model(path).eval()
+    ids = tokens(BATCH, SEQ)
+    with torch.no_grad():
+        assert_close(ours(ids), hf(ids).logits)
+    kinds = [type(getattr(layer, layer.mixer_name)).__name__ for layer in ours.model.layers.values()]
+    assert kinds == ["GatedDeltaNet" if t == "linear_attention" else "Attention" for t in hf.config.layer_types]
+    routed = [int(n) for n, layer in ours.model.layers.items() if isinstance(layer.mlp, MoE)]
+    assert routed == [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")]
+    assert ours.model.inv_freq.shape == (int(16 * 0.25) // 2,)
+    if hf.config.tie_word_embeddings:
+        assert ours.lm_head.weight is ours.model.embed_tokens.weight
+
+
+def test_reference_kernels_match_transformers_torch_paths():
+    """The gated delta rule (against transformers' chunked and recurrent forms, a state carried
+    over) and the causal convolution (against F.conv1d as transformers runs it)."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as M
+
+    g = torch.Generator().manual_seed(0)
+    b, s, h, dk, dv = 2, 20, 4, 8, 12
+    q, k, v = torch.randn(b, s, h, dk, generator=g), torch.randn(b, s, h, dk, generator=g), torch.randn(b, s, h, dv, generator=g)
+    decay, beta = -2 * torch.rand(b, s, h, generator=g), torch.rand(b, s, h, generator=g)
+    state = torch.randn(b, h, dk, dv, generator=g)
+    for rule in (M.torch_chunk_gated_delta_rule, M.torch_recurrent_gated_delta_rule):
+        expected, expected_state = rule(q, k, v, decay, beta, initial_state=state, output_final_state=True,
+                                        use_qk_l2norm_in_kernel=True)
+        out, final = K.gated_delta_rule(q, k, v, decay, beta, initial_state=state, output_final_state=True)
+        assert_close(out, expected, atol=2e-6)
+        assert_close(final, expected_state, atol=2e-6)
+    x, weight = torch.randn(b, s, 24, generator=g), torch.randn(24, 4, generator=g)
+    expected = M.causal_conv1d_fn(x.transpose(1, 2), weight, None, activation="silu").transpose(1, 2)
+    out, final = K.causal_conv1d(x, weight, output_final_state=True)
+    assert_close(out, expected, atol=1e-6)
+    assert torch.equal(final, x[:, -3:].transpose(1, 2))
+    # Run in two pieces, the second from the first's state: the same as in one.
+    head, state1 = K.causal_conv1d(x[:, :7], weight, output_final_state=True)
+    tail, _ = K.causal_conv1d(x[:, 7:], weight, state=state1)
+    assert_close(torch.cat([head, tail], dim=1), out, atol=1e-6)
+    first, rec = K.gated_delta_rule(q[:, :7], k[:, :7], v[:, :7], decay[:, :7], beta[:, :7], output_final_state=True)
+    rest, _ = K.gated_delta_rule(q[:, 7:], k[:, 7:], v[:, 7:], decay[:, 7:], beta[:, 7:], initial_state=rec)
+    whole, _ = K.gated_delta_rule(q, k, v, decay, beta)
+    assert_close(torch.cat([first, rest], dim=1), whole, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["qwen3_next_moe", "qwen3_5_text_tied"])
+def test_packed_documents_equal_separate_forward_passes(case, make_hf_model, tokens):
+    hf, path = hf_model(make_hf_model, case)
+    ours = load_hf_model(path).eval()
+    docs = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 2, 2], [5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 9]])
+    ids = tokens(2, docs.shape[1], seed=3)
+    checked = 0
+    with torch.no_grad():
+        packed = ours(ids, document_ids=docs)
+        for b in range(2):
+            for d in docs[b].unique():
+                idx = (docs[b] == d).nonzero().squeeze(1)
+                assert_close(packed[b : b + 1, idx], hf(ids[b : b + 1, idx]).logits)
+                assert_close(packed[b : b + 1, idx], ours(ids[b : b + 1, idx]))
+                checked += 1
+        assert checked == 6
+        # Without document ids the later documents see the earlier ones, through every linear layer too.
+        assert (ours(ids)[0, 5:] - packed[0, 5:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("case", ["qwen3_next_moe", "qwen3_5_text", "qwen3_5_moe_text"])
+def test_greedy_generation_matches_transformers(case, make_hf_model):
+    """Left-padded prompts of 7, 3, 12 and 1 tokens (the one-token prompt shorter than the
+    convolution's window): each row generates what transformers generates for it alone, and
+    what llmflow generates for it alone."""
+    family, overrides = CASES[case]
+    hf, path = make_hf_model(family, **{**overrides, "vocab_size": VOCAB})
+    add_tokenizer(path)
+    model, _ = load_model(path)
+    tokenizer = load_tokenizer(path)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (7, 3, 12, 1)]
+    eos = 5
+    config = GenerateConfig(max_new_tokens=10, eos_token_ids=[eos])
+    batched = [r.tokens for r in generate(model, tokenizer, prompts, config)]
+    alone = [hf_greedy(hf, [p], 10, eos)[0] for p in prompts]
+    assert batched == alone
+    assert batched == [generate(model, tokenizer, [p], config)[0].tokens for p in prompts]
+
+
+def test_a_shared_prefix_with_left_padding_scores_like_whole_rows(make_hf_model, tokens):
+    """Evaluation's shared prefix: the prefix once, then left-padded rows after it (their pads
+    pass the linear layers' states by), scores equal to running each row whole."""
+    from llmflow.evaluate.prefix_forward import Row, run_rows
+
+    _, path = hf_model(make_hf_model, "qwen3_5_text")
+    model = load_hf_model(path).eval()
+    prefix = tokens(1, 6, seed=4)[0].tolist()
+    rows = [Row(tokens(1, n, seed=n)[0].tolist(), [[(i, 7)] for i in range(n)]) for n in (5, 2, 9)]
+    whole = [Row(prefix + r.tokens, [[(len(prefix) + i, t) for i, t in s] for s in r.targets]) for r in rows]
+    expected = run_rows(model, whole, batch_size=1)
+    for side in ("left", "right"):
+        got = run_rows(model, rows, batch_size=3, padding_side=side, prefix=prefix)
+        for a, b in zip(got, expected, strict=True):
+            assert a == pytest.approx(b, abs=1e-4)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_checkpoint_and_config_round_trip_bit_exact(case, make_hf_model, tmp_path):
+    _, path = hf_model(make_hf_model, case)
+    ours = load_hf_model(path)
+    saved = save_hf_model(ours, tmp_path / "out")
+    original, written = load_file(path / "model.safetensors"), load_file(saved / "model.safetensors")
+    assert sorted(written) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(written[name], tensor), name
+    assert json.loads((saved / "config.json").read_text()) == json.loads((path / "config.json").read_text())
+    if case.startswith("qwen3_next_moe") or case == "qwen3_5_moe_text":
+        assert "model.layers.0.mlp.experts.3.down_proj.weight" in written
+
+
+def test_transformers4_qwen3_next_config_is_read(make_hf_model, tokens):
+    """Qwen3-Next as its Hub config.json spells it (transformers 4.57): rope_theta,
+    partial_rotary_factor and full_attention_interval at the top level, no layer_types."""
+    hf, path = hf_model(make_hf_model, "qwen3_next_moe")
+    cfg = json.loads((path / "config.json").read_text())
+    rope = cfg.pop("rope_parameters")
+    cfg.pop("layer_types")
+    cfg.update(rope_theta=rope["rope_theta"], partial_rotary_factor=rope["partial_rotary_factor"], rope_scaling=None,
+               full_attention_interval=4, torch_dtype=cfg.pop("dtype"))
+    (path / "config.json").write_text(json.dumps(cfg))
+    config = ModelConfig.from_file(path)
+    assert config.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert config.partial_rotary_factor == 0.25 and config.torch_dtype == "float32"
+    assert hf_config_dict(config) == {**cfg, "architectures": ["Qwen3NextForCausalLM"]}
+    ids = tokens(1, 12)
+    with torch.no_grad():
+        assert_close(load_hf_model(path)(ids), hf(ids).logits)
+
+
+MULTIMODAL_VISION = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 64,
+                     "num_position_embeddings": 16, "patch_size": 4}
+
+
+@pytest.mark.parametrize("family, text", [("qwen3_5", {**HYBRID, "intermediate_size": 96}),
+                                          ("qwen3_5_moe", {**HYBRID, **EXPERTS})])
+def test_multimodal_checkpoint_loads_its_text_model(family, text, make_hf_model, tokens, tmp_path, caplog):
+    """A Qwen3.5 checkpoint as published (``*ForConditionalGeneration``): the text model under
+    ``model.language_model.*`` is loaded and the vision tower left out with a one-line report;
+    text-only input gives the logits transformers' multimodal model gives; export writes the
+    text weights under their names and the config.json it read."""
+    hf, path = make_hf_model(family, text_config=text, vision_config=MULTIMODAL_VISION)
+    stored = load_file(path / "model.safetensors")
+    visual = sorted(n for n in stored if n.startswith("model.visual."))
+    assert visual
+    with caplog.at_level(logging.WARNING, logger="llmflow.weights.hf"):
+        ours = load_hf_model(path).eval()
+    lines = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert len(lines) == 1 and f"left out {len(visual)} tensors of the vision tower (model.visual.*)" in lines[0]
+    ids = tokens(BATCH, SEQ)
+    with torch.no_grad():
+        assert_close(ours(ids), hf(input_ids=ids).logits)
+    saved = save_hf_model(ours, tmp_path / "out")
+    written = load_file(saved / "model.safetensors")
+    assert sorted(written) == sorted(n for n in stored if n not in visual)
+    for name, tensor in written.items():
+        assert torch.equal(tensor, stored[name]), name
+    assert json.loads((saved / "config.json").read_text()) == json.loads((path / "config.json").read_text())
+
+
+def test_mtp_tensors_are_left_out(make_hf_model, caplog):
+    _, path = hf_model(make_hf_model, "qwen3_5_text")
+    tensors = load_file(path / "model.safetensors")
+    tensors["mtp.fc.weight"] = torch.zeros(64, 128)
+    tensors["mtp.norm.weight"] = torch.zeros(64)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level(logging.WARNING, logger="llmflow.weights.hf"):
+        load_hf_model(path)
+    assert "left out 2 tensors of the multi-token prediction layers (mtp.*)" in caplog.text
+
+
+def test_random_initialisation_matches_transformers_conventions():
+    config = ModelConfig.from_hf({"model_type": "qwen3_5_text", "vocab_size": 64, "hidden_size": 32,
+                                  "intermediate_size": 48, "num_hidden_layers": 4, "num_attention_heads": 2,
+                                  "head_dim": 16, **LINEAR})
+    from llmflow.models import CausalLM
+
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model.to_empty(device="cpu")
+    model.init_weights(generator=torch.Generator().manual_seed(0))
+    deltanet = model.model.layers["0"].linear_attn
+    assert isinstance(deltanet, GatedDeltaNet)
+    assert torch.equal(model.model.norm.weight, torch.zeros(32))
+    assert torch.equal(deltanet.norm.weight, torch.ones(16)) and torch.equal(deltanet.dt_bias, torch.ones(4))
+    assert ((deltanet.A_log.exp() >= 0.01 - 1e-6) & (deltanet.A_log.exp() <= 16 + 1e-4)).all()
+    assert deltanet.conv1d.weight.std() > 0
