@@ -36,6 +36,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
             "Show the devices, backends, dtypes and kernels llmflow would use here."),
     "demo": ("llmflow.demo:DemoCommand",
              "Run the finetune-and-eval flow on the built-in sample assets (offline, CPU-friendly)."),
+    "flow": ("llmflow.flows.command:FlowCommands",
+             "Run a flow here (finetune-eval, pretrain, evaluate, precision), its parameters the options."),
     "server": ("llmflow.server:ServerCommand",
                ("Start the Prefect server and UI, a worker, llmflow's deployments and the MLflow UI "
                 "(loopback; Ctrl-C stops).")),

@@ -9,7 +9,10 @@ the checkpoint. Each flow run trains briefly (a torchrun launch each), so there 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -225,22 +228,30 @@ def test_finetune_eval_starts_from_a_megatron_checkpoint_and_exports_one(prefect
 
 
 @pytest.mark.slow
-def test_finetune_eval_finetunes_a_mixture_of_experts_at_ep2(prefect_env, sample_tokenizer_model, tmp_path):
-    """A Qwen3-MoE (tiny, the sample's tokenizer) through every stage, finetuned by two
-    expert-parallel ranks; the training run logs the experts' load, the export is the Hub's
-    per-expert layout transformers loads, and the finetune is registered."""
+def test_finetune_eval_finetunes_a_mixture_of_experts_at_ep2_from_the_command_line(prefect_env, prefect_server,
+                                                                                   sample_tokenizer_model, tmp_path):
+    """A Qwen3-MoE (tiny, the sample's tokenizer) through every stage, run by ``llmflow flow
+    finetune-eval`` with dotted options, finetuned by two expert-parallel ranks; the training
+    run logs the experts' load, the export is the Hub's per-expert layout transformers loads,
+    and the finetune is registered."""
     from transformers import AutoModelForCausalLM
 
     model = sample_tokenizer_model("qwen3_moe", num_key_value_heads=2, head_dim=16, num_experts=4,
                                    num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
-    params = flow_params(tmp_path / "ws", model=str(model), prompts=["What is the capital of France?"],
-                         train={"steps": 4, "save_interval": 4, "micro_batch_size": 4, "global_batch_size": 8,
-                                "nproc": 2, "ep": 2},
-                         registered_model="test-moe", register_min_gain=None)
-    state, states = run_flow(params)
-    assert state.is_completed(), state.message
+    options = {"workspace": tmp_path / "ws", "model": model, "version": "test", "prompts": '["What is the capital of France?"]',
+               "train.steps": 4, "train.save-interval": 4, "train.micro-batch-size": 4, "train.global-batch-size": 8,
+               "train.nproc": 2, "train.ep": 2, "evaluation.limit": 8, "registered-model": "test-moe",
+               "register-min-gain": "null"}
+    env = {**os.environ, **{setting.name: str(value) for setting, value in prefect_server.settings.items()}}
+    proc = subprocess.run([sys.executable, "-m", "llmflow.cli", "flow", "finetune-eval",
+                           *(arg for key, value in options.items() for arg in (f"--{key}", str(value)))],
+                          check=False, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    result = json.loads("\n".join(lines[lines.index("{"):]))  # the flow's result, printed last
+    flow_run_id = MlflowClient(prefect_env["mlflow_uri"]).get_run(result["mlflow_run"]).data.tags[FLOW_RUN_TAG]
+    states = task_states(flow_run_id)
     assert all(set(runs) == {"Completed"} for runs in states.values()) and "register" in states
-    result = state.result()
     assert result["registered"] is not None
     exported = AutoModelForCausalLM.from_pretrained(result["model"])
     assert type(exported).__name__ == "Qwen3MoeForCausalLM"
