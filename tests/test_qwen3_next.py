@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -247,3 +248,91 @@ def test_random_initialisation_matches_transformers_conventions():
     assert torch.equal(deltanet.norm.weight, torch.ones(16)) and torch.equal(deltanet.dt_bias, torch.ones(4))
     assert ((deltanet.A_log.exp() >= 0.01 - 1e-6) & (deltanet.A_log.exp() <= 16 + 1e-4)).all()
     assert deltanet.conv1d.weight.std() > 0
+
+
+FUSED_CASES = ["qwen3_5_moe_text", "qwen3_next_moe"]
+
+
+def fused_copy(hf, directory):
+    """``hf`` saved as transformers holds it in memory (``save_original_format=False``): every
+    layer's experts fused into ``mlp.experts.gate_up_proj`` [E, 2 I, H] and
+    ``mlp.experts.down_proj`` [E, H, I], the layout of the published Qwen3.5-MoE checkpoints."""
+    hf.save_pretrained(directory, save_original_format=False)
+    return directory
+
+
+@pytest.mark.parametrize("case", FUSED_CASES)
+def test_fused_experts_load_bit_exact_streamed_and_export_per_expert(case, make_hf_model, tokens, tmp_path):
+    """A checkpoint with fused experts (which transformers reads as it reads per-expert ones)
+    loads into the same weights, bit for bit, whole, converted and by a rank's sharded load
+    (each expert's slab read alone); the logits are transformers'; export writes one tensor
+    per expert, the layout transformers' save_pretrained writes."""
+    from test_sharded_loading import load_both
+    from transformers import AutoModelForCausalLM
+
+    from llmflow.weights.convert import ConvertConfig, convert
+    from llmflow.weights.hf import index_hf_tensors
+
+    hf, per_expert = hf_model(make_hf_model, case)
+    fused = fused_copy(hf, tmp_path / "fused")
+    stored = load_file(fused / "model.safetensors")
+    assert stored["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
+    assert stored["model.layers.0.mlp.experts.down_proj"].shape == (4, 64, 32)
+    assert not [n for n in stored if ".experts.0." in n]
+    want = load_hf_model(per_expert).state_dict()
+    converted = convert(ConvertConfig(hf=fused, out=tmp_path / "ckpt", pad_vocab_to_multiple=1))
+    for got in (load_hf_model(fused).state_dict(), load_model(converted)[0].state_dict()):
+        assert list(got) == list(want)
+        assert [n for n in want if not torch.equal(got[n], want[n])] == []
+    _, sharded, report, _, _ = load_both(fused)
+    assert [n for n, p in sharded.named_parameters() if not torch.equal(p, want[n])] == []
+    experts = [t for n, t in index_hf_tensors(fused).items() if n.endswith("experts.gate_up_proj")]
+    assert report.bytes_read == sum(t.nbytes for t in index_hf_tensors(fused).values())
+    assert report.largest_read < experts[0].nbytes  # an expert's slab at a time, never the fused tensor
+    ids = tokens(BATCH, SEQ)
+    theirs = AutoModelForCausalLM.from_pretrained(fused, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert_close(load_hf_model(fused).eval()(ids), hf(ids).logits)
+        assert torch.equal(theirs(ids).logits, hf(ids).logits)
+    saved = save_hf_model(load_hf_model(fused), tmp_path / "out")
+    written, original = load_file(saved / "model.safetensors"), load_file(per_expert / "model.safetensors")
+    assert sorted(written) == sorted(original)
+    assert [n for n in original if not torch.equal(written[n], original[n])] == []
+
+
+def test_fused_experts_are_checked_before_reading(make_hf_model, tmp_path):
+    """A fused tensor of the wrong shape, experts stored both ways, and a NaN in one expert's
+    slab: each refused naming the tensor (the slab by its expert and rows)."""
+    from llmflow.weights import CheckpointError
+
+    hf, _ = hf_model(make_hf_model, "qwen3_5_moe_text")
+    fused = fused_copy(hf, tmp_path / "fused")
+    file = fused / "model.safetensors"
+    tensors = load_file(file)
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    bad = dict(tensors, **{name: tensors[name][:, :48].contiguous()})
+    save_file(bad, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=re.escape(f"tensor '{name}' has shape (4, 48, 64), config.json implies "
+                                                        "(4, 64, 64) (experts fused along dim 0)")):
+        load_hf_model(fused)
+    both = dict(tensors, **{"model.layers.1.mlp.experts.2.up_proj.weight": torch.zeros(32, 64)})
+    save_file(both, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=re.escape("the experts of 'model.layers.1.mlp.experts.up_proj' are "
+                                                        f"stored both fused ('{name}') and one tensor per expert")):
+        load_hf_model(fused)
+    tensors[name][1, 40, 3] = float("nan")  # expert 1, an up_proj row
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=re.escape(f"{file}: tensor '{name}[1, 32:64]' holds non-finite")):
+        load_hf_model(fused)
+
+
+def test_multimodal_fused_experts_load_as_transformers_reads_them(make_hf_model, tokens, tmp_path):
+    """Qwen3.5-MoE as published: ``model.language_model.*`` with fused experts beside the vision
+    tower; the text model's logits are transformers'."""
+    hf, _ = make_hf_model("qwen3_5_moe", text_config={**HYBRID, **EXPERTS}, vision_config=MULTIMODAL_VISION)
+    fused = fused_copy(hf, tmp_path / "fused")
+    assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in load_file(fused / "model.safetensors")
+    ids = tokens(BATCH, SEQ)
+    with torch.no_grad():
+        assert_close(load_hf_model(fused).eval()(ids), hf(input_ids=ids).logits)
+
