@@ -7,6 +7,7 @@ left out. Also the reference gated delta rule and convolution against transforme
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import re
@@ -336,3 +337,101 @@ def test_multimodal_fused_experts_load_as_transformers_reads_them(make_hf_model,
     with torch.no_grad():
         assert_close(load_hf_model(fused).eval()(ids), hf(input_ids=ids).logits)
 
+
+def test_multimodal_checkpoint_goes_through_every_stage(sample_assets, make_hf_model, tmp_path, capsys):
+    """A Qwen3.5 checkpoint as published (``Qwen3_5ForConditionalGeneration``, a tiny vision
+    tower; its decoder's keys only in ``text_config``) over the sample's tokenizer: its
+    vocabulary checked at tokenizing, converted, trained two steps, exported (transformers'
+    multimodal class computes the trained text model's logits), generated from with several
+    prompts and evaluated on MMLU, each stage in this process."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from llmflow.cli import main
+    from llmflow.data.tokenize_instruction import InstructionTokenizeConfig, tokenize_instruction
+    from llmflow.data.tokenizer import tokenizer_info
+    from llmflow.evaluate.benchmarks import MMLU
+    from llmflow.evaluate.engine import EvalConfig, evaluate
+    from llmflow.evaluate.settings import context_length
+    from llmflow.infer.generator import load_generator
+    from llmflow.train.config import TrainConfig
+    from llmflow.train.loop import train
+    from llmflow.train.routing import aux_loss_coefficient
+    from llmflow.weights.convert import ConvertConfig, convert
+    from llmflow.weights.export import ExportConfig, export
+    from llmflow.weights.tokenizer_files import copy_tokenizer_files
+
+    sample = sample_assets()
+    vocab = json.loads((sample / "model" / "config.json").read_text())["vocab_size"]
+    _, model = make_hf_model("qwen3_5", text_config={**HYBRID, "vocab_size": vocab}, vision_config=MULTIMODAL_VISION)
+    copy_tokenizer_files(sample / "model", model)
+    hf_config = json.loads((model / "config.json").read_text())
+    assert "vocab_size" not in hf_config and hf_config["text_config"]["vocab_size"] == vocab
+    assert tokenizer_info(model).config_vocab_size == vocab
+    assert context_length(hf_config) == 128
+    moe = {"model_type": "qwen3_5_moe", "text_config": {"output_router_logits": True, "router_aux_loss_coef": 0.01}}
+    assert aux_loss_coefficient(None, moe) == 0.01
+
+    data = tokenize_instruction(InstructionTokenizeConfig(input=[sample / "instruct" / "alpaca.jsonl"], tokenizer=model,
+                                                          out=tmp_path / "sft", format="alpaca", seq_length=64, pack=True))
+    ckpt = convert(ConvertConfig(hf=model, out=tmp_path / "ckpt"))
+    run = TrainConfig.model_validate({"model": str(ckpt), "out": str(tmp_path / "run"), "steps": 2,
+                                      "data": {"kind": "sft", "paths": [str(data)]}, "micro_batch_size": 2,
+                                      "global_batch_size": 2, "optim": {"lr": 1e-2}, "log_interval": 1})
+    train(run)
+    assert re.search(r"^step 2/2 \| loss [0-9.]+", capsys.readouterr().out, re.MULTILINE)
+    exported = export(ExportConfig(ckpt=run.out, out=tmp_path / "hf"))
+    assert json.loads((exported / "config.json").read_text())["text_config"]["vocab_size"] == vocab
+    trained, _ = load_model(run.out)
+    ids = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
+    theirs = Qwen3_5ForConditionalGeneration.from_pretrained(exported, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        want = trained.eval()(ids)[..., :vocab]
+        assert_close(theirs.eval()(input_ids=ids).logits, want, atol=1e-4)
+        assert (want - load_hf_model(model).eval()(ids)).abs().max() > 1e-3  # training changed it
+
+    gen = load_generator(exported)
+    assert gen.vocab_size == vocab
+    prompts = ["What is the capital of France?", "Name a river", "hi"]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    main(["generate", "--model", str(exported), "--prompts", str(tmp_path / "prompts.jsonl"), "--max-new-tokens", "6"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    alone = [gen.run([p], GenerateConfig(max_new_tokens=6))[0].text for p in prompts]
+    assert [line["completion"] for line in lines] == alone
+
+    out = evaluate(MMLU, EvalConfig(model=exported, data=sample / "mmlu" / "hf", out=tmp_path / "mmlu", shots=1,
+                                    limit=3, device="cpu"))
+    results = json.loads((out / "results.json").read_text())
+    assert results["questions"] == 3 * len(results["subjects"]) > 0
+    assert results["settings"]["max_length"] == 128
+
+
+def test_generate_command_and_chat_keep_the_linear_layers_states(make_hf_model, tmp_path, capsys):
+    """``llmflow generate --prompts`` (several prompts, one left-padded batch) and the chat loop
+    (a second turn over the first's history) on Qwen3.5: each reply is the greedy continuation
+    transformers gives its prompt alone."""
+    from llmflow.cli import main
+    from llmflow.data.templates import load_template
+    from llmflow.infer.command import chat_loop
+    from llmflow.infer.generator import load_generator
+
+    hf, path = make_hf_model("qwen3_5_text", **{**HYBRID, "vocab_size": VOCAB})
+    add_tokenizer(path)
+    eos = 5
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    gen = load_generator(path)
+    config = GenerateConfig(max_new_tokens=8)
+    prompts = ["the cat sat on", "dogs", "green hills near blue lakes and fish"]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    main(["generate", "--model", str(path), "--prompts", str(tmp_path / "prompts.jsonl"), "--max-new-tokens", "8"])
+    completions = [json.loads(line)["completion"] for line in capsys.readouterr().out.splitlines()]
+    alone = [gen.run([p], config)[0] for p in prompts]
+    assert completions == [r.text for r in alone]
+    assert [r.tokens for r in alone] == [hf_greedy(hf, [gen.tokenizer.encode(p).ids], 8, eos)[0] for p in prompts]
+
+    template = load_template(path, "chatml")
+    history = chat_loop(gen, template, config, io.StringIO("hello\nthe cat\n/exit\n"), io.StringIO())
+    assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant"]
+    ids = gen.tokenizer.encode(template.render(history[:3], add_generation_prompt=True), add_special_tokens=False).ids
+    second = gen.run([ids], config)[0]
+    assert history[3]["content"] == second.text
+    assert second.tokens == hf_greedy(hf, [ids], 8, eos)[0]
