@@ -406,11 +406,12 @@ def test_multimodal_checkpoint_goes_through_every_stage(sample_assets, make_hf_m
 
 
 def test_generate_command_and_chat_keep_the_linear_layers_states(make_hf_model, tmp_path, capsys):
-    """``llmflow generate --prompts`` (several prompts, one left-padded batch) and the chat loop
-    (a second turn over the first's history) on Qwen3.5: each reply is the greedy continuation
-    transformers gives its prompt alone."""
+    """``llmflow generate --prompts`` (several prompts, one left-padded batch), the inference
+    stage (batches of two) and the chat loop (a second turn over the first's history) on
+    Qwen3.5: each reply is the greedy continuation transformers gives its prompt alone."""
     from llmflow.cli import main
     from llmflow.data.templates import load_template
+    from llmflow.infer.batch import InferConfig, run_inference
     from llmflow.infer.command import chat_loop
     from llmflow.infer.generator import load_generator
 
@@ -427,6 +428,11 @@ def test_generate_command_and_chat_keep_the_linear_layers_states(make_hf_model, 
     alone = [gen.run([p], config)[0] for p in prompts]
     assert completions == [r.text for r in alone]
     assert [r.tokens for r in alone] == [hf_greedy(hf, [gen.tokenizer.encode(p).ids], 8, eos)[0] for p in prompts]
+    # The inference stage: the same prompts in batches of two (the longest first), on CPU in fp32.
+    out = run_inference(InferConfig(model=path, prompts=tmp_path / "prompts.jsonl", out=tmp_path / "infer",
+                                    batch_size=2, max_new_tokens=8, device="cpu", dtype="fp32"))
+    records = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
+    assert [r["output"] for r in records] == [r.text for r in alone]
 
     template = load_template(path, "chatml")
     history = chat_loop(gen, template, config, io.StringIO("hello\nthe cat\n/exit\n"), io.StringIO())
