@@ -441,3 +441,17 @@ def test_generate_command_and_chat_keep_the_linear_layers_states(make_hf_model, 
     second = gen.run([ids], config)[0]
     assert history[3]["content"] == second.text
     assert second.tokens == hf_greedy(hf, [ids], 8, eos)[0]
+
+
+def test_a_multimodal_configs_null_text_keys_are_read_from_its_top_level():
+    """transformers writes a sub-config's unset dtype (and may write token ids) as null: the
+    top level's values are the model's, and an export writes them back where they were."""
+    text = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
+            "num_attention_heads": 2, "head_dim": 16, **LINEAR, "dtype": None, "eos_token_id": None}
+    hf = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "dtype": "bfloat16",
+          "eos_token_id": 7, "tie_word_embeddings": False, "text_config": text}
+    config = ModelConfig.from_hf(hf)
+    assert (config.torch_dtype, config.eos_token_id) == ("bfloat16", 7)
+    written = hf_config_dict(config)
+    assert (written["eos_token_id"], written["dtype"]) == (7, "bfloat16")
+    assert written["text_config"]["eos_token_id"] is None and written["text_config"]["dtype"] is None

@@ -256,7 +256,7 @@ def hf_config_dict(config: ModelConfig) -> dict:
     # Where transformers reads them: a multimodal model ties by its top-level key.
     (hf if nested else text)["tie_word_embeddings"] = config.tie_word_embeddings
     for key in ("bos_token_id", "eos_token_id"):
-        (hf if nested and key not in text and key in hf else text)[key] = getattr(config, key)
+        (hf if nested and text.get(key) is None and hf.get(key) is not None else text)[key] = getattr(config, key)
     text.update(family.write_options(config))
     params = text.get("rope_parameters")
     kept = {k: v for k, v in params.items() if k in ROPE_SHAPE_KEYS} if isinstance(params, dict) else {}
