@@ -247,7 +247,7 @@ def text_config(hf: dict[str, Any], family: Family | None = None, source: str = 
     """The decoder's keys of config.json: itself, or (a family with a ``text_config_key``) its
     nested text config, with the top level's ``tie_word_embeddings`` (transformers ties the
     output projection by the top-level key) and its dtype and token ids where the nested
-    config has none."""
+    config has none (or null, as transformers writes a sub-config's unset dtype)."""
     family = family or family_of(hf.get("model_type"), source)
     key = family.text_config_key
     if key is None:
@@ -259,7 +259,7 @@ def text_config(hf: dict[str, Any], family: Family | None = None, source: str = 
     if "tie_word_embeddings" in hf:
         merged["tie_word_embeddings"] = hf["tie_word_embeddings"]
     for k in ("dtype", "torch_dtype", "bos_token_id", "eos_token_id"):
-        if k in hf and k not in merged:
+        if hf.get(k) is not None and merged.get(k) is None:
             merged[k] = hf[k]
     return merged
 

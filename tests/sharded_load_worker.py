@@ -2,7 +2,8 @@
 layout, the model the training loop's sharded load gives against the whole model loaded in
 one piece and then sharded, parameter by parameter, bitwise, from a Hugging Face directory
 and from a training checkpoint. Prints one ``ok`` line per case and what the rank read, then
-``refused ...`` for a directory whose NaN lies in rank 1's shard."""
+``refused ...`` for a directory whose NaN lies in rank 1's shard, and ``fused ...`` for the same
+model with its experts fused (``mlp.experts.gate_up_proj``) loaded under dp=2 x ep=2."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from llmflow.models import LoraConfig, apply_lora
 from llmflow.models.parallelize import parallelize_decoder
 from llmflow.weights import CheckpointError, load_model
 from llmflow.weights.hf import index_hf_tensors
+from llmflow.weights.hf_names import fused_experts
 from llmflow.weights.sharded_loading import load_sharded, meta_model, sharded_source
 
 LAYOUTS = {  # name: (tp, dp, ep, activation checkpointing, LoRA)
@@ -72,6 +74,22 @@ def main(argv: list[str]) -> None:
             assert torch.equal(sharded.model.inv_freq, whole.model.inv_freq)
             print(f"ok {name} {'checkpoint' if source.checkpoint else 'hf'} bytes_read {report.bytes_read} "
                   f"largest_read {report.largest_read} stored {stored_bytes}", flush=True)
+    if len(argv) > 3:  # the experts fused: each rank reads its own experts' slabs
+        fused = Path(argv[3])
+        mesh = build_mesh(ParallelLayout.of_world(2, 1, 1, 2, 2), "cpu")
+        whole, _ = load_model(hf)
+        parallelize_decoder(whole, mesh, fsdp_dtype=torch.float32)
+        source = sharded_source(fused)
+        sharded = meta_model(source)
+        parallelize_decoder(sharded, mesh, fsdp_dtype=torch.float32)
+        report = load_sharded(sharded, [sharded], source, torch.device("cpu"))
+        want = dict(whole.named_parameters())
+        for key, param in sharded.named_parameters():
+            assert torch.equal(local(param), local(want[key])), ("fused", key)
+        stored = index_hf_tensors(fused)
+        experts = sum(t.nbytes for n, t in stored.items() if fused_experts(n, source.config))
+        print(f"fused bytes_read {report.bytes_read} experts {experts} stored {sum(t.nbytes for t in stored.values())}",
+              flush=True)
     # A NaN in rows only rank 1 holds under dp=2: both ranks refuse, naming the file and tensor.
     poisoned = Path(argv[2])
     source = sharded_source(poisoned)

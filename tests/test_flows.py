@@ -263,6 +263,31 @@ def test_finetune_eval_finetunes_a_mixture_of_experts_at_ep2_from_the_command_li
 
 
 @pytest.mark.slow
+def test_finetune_eval_finetunes_a_hybrid_linear_attention_mixture_of_experts_at_ep2(prefect_env, sample_tokenizer_model,
+                                                                                      tmp_path):
+    """A Qwen3.5-MoE (tiny: Gated DeltaNet layers 0-2, gated attention on layer 3, a shared
+    expert; the sample's tokenizer) through every stage, finetuned by two expert-parallel
+    ranks; the export is the per-expert layout transformers loads as Qwen3_5MoeForCausalLM."""
+    from transformers import AutoModelForCausalLM
+
+    model = sample_tokenizer_model("qwen3_5_moe_text", num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
+                                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                   linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                   moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    params = flow_params(tmp_path / "ws", model=str(model), prompts=["What is the capital of France?"],
+                         train={"steps": 2, "save_interval": 2, "micro_batch_size": 4, "global_batch_size": 8,
+                                "nproc": 2, "ep": 2},
+                         evaluation={"limit": 4}, registered_model="test-hybrid-moe", register_min_gain=None)
+    state, states = run_flow(params)
+    assert state.is_completed(), state.message
+    assert all(set(runs) == {"Completed"} for runs in states.values()) and "register" in states
+    result = state.result()
+    exported = AutoModelForCausalLM.from_pretrained(result["model"])
+    assert type(exported).__name__ == "Qwen3_5MoeForCausalLM"
+    assert "expert_tokens/3" in mlflow_runs(prefect_env, "train")[0].data.metrics
+
+
+@pytest.mark.slow
 def test_a_killed_run_leaves_no_worker_and_its_rerun_resumes_training(prefect_env, prefect_server, tmp_path):
     workspace = tmp_path / "ws"
     params = flow_params(workspace, train={"steps": 16, "save_interval": 4, "micro_batch_size": 8, "global_batch_size": 8})

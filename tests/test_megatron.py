@@ -6,6 +6,7 @@ anything is written. ``test_megatron_core.py`` checks the same against megatron-
 from __future__ import annotations
 
 import json
+import re
 from argparse import Namespace
 from pathlib import Path
 
@@ -157,6 +158,28 @@ def test_biases_megatron_has_no_place_for_are_refused_before_writing(make_hf_mod
     export(ExportConfig(ckpt=convert(ConvertConfig(hf=plain, out=tmp_path / "plain")), megatron=tmp_path / "m"))
     with pytest.raises(CheckpointError, match=message):
         convert(ConvertConfig(hf=biased, megatron=tmp_path / "m", out=tmp_path / "back"))
+    assert not (tmp_path / "back").exists()
+
+
+def test_hybrid_linear_attention_models_are_refused_in_one_line(make_hf_model, tmp_path):
+    """Qwen3.5's Gated DeltaNet layers and gated attention have no place in llmflow's Megatron
+    layout: export and import refuse in one line naming why, before writing anything."""
+    from test_qwen3_next import CASES
+
+    family, overrides = CASES["qwen3_5_text"]
+    _, hybrid = make_hf_model(family, **overrides)
+    ckpt = convert(ConvertConfig(hf=hybrid, out=tmp_path / "ckpt"))
+    reason = (r"qwen3_5_text has 3 Gated DeltaNet \(linear attention\) layers and gated attention, which llmflow's "
+              r"Megatron layout does not map \(it holds attention and MLP layers only\)")
+    with pytest.raises(CheckpointError, match=f"^--megatron: {reason}$"):
+        export(ExportConfig(ckpt=ckpt, megatron=tmp_path / "m"))
+    assert not (tmp_path / "m").exists()
+    with pytest.raises(SystemExit, match=f"^llmflow export: --megatron: {reason}$"):
+        main(["export", "--ckpt", str(ckpt), "--megatron", str(tmp_path / "m")])
+    _, plain = make_hf_model("llama", **GQA)
+    export(ExportConfig(ckpt=convert(ConvertConfig(hf=plain, out=tmp_path / "plain")), megatron=tmp_path / "m"))
+    with pytest.raises(CheckpointError, match=f"^--megatron {re.escape(str(tmp_path / 'm' / 'iter_0000000'))}: {reason}$"):
+        convert(ConvertConfig(hf=hybrid, megatron=tmp_path / "m", out=tmp_path / "back"))
     assert not (tmp_path / "back").exists()
 
 

@@ -130,15 +130,27 @@ def test_grouped_mm_equals_the_per_expert_loop_forward_and_backward(rows, width)
         assert_close(fused, reference)
 
 
+HARNESS_MOE = {
+    "qwen3_moe": {"num_key_value_heads": 2, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "norm_topk_prob": True},
+    # Qwen3.5-MoE: Gated DeltaNet layers 0-2 and gated attention on layer 3, a shared expert.
+    "qwen3_5_moe_text": {"num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2,
+                         "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                         "shared_expert_intermediate_size": 48},
+}
+
+
 @pytest.mark.slow
-def test_mmlu_predictions_of_a_mixture_of_experts_are_lm_evals(sample_assets, make_hf_model, tmp_path):
-    """``llmflow eval mmlu`` on a tiny Qwen3-MoE (the sample's tokenizer) against the real
-    lm-evaluation-harness's hf backend on its mmlu task, reading the same sample subject: the
-    same four log-likelihoods of every question, and so the same answers."""
+@pytest.mark.parametrize("family", list(HARNESS_MOE))
+def test_mmlu_predictions_of_a_mixture_of_experts_are_lm_evals(family, sample_assets, make_hf_model, tmp_path):
+    """``llmflow eval mmlu`` on a tiny Qwen3-MoE and a tiny Qwen3.5-MoE (hybrid linear
+    attention; the sample's tokenizer) against the real lm-evaluation-harness's hf backend on
+    its mmlu task, reading the same sample subject: the same four log-likelihoods of every
+    question, and so the same answers."""
     sample = sample_assets()
     vocab = json.loads((sample / "model" / "config.json").read_text())["vocab_size"]
-    _, model = make_hf_model("qwen3_moe", vocab_size=vocab, num_key_value_heads=2, head_dim=16, num_experts=4,
-                             num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    _, model = make_hf_model(family, vocab_size=vocab, **HARNESS_MOE[family])
     copy_tokenizer_files(sample / "model", model)
     subject = sample / "mmlu" / "hf" / "geography"
     tasks = tmp_path / "tasks"

@@ -7,8 +7,10 @@ left out. Also the reference gated delta rule and convolution against transforme
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -247,3 +249,209 @@ def test_random_initialisation_matches_transformers_conventions():
     assert torch.equal(deltanet.norm.weight, torch.ones(16)) and torch.equal(deltanet.dt_bias, torch.ones(4))
     assert ((deltanet.A_log.exp() >= 0.01 - 1e-6) & (deltanet.A_log.exp() <= 16 + 1e-4)).all()
     assert deltanet.conv1d.weight.std() > 0
+
+
+FUSED_CASES = ["qwen3_5_moe_text", "qwen3_next_moe"]
+
+
+def fused_copy(hf, directory):
+    """``hf`` saved as transformers holds it in memory (``save_original_format=False``): every
+    layer's experts fused into ``mlp.experts.gate_up_proj`` [E, 2 I, H] and
+    ``mlp.experts.down_proj`` [E, H, I], the layout of the published Qwen3.5-MoE checkpoints."""
+    hf.save_pretrained(directory, save_original_format=False)
+    return directory
+
+
+@pytest.mark.parametrize("case", FUSED_CASES)
+def test_fused_experts_load_bit_exact_streamed_and_export_per_expert(case, make_hf_model, tokens, tmp_path):
+    """A checkpoint with fused experts (which transformers reads as it reads per-expert ones)
+    loads into the same weights, bit for bit, whole, converted and by a rank's sharded load
+    (each expert's slab read alone); the logits are transformers'; export writes one tensor
+    per expert, the layout transformers' save_pretrained writes."""
+    from test_sharded_loading import load_both
+    from transformers import AutoModelForCausalLM
+
+    from llmflow.weights.convert import ConvertConfig, convert
+    from llmflow.weights.hf import index_hf_tensors
+
+    hf, per_expert = hf_model(make_hf_model, case)
+    fused = fused_copy(hf, tmp_path / "fused")
+    stored = load_file(fused / "model.safetensors")
+    assert stored["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
+    assert stored["model.layers.0.mlp.experts.down_proj"].shape == (4, 64, 32)
+    assert not [n for n in stored if ".experts.0." in n]
+    want = load_hf_model(per_expert).state_dict()
+    converted = convert(ConvertConfig(hf=fused, out=tmp_path / "ckpt", pad_vocab_to_multiple=1))
+    for got in (load_hf_model(fused).state_dict(), load_model(converted)[0].state_dict()):
+        assert list(got) == list(want)
+        assert [n for n in want if not torch.equal(got[n], want[n])] == []
+    _, sharded, report, _, _ = load_both(fused)
+    assert [n for n, p in sharded.named_parameters() if not torch.equal(p, want[n])] == []
+    experts = [t for n, t in index_hf_tensors(fused).items() if n.endswith("experts.gate_up_proj")]
+    assert report.bytes_read == sum(t.nbytes for t in index_hf_tensors(fused).values())
+    assert report.largest_read < experts[0].nbytes  # an expert's slab at a time, never the fused tensor
+    ids = tokens(BATCH, SEQ)
+    theirs = AutoModelForCausalLM.from_pretrained(fused, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert_close(load_hf_model(fused).eval()(ids), hf(ids).logits)
+        assert torch.equal(theirs(ids).logits, hf(ids).logits)
+    saved = save_hf_model(load_hf_model(fused), tmp_path / "out")
+    written, original = load_file(saved / "model.safetensors"), load_file(per_expert / "model.safetensors")
+    assert sorted(written) == sorted(original)
+    assert [n for n in original if not torch.equal(written[n], original[n])] == []
+
+
+def test_fused_experts_are_checked_before_reading(make_hf_model, tmp_path):
+    """A fused tensor of the wrong shape, experts stored both ways, and a NaN in one expert's
+    slab: each refused naming the tensor (the slab by its expert and rows)."""
+    from llmflow.weights import CheckpointError
+
+    hf, _ = hf_model(make_hf_model, "qwen3_5_moe_text")
+    fused = fused_copy(hf, tmp_path / "fused")
+    file = fused / "model.safetensors"
+    tensors = load_file(file)
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    bad = dict(tensors, **{name: tensors[name][:, :48].contiguous()})
+    save_file(bad, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=re.escape(f"tensor '{name}' has shape (4, 48, 64), config.json implies "
+                                                        "(4, 64, 64) (experts fused along dim 0)")):
+        load_hf_model(fused)
+    both = dict(tensors, **{"model.layers.1.mlp.experts.2.up_proj.weight": torch.zeros(32, 64)})
+    save_file(both, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=re.escape("the experts of 'model.layers.1.mlp.experts.up_proj' are "
+                                                        f"stored both fused ('{name}') and one tensor per expert")):
+        load_hf_model(fused)
+    tensors[name][1, 40, 3] = float("nan")  # expert 1, an up_proj row
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=re.escape(f"{file}: tensor '{name}[1, 32:64]' holds non-finite")):
+        load_hf_model(fused)
+
+
+def test_multimodal_fused_experts_load_as_transformers_reads_them(make_hf_model, tokens, tmp_path):
+    """Qwen3.5-MoE as published: ``model.language_model.*`` with fused experts beside the vision
+    tower; the text model's logits are transformers'."""
+    hf, _ = make_hf_model("qwen3_5_moe", text_config={**HYBRID, **EXPERTS}, vision_config=MULTIMODAL_VISION)
+    fused = fused_copy(hf, tmp_path / "fused")
+    assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in load_file(fused / "model.safetensors")
+    ids = tokens(BATCH, SEQ)
+    with torch.no_grad():
+        assert_close(load_hf_model(fused).eval()(ids), hf(input_ids=ids).logits)
+
+
+def test_multimodal_checkpoint_goes_through_every_stage(sample_assets, make_hf_model, tmp_path, capsys):
+    """A Qwen3.5 checkpoint as published (``Qwen3_5ForConditionalGeneration``, a tiny vision
+    tower; its decoder's keys only in ``text_config``) over the sample's tokenizer: its
+    vocabulary checked at tokenizing, converted, trained two steps, exported (transformers'
+    multimodal class computes the trained text model's logits), generated from with several
+    prompts and evaluated on MMLU, each stage in this process."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from llmflow.cli import main
+    from llmflow.data.tokenize_instruction import InstructionTokenizeConfig, tokenize_instruction
+    from llmflow.data.tokenizer import tokenizer_info
+    from llmflow.evaluate.benchmarks import MMLU
+    from llmflow.evaluate.engine import EvalConfig, evaluate
+    from llmflow.evaluate.settings import context_length
+    from llmflow.infer.generator import load_generator
+    from llmflow.train.config import TrainConfig
+    from llmflow.train.loop import train
+    from llmflow.train.routing import aux_loss_coefficient
+    from llmflow.weights.convert import ConvertConfig, convert
+    from llmflow.weights.export import ExportConfig, export
+    from llmflow.weights.tokenizer_files import copy_tokenizer_files
+
+    sample = sample_assets()
+    vocab = json.loads((sample / "model" / "config.json").read_text())["vocab_size"]
+    _, model = make_hf_model("qwen3_5", text_config={**HYBRID, "vocab_size": vocab}, vision_config=MULTIMODAL_VISION)
+    copy_tokenizer_files(sample / "model", model)
+    hf_config = json.loads((model / "config.json").read_text())
+    assert "vocab_size" not in hf_config and hf_config["text_config"]["vocab_size"] == vocab
+    assert tokenizer_info(model).config_vocab_size == vocab
+    assert context_length(hf_config) == 128
+    moe = {"model_type": "qwen3_5_moe", "text_config": {"output_router_logits": True, "router_aux_loss_coef": 0.01}}
+    assert aux_loss_coefficient(None, moe) == 0.01
+
+    data = tokenize_instruction(InstructionTokenizeConfig(input=[sample / "instruct" / "alpaca.jsonl"], tokenizer=model,
+                                                          out=tmp_path / "sft", format="alpaca", seq_length=64, pack=True))
+    ckpt = convert(ConvertConfig(hf=model, out=tmp_path / "ckpt"))
+    run = TrainConfig.model_validate({"model": str(ckpt), "out": str(tmp_path / "run"), "steps": 2,
+                                      "data": {"kind": "sft", "paths": [str(data)]}, "micro_batch_size": 2,
+                                      "global_batch_size": 2, "optim": {"lr": 1e-2}, "log_interval": 1})
+    train(run)
+    assert re.search(r"^step 2/2 \| loss [0-9.]+", capsys.readouterr().out, re.MULTILINE)
+    exported = export(ExportConfig(ckpt=run.out, out=tmp_path / "hf"))
+    assert json.loads((exported / "config.json").read_text())["text_config"]["vocab_size"] == vocab
+    trained, _ = load_model(run.out)
+    ids = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
+    theirs = Qwen3_5ForConditionalGeneration.from_pretrained(exported, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        want = trained.eval()(ids)[..., :vocab]
+        assert_close(theirs.eval()(input_ids=ids).logits, want, atol=1e-4)
+        assert (want - load_hf_model(model).eval()(ids)).abs().max() > 1e-3  # training changed it
+
+    gen = load_generator(exported)
+    assert gen.vocab_size == vocab
+    prompts = ["What is the capital of France?", "Name a river", "hi"]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    main(["generate", "--model", str(exported), "--prompts", str(tmp_path / "prompts.jsonl"), "--max-new-tokens", "6"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    alone = [gen.run([p], GenerateConfig(max_new_tokens=6))[0].text for p in prompts]
+    assert [line["completion"] for line in lines] == alone
+
+    out = evaluate(MMLU, EvalConfig(model=exported, data=sample / "mmlu" / "hf", out=tmp_path / "mmlu", shots=1,
+                                    limit=3, device="cpu"))
+    results = json.loads((out / "results.json").read_text())
+    assert results["questions"] == 3 * len(results["subjects"]) > 0
+    assert results["settings"]["max_length"] == 128
+
+
+def test_generate_command_and_chat_keep_the_linear_layers_states(make_hf_model, tmp_path, capsys):
+    """``llmflow generate --prompts`` (several prompts, one left-padded batch), the inference
+    stage (batches of two) and the chat loop (a second turn over the first's history) on
+    Qwen3.5: each reply is the greedy continuation transformers gives its prompt alone."""
+    from llmflow.cli import main
+    from llmflow.data.templates import load_template
+    from llmflow.infer.batch import InferConfig, run_inference
+    from llmflow.infer.command import chat_loop
+    from llmflow.infer.generator import load_generator
+
+    hf, path = make_hf_model("qwen3_5_text", **{**HYBRID, "vocab_size": VOCAB})
+    add_tokenizer(path)
+    eos = 5
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    gen = load_generator(path)
+    config = GenerateConfig(max_new_tokens=8)
+    prompts = ["the cat sat on", "dogs", "green hills near blue lakes and fish"]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    main(["generate", "--model", str(path), "--prompts", str(tmp_path / "prompts.jsonl"), "--max-new-tokens", "8"])
+    completions = [json.loads(line)["completion"] for line in capsys.readouterr().out.splitlines()]
+    alone = [gen.run([p], config)[0] for p in prompts]
+    assert completions == [r.text for r in alone]
+    assert [r.tokens for r in alone] == [hf_greedy(hf, [gen.tokenizer.encode(p).ids], 8, eos)[0] for p in prompts]
+    # The inference stage: the same prompts in batches of two (the longest first), on CPU in fp32.
+    out = run_inference(InferConfig(model=path, prompts=tmp_path / "prompts.jsonl", out=tmp_path / "infer",
+                                    batch_size=2, max_new_tokens=8, device="cpu", dtype="fp32"))
+    records = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
+    assert [r["output"] for r in records] == [r.text for r in alone]
+
+    template = load_template(path, "chatml")
+    history = chat_loop(gen, template, config, io.StringIO("hello\nthe cat\n/exit\n"), io.StringIO())
+    assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant"]
+    ids = gen.tokenizer.encode(template.render(history[:3], add_generation_prompt=True), add_special_tokens=False).ids
+    second = gen.run([ids], config)[0]
+    assert history[3]["content"] == second.text
+    assert second.tokens == hf_greedy(hf, [ids], 8, eos)[0]
+
+
+def test_a_multimodal_configs_null_text_keys_are_read_from_its_top_level():
+    """transformers writes a sub-config's unset dtype (and may write token ids) as null: the
+    top level's values are the model's, and an export writes them back where they were."""
+    text = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
+            "num_attention_heads": 2, "head_dim": 16, **LINEAR, "dtype": None, "eos_token_id": None}
+    hf = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "dtype": "bfloat16",
+          "eos_token_id": 7, "tie_word_embeddings": False, "text_config": text}
+    config = ModelConfig.from_hf(hf)
+    assert (config.torch_dtype, config.eos_token_id) == ("bfloat16", 7)
+    written = hf_config_dict(config)
+    assert (written["eos_token_id"], written["dtype"]) == (7, "bfloat16")
+    assert written["text_config"]["eos_token_id"] is None and written["text_config"]["dtype"] is None

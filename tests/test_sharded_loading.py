@@ -93,15 +93,28 @@ def test_non_finite_weights_are_refused_naming_file_and_tensor(make_hf_model):
 def test_ranks_load_their_shards_bitwise_and_read_their_share(moe_sources, tmp_path):
     """Two gloo ranks (one forked launch, every layout in turn): dp=2 (FSDP2; with LoRA and full
     checkpointing), tp=2, dp=2 x ep=2, from the Hugging Face directory and the checkpoint; then an
-    Inf in the embedding rows only rank 1 reads, which both ranks refuse naming file and tensor."""
+    Inf in the embedding rows only rank 1 reads, which both ranks refuse naming file and tensor;
+    and the experts stored fused (as transformers holds them) under dp=2 x ep=2, each rank
+    reading only its own experts' slabs of the fused tensors."""
+    from transformers import AutoModelForCausalLM
+
+    fused = tmp_path / "fused"
+    AutoModelForCausalLM.from_pretrained(moe_sources[0]).save_pretrained(fused, save_original_format=False)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in index_hf_tensors(fused)
     poisoned = tmp_path / "poisoned"
     shutil.copytree(moe_sources[0], poisoned)
     file = poisoned / "model.safetensors"
     tensors = load_file(file)
     tensors["model.embed_tokens.weight"][150, 3] = float("inf")  # FSDP2: rows 81-160 are rank 1's
     save_file(tensors, file, metadata={"format": "pt"})
-    lines = run_forked("sharded_load_worker:main", [*map(str, moe_sources), str(poisoned)], 2, tmp_path / "load",
-                       env={"OMP_NUM_THREADS": "1"})
+    lines = run_forked("sharded_load_worker:main", [*map(str, moe_sources), str(poisoned), str(fused)], 2,
+                       tmp_path / "load", env={"OMP_NUM_THREADS": "1"})
+    reads = [re.match(r"fused bytes_read (\d+) experts (\d+) stored (\d+)", line) for line in lines
+             if line.startswith("fused ")]
+    assert len(reads) == 2, lines
+    for match in reads:  # half the experts' bytes and about half of the rest (FSDP2), never every expert
+        read, experts, stored = int(match[1]), int(match[2]), int(match[3])
+        assert experts > stored / 2 and read < stored / 2 + experts / 4, match[0]
     refused = [line for line in lines if line.startswith("refused ")]
     assert len(refused) == 2 and all(f"{file}: tensor 'model.embed_tokens.weight' holds non-finite" in line
                                      for line in refused), lines

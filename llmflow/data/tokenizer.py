@@ -113,12 +113,25 @@ class TokenizerInfo(BaseModel):
     """vocab_size of config.json beside the tokenizer, when there is one."""
 
 
+def _config_vocab_size(config: dict) -> int | None:
+    """vocab_size of a config.json: its own, or a multimodal model's text config's (Qwen3.5
+    nests the decoder's keys under ``text_config``); None when it names none."""
+    if "vocab_size" in config:
+        return config["vocab_size"]
+    from llmflow.models.config import ConfigError, text_config
+
+    try:
+        return text_config(config).get("vocab_size")
+    except ConfigError:  # a model type llmflow does not build: no vocabulary to check against
+        return None
+
+
 def tokenizer_info(directory: str | Path) -> TokenizerInfo:
     directory = Path(directory)
     hf = hf_tokenizer(directory)
     config_vocab = None
     if (directory / "config.json").is_file():
-        config_vocab = json.loads((directory / "config.json").read_text()).get("vocab_size")
+        config_vocab = _config_vocab_size(json.loads((directory / "config.json").read_text()))
     eos_id = hf.eos_token_id
     return TokenizerInfo(
         path=str(directory),

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from llmflow.models.config import text_config
 from llmflow.runtime import detect_device_type, resolve_dtype
 from llmflow.weights import load_model, tokenizer_dir
 
@@ -54,8 +55,8 @@ def eval_model(settings: EvalSettings) -> tuple[Any, dict[str, Any]]:
 
 
 def context_length(hf_config: dict[str, Any]) -> int:
-    """The longest sequence the model takes."""
-    return int(hf_config.get("max_position_embeddings") or DEFAULT_MAX_LENGTH)
+    """The longest sequence the model takes (a multimodal config.json: its text model's)."""
+    return int(text_config(hf_config).get("max_position_embeddings") or DEFAULT_MAX_LENGTH)
 
 
 def load_for_eval(settings: EvalSettings) -> tuple[Any, Path, int]:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from llmflow.data.tokenizer import load_tokenizer, tokenizer_info
 from llmflow.infer.generate import GenerateConfig, GenerationResult, generate
 from llmflow.models import CausalLM
+from llmflow.models.config import text_config
 from llmflow.weights import load_model, tokenizer_dir
 
 
@@ -39,9 +40,10 @@ class Generator:
 
 def eos_token_ids(tok_dir: Path, hf_config: dict[str, Any]) -> list[int]:
     """The eos_token_id (one id or a list) of generation_config.json beside the tokenizer
-    (a checkpoint keeps it there), else of config.json, else the tokenizer's eos token."""
+    (a checkpoint keeps it there), else of config.json (a multimodal one's text config), else
+    the tokenizer's eos token."""
     generation = tok_dir / "generation_config.json"
-    for source in (json.loads(generation.read_text()) if generation.is_file() else {}, hf_config):
+    for source in (json.loads(generation.read_text()) if generation.is_file() else {}, text_config(hf_config)):
         eos = source.get("eos_token_id")
         if eos is not None:
             return eos if isinstance(eos, list) else [eos]
@@ -66,7 +68,7 @@ def make_generator(
         model=model.eval(),
         tokenizer=load_tokenizer(tok_dir),
         tokenizer_dir=tok_dir,
-        vocab_size=int(hf_config["vocab_size"]),
+        vocab_size=int(text_config(hf_config)["vocab_size"]),
         eos_token_ids=eos_token_ids(tok_dir, hf_config),
         group=group,
     )

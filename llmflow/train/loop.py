@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from llmflow import runtime
 from llmflow.mesh import ParallelLayout, build_mesh, validate_layout
 from llmflow.models import CausalLM, ModelConfig, apply_lora, is_lora_param
+from llmflow.models.config import text_config
 from llmflow.models.expert_parallel import expert_parameters, moe_parameters, sum_gradients
 from llmflow.models.parallelize import parallelize_decoder
 from llmflow.models.pipeline import ScaledLoss, pipeline_schedule, split_model
@@ -300,7 +301,7 @@ def setup(config: TrainConfig) -> Run:
         config=config, env=env, topo=topo, parts=parts,
         optimizers=[build_optimizer(part, config, env.device.type) for part in parts],
         trainable=[p for part in parts for p in part.parameters() if p.requires_grad], samples=samples,
-        vocab_size=int(hf_config["vocab_size"]), sharded=sharded, accumulation=accumulation,
+        vocab_size=int(text_config(hf_config)["vocab_size"]), sharded=sharded, accumulation=accumulation,
         meta=CheckpointMeta(
             hf_config=hf_config,
             padded_vocab_size=model.config.vocab_size,

@@ -11,15 +11,17 @@ import torch
 import torch.distributed as dist
 
 from llmflow.models.blocks.moe import load_balancing_loss, moe_layers
+from llmflow.models.config import text_config
 
 
 def aux_loss_coefficient(override: float | None, hf_config: dict[str, Any]) -> float:
     """The weight of the auxiliary loss in the training loss: ``override`` when given, else as
     transformers trains the checkpoint: its ``router_aux_loss_coef`` when its config.json sets
-    ``output_router_logits``, 0 otherwise."""
+    ``output_router_logits`` (a multimodal config.json: its text config), 0 otherwise."""
     if override is not None:
         return override
-    return float(hf_config.get("router_aux_loss_coef", 0.0)) if hf_config.get("output_router_logits") else 0.0
+    text = text_config(hf_config)
+    return float(text.get("router_aux_loss_coef", 0.0)) if text.get("output_router_logits") else 0.0
 
 
 class RoutingLog:

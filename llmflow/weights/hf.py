@@ -9,6 +9,7 @@ flight), never as a random-initialised model and a state dict side by side.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -30,6 +31,7 @@ from llmflow.weights.hf_names import (
     TIED_INPUT,
     TIED_OUTPUT,
     expected_names,
+    fused_experts,
     hf_names,
     hf_to_ours,
     is_stacked_experts,
@@ -94,7 +96,34 @@ def index_hf_tensors(directory: Path) -> dict[str, StoredTensor]:
 
 StoredParts = list[tuple[str, StoredTensor]]
 """The checkpoint tensors one of our parameters is read from, by HF name: one, or one per
-expert (in expert order) of a stacked expert projection."""
+expert (in expert order) of a stacked expert projection. An expert of fused experts is the
+slab of the fused tensor that holds it, named ``{fused}[{expert}]`` or
+``{fused}[{expert}, {start}:{stop}]`` (its rows along dim 1)."""
+
+
+def _fused_parts(hf_name: str, stored: StoredTensor, ours: list[str],
+                 shapes: dict[str, tuple[int, ...]]) -> dict[str, list[tuple[str, StoredTensor]]]:
+    """The per-expert parts of the fused expert tensor ``hf_name`` (``fused_experts``: our
+    stacked projections ``ours`` side by side along its dim 1), each the contiguous byte range
+    of the file that holds it: read as any stored tensor, alone, bit for bit."""
+    if any(name not in shapes for name in ours):
+        raise CheckpointError(f"{stored.path}: tensor {hf_name!r} has no place in the model")
+    experts, *each = shapes[ours[0]]
+    rows = [shapes[name][1] for name in ours]
+    expected = (experts, sum(rows), *each[1:])
+    if stored.shape != expected:
+        raise CheckpointError(f"{stored.path}: tensor {hf_name!r} has shape {stored.shape}, config.json implies "
+                              f"{expected} (experts fused along dim 0)")
+    row_bytes = math.prod(expected[2:]) * stored.dtype.itemsize
+    parts: dict[str, list[tuple[str, StoredTensor]]] = {}
+    start = 0
+    for name, count in zip(ours, rows, strict=True):
+        cut = f", {start}:{start + count}" if len(ours) > 1 else ""
+        parts[name] = [(f"{hf_name}[{e}{cut}]", dataclasses.replace(
+            stored, shape=(count, *expected[2:]), offset=stored.offset + (e * expected[1] + start) * row_bytes,
+            nbytes=count * row_bytes)) for e in range(experts)]
+        start += count
+    return parts
 
 
 def stored_parameters(directory: Path, config: ModelConfig, shapes: dict[str, tuple[int, ...]],
@@ -108,8 +137,16 @@ def stored_parameters(directory: Path, config: ModelConfig, shapes: dict[str, tu
     if report is not None:
         log.warning("%s: %s; llmflow builds the %s text model", directory, report, config.model_type)
     found: dict[str, dict[int, tuple[str, StoredTensor]]] = {}
+    fused_from: dict[str, str] = {}  # our stacked projection -> the fused tensor it is read from
+    per_expert: set[str] = set()  # our stacked projections read from one tensor per expert
     unknown = []
     for hf_name, stored in hf_tensors.items():
+        fused = fused_experts(hf_name, config)
+        if fused is not None:
+            for name, parts in _fused_parts(hf_name, stored, fused, shapes).items():
+                fused_from[name] = hf_name
+                found.setdefault(name, {}).update(enumerate(parts))
+            continue
         mapped = hf_to_ours(hf_name, config)
         if mapped is None:
             continue
@@ -117,7 +154,13 @@ def stored_parameters(directory: Path, config: ModelConfig, shapes: dict[str, tu
         if name not in shapes or (expert is not None and expert >= shapes[name][0]):
             unknown.append(hf_name)
             continue
+        if expert is not None:
+            per_expert.add(name)
         found.setdefault(name, {})[expert or 0] = (hf_name, stored)
+    twice = sorted(per_expert & set(fused_from))
+    if twice:
+        raise CheckpointError(f"{directory}: the experts of {twice[0]!r} are stored both fused "
+                              f"({fused_from[twice[0]]!r}) and one tensor per expert")
     if unknown:
         experts = f" of num_experts={config.num_experts}" if config.num_experts else ""
         raise CheckpointError(f"{hf_tensors[unknown[0]].path}: tensor {unknown[0]!r} has no place in a "
@@ -213,7 +256,7 @@ def hf_config_dict(config: ModelConfig) -> dict:
     # Where transformers reads them: a multimodal model ties by its top-level key.
     (hf if nested else text)["tie_word_embeddings"] = config.tie_word_embeddings
     for key in ("bos_token_id", "eos_token_id"):
-        (hf if nested and key not in text and key in hf else text)[key] = getattr(config, key)
+        (hf if nested and text.get(key) is None and hf.get(key) is not None else text)[key] = getattr(config, key)
     text.update(family.write_options(config))
     params = text.get("rope_parameters")
     kept = {k: v for k, v in params.items() if k in ROPE_SHAPE_KEYS} if isinstance(params, dict) else {}

@@ -6,7 +6,10 @@ exports), the output projection that tied checkpoints omit, the family's own spe
 module (``Family.hf_renames``: Mixtral's ``block_sparse_moe``), and the routed experts: the
 decoder stacks each projection of a layer's experts into one tensor
 (``mlp.experts.gate_proj`` [experts, out, in]) where the Hub stores one tensor per expert
-(``mlp.experts.{i}.gate_proj.weight``). Tensors that are no part of the decoder
+(``mlp.experts.{i}.gate_proj.weight``), or every expert of a layer fused as transformers 5
+holds them in memory and reads them too (``mlp.experts.gate_up_proj`` [experts, 2 inter,
+hidden], gate rows first, and ``mlp.experts.down_proj`` [experts, hidden, inter]; the
+published Qwen3.5-MoE checkpoints). Tensors that are no part of the decoder
 (``Family.hf_left_out``: a vision tower, multi-token prediction layers) are left out, and
 ``left_out`` says which.
 """
@@ -24,6 +27,9 @@ from llmflow.models.config import ModelConfig, family_of
 _IGNORED_HF_KEYS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 _STACKED = re.compile(r"^(?P<experts>.+\.experts)\.(?P<projection>gate_proj|up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<index>\d+)\.(?P<projection>\w+)\.weight$")
+_FUSED = re.compile(r"^(?P<experts>.+\.experts)\.(?P<fused>gate_up_proj|down_proj)$")
+FUSED_PROJECTIONS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+"""transformers' fused expert tensors: our stacked projections each holds, in order along dim 1."""
 TIED_OUTPUT = "lm_head.weight"
 TIED_INPUT = "model.embed_tokens.weight"
 
@@ -71,6 +77,17 @@ def hf_to_ours(hf_name: str, config: ModelConfig) -> tuple[str, int | None] | No
             experts = _renamed(per_expert["experts"], config, to_hf=False)
             return f"{experts}.{projection}", int(per_expert["index"])
     return _renamed(hf_name, config, to_hf=False), None
+
+
+def fused_experts(hf_name: str, config: ModelConfig) -> list[str] | None:
+    """Our stacked expert projections the checkpoint tensor ``hf_name`` holds fused, in their
+    order along its dim 1 (``...experts.gate_up_proj``: gate_proj then up_proj); None for any
+    other tensor (and for every tensor of a model without experts or one the decoder leaves out)."""
+    fused = _FUSED.match(hf_name)
+    if fused is None or not config.num_experts or hf_to_ours(hf_name, config) is None:
+        return None
+    experts = _renamed(fused["experts"], config, to_hf=False)
+    return [f"{experts}.{projection}" for projection in FUSED_PROJECTIONS[fused["fused"]]]
 
 
 def _left_out_part(hf_name: str, config: ModelConfig) -> tuple[str, str] | None:

@@ -8,11 +8,11 @@ config.json nests the decoder's keys in ``text_config``, the checkpoint names th
 ``model.language_model.*`` beside the vision tower ``model.visual.*`` (left out: llmflow
 builds the text model) and multi-token prediction layers ``mtp.*`` (left out too). The
 text-only models (``qwen3_5_text``/``qwen3_5_moe_text``, ``*ForCausalLM``) name the decoder
-``model.*``. Experts are read and written one tensor per expert
-(``mlp.experts.{i}.gate_proj.weight``), as transformers 5 saves both MoE variants; the
-published Qwen3.5-MoE checkpoints store each layer's experts fused
-(``mlp.experts.gate_up_proj`` [E, 2 I, H], ``mlp.experts.down_proj`` [E, H, I]), which
-llmflow does not read yet (refused, naming the tensor).
+``model.*``. Experts are written one tensor per expert (``mlp.experts.{i}.gate_proj.weight``),
+as transformers 5's ``save_pretrained`` writes both MoE variants, and read either so or fused
+per layer as the published Qwen3.5-MoE checkpoints store them (``mlp.experts.gate_up_proj``
+[E, 2 I, H], ``mlp.experts.down_proj`` [E, H, I]), which transformers reads too
+(``llmflow.weights.hf_names``).
 
 Rotary: the text model's multimodal sections (``mrope_section``, interleaved) take the
 temporal, height and width positions of each token; a text token's three positions are

@@ -9,8 +9,8 @@ scaled by their sigmoid), rotary turns the first ``partial_rotary_factor`` (0.25
 head, and q/k, layer and final RMSNorms store their weights zero-centred, applied as
 (1 + w). The Gated DeltaNet fuses its projections into ``in_proj_qkvz`` and ``in_proj_ba``.
 The Hub's checkpoints store one tensor per expert (``mlp.experts.{i}.gate_proj.weight``), as
-transformers saves them, and the multi-token prediction layers (``mtp.*``), which are left
-out.
+transformers saves them (the fused layout transformers also reads is read too), and the
+multi-token prediction layers (``mtp.*``), which are left out.
 
 The helpers here are Qwen3.5's too (``qwen3_5.py``): the same layers, with the DeltaNet's
 projections apart.

@@ -65,6 +65,7 @@ from llmflow.weights.megatron.layout import (
     split_shards,
     stacked,
     stored_name,
+    unmapped_layers,
 )
 from llmflow.weights.megatron.reader import LEGACY_FILE, TRACKER, rank_dir_name
 from llmflow.weights.training_checkpoint import padded_vocab_size
@@ -299,6 +300,8 @@ def write_legacy(directory: Path, model: MegatronModel, args: Namespace, iterati
 
 def check_layout(config: ModelConfig, layout: Layout) -> None:
     """Raise, naming the option, when the model cannot be split or named as ``layout`` asks."""
+    if reason := unmapped_layers(config):
+        raise CheckpointError(f"--megatron: {reason}")
     if biases := missing_biases(config):
         raise CheckpointError(f"--megatron: the model has {biases}, which Megatron's layout (q/k/v biases only) "
                               "cannot hold")

@@ -35,6 +35,7 @@ from llmflow.weights.megatron.layout import (
     moe_pattern,
     other_tensors,
     unfuse,
+    unmapped_layers,
 )
 from llmflow.weights.megatron.reader import MegatronCheckpoint
 
@@ -109,6 +110,8 @@ def _moe_args(args: Any, config: ModelConfig, source: str) -> list[str]:
 def check_supported(checkpoint: MegatronCheckpoint, config: ModelConfig, source: str) -> None:
     """Raise, naming what the checkpoint has and what was expected, when it is not a model
     llmflow can hold or not the model ``config`` describes."""
+    if reason := unmapped_layers(config):
+        raise CheckpointError(f"--megatron {checkpoint.directory}: {reason}")
     args = checkpoint.args
     found = []
     if args is not None:

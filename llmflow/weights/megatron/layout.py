@@ -203,6 +203,18 @@ class Attention:
         return torch.cat(parts, dim=1).reshape(-1, *rest)
 
 
+def unmapped_layers(config: ModelConfig) -> str | None:
+    """Why this layout cannot hold a model of ``config`` whatever the options, or None: the
+    hybrids' Gated DeltaNet layers and gated attention (Qwen3-Next, Qwen3.5). megatron-core
+    0.16.1 has such layers (``ssm.gated_delta_net.GatedDeltaNet`` with its own fused
+    ``in_proj``, ``attention_output_gate``), but llmflow maps no tensor of theirs."""
+    if not config.layer_types and not config.attention_output_gate:
+        return None
+    linear = sum(config.is_linear_layer(i) for i in range(config.num_hidden_layers))
+    return (f"{config.model_type} has {linear} Gated DeltaNet (linear attention) layers and gated attention, "
+            "which llmflow's Megatron layout does not map (it holds attention and MLP layers only)")
+
+
 def missing_biases(config: ModelConfig) -> str | None:
     """The biases of a model of ``config`` that this layout has no place for (Megatron-LM's
     ``add_bias_linear=False``: q/k/v biases only), or None."""
