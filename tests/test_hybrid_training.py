@@ -80,6 +80,7 @@ def reference(assets, reference_runs) -> dict[str, dict[int, float]]:
 LAYOUTS = {  # name: (model, settings, ranks)
     "qwen3_5-tp2": ("qwen3_5", {"tp": 2}, 2),
     "qwen3_5-pp2": ("qwen3_5", {"pp": 2}, 2),
+    "qwen3_5-pp2xtp2": ("qwen3_5", {"pp": 2, "tp": 2}, 4),
     "qwen3_5-tp2-lora": ("qwen3_5-lora", {"tp": 2, "lora": LORA}, 2),
     "qwen3_5_moe-tp2": ("qwen3_5_moe", {"tp": 2}, 2),
     "qwen3_next-tp2": ("qwen3_next", {"tp": 2}, 2),
@@ -89,7 +90,8 @@ LAYOUTS = {  # name: (model, settings, ranks)
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_loss_matches_one_process(assets, reference, reference_runs, tmp_path, layout):
-    """pp=2 puts layers 0-1 (linear) on one stage and 2-3 (linear, attention) on the other.
+    """pp=2 puts layers 0-1 (linear) on one stage and 2-3 (linear, attention) on the other
+    (under tp=2 too).
     A full-weight tp=2 checkpoint stores what one process's does, under the same names and
     layout (in_proj_qkv and conv1d rows as Hugging Face orders them, whatever tp)."""
     want, overrides, nproc = LAYOUTS[layout]
