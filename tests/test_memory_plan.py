@@ -283,6 +283,19 @@ def test_hybrid_activation_term_equals_what_a_real_layer_keeps():
         assert abs(planned - got) <= 0.02 * got + 128, (family, dtype, mode, lora, planned, got)
 
 
+def test_tensor_parallel_gated_deltanet_counts_its_gathered_weights():
+    """Under tp a Gated DeltaNet gathers in_proj_qkv and conv1d (channels 2 x 256 + 512 = 1024)
+    whole for one layer with their gradient, and without checkpointing keeps each of its 3
+    linear layers' rows of them for backward."""
+    config = qwen3_5()
+    whole = 2 * 1024 * (512 + 4)
+    none = train_plan(config, shape(tp=2, accumulation=1))
+    assert term(none, "Gated DeltaNet in_proj_qkv") == 2 * whole + whole // 2 * 3
+    assert term(train_plan(config, shape(tp=2, activation_checkpointing="selective")), "Gated DeltaNet") == 2 * whole
+    assert not [t for t in train_plan(config, shape()).terms if t.name.startswith("Gated DeltaNet")]
+    assert not [t for t in train_plan(qwen2(), shape(tp=2)).terms if t.name.startswith("Gated DeltaNet")]
+
+
 def test_checkpointing_keeps_less():
     config = QWEN25_7B
     none, selective, full = (layer_activation_bytes(config, 2, m) for m in ("none", "selective", "full"))

@@ -592,6 +592,18 @@ def _stage_plan(model: ModelConfig, shape: TrainShape, pp_rank: int) -> tuple[li
             layer_working += (d + 4 + 4 / dp) * u + (cast + 4) * e * (lora is None)
         working = max(working, layer_working)
     terms.append(Term("backward working set: one layer recomputed / its gradients", int(working), FORWARD))
+    linear = sum(model.is_linear_layer(i) for i in indices)
+    if tp > 1 and linear:
+        # Under tp a Gated DeltaNet gathers in_proj_qkv and conv1d whole and computes with this
+        # rank's rows (models/parallelize.py, HeadGroupRows): one layer's gathered weights and
+        # their gradient before its reduce-scatter; without checkpointing each layer's rows stay
+        # for backward.
+        conv = _deltanet_dims(model)[2]
+        whole = d * conv * (h + model.linear_conv_kernel_dim)
+        kept = whole / tp * linear / len(held) * flight if ac == "none" else 0
+        what = "one layer's and its gradient" + (", each layer's rows kept for backward" if kept else "")
+        terms.append(Term(f"Gated DeltaNet in_proj_qkv and conv1d gathered under tp: {what}", int(2 * whole + kept),
+                          FORWARD))
     if ep > 1 and any(model.is_moe_layer(i) for i in indices):
         rows = tokens * model.num_experts_per_tok
         terms.append(Term(f"expert dispatch: all-to-all send and receive buffers, {rows} rows x hidden "
