@@ -68,6 +68,10 @@ def layout_problems(layout: ParallelLayout, world_size: int, config: ModelConfig
         ):
             if value % tp:
                 problems.append(f"model {field}={value} is not divisible by tp={tp}")
+        if "linear_attention" in config.layer_types and config.linear_num_key_heads % tp:
+            # Each rank holds whole key heads and the value heads they serve.
+            problems.append(f"model linear_num_key_heads={config.linear_num_key_heads} (Gated DeltaNet key heads) "
+                            f"is not divisible by tp={tp}")
         if layout.ep > 1 and not config.num_experts:
             problems.append(f"ep={layout.ep} needs a mixture-of-experts model; {config.model_type} has no experts")
         elif config.num_experts % layout.ep:

@@ -19,6 +19,13 @@ from torch import nn
 ADAPTER_NAMES = ("lora_A", "lora_B")
 
 
+ATTENTION_MLP_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DELTANET_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_qkvz", "out_proj")
+"""The Linears of a Gated DeltaNet (``linear_attn``) the default adapts; its others are
+``in_proj_b``, ``in_proj_a`` (Qwen3.5) and ``in_proj_ba`` (Qwen3-Next)."""
+DEFAULT_TARGETS = (*ATTENTION_MLP_TARGETS, *DELTANET_TARGETS)
+
+
 class LoraConfig(BaseModel):
     """Low-rank adapters (LoRA): the base weights stay frozen, only the adapters train."""
 
@@ -30,12 +37,13 @@ class LoraConfig(BaseModel):
     """The adapters' output is scaled by alpha / rank."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout probability on the adapters' input during training."""
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        min_length=1,
-    )
+    target_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_TARGETS), min_length=1)
     """Linear layers to adapt: a module matches when its name is, or ends with '.' plus, one of
-    these (PEFT semantics), e.g. 'q_proj' or 'self_attn.q_proj'."""
+    these (PEFT semantics), e.g. 'q_proj' or 'self_attn.q_proj'. The default adapts attention,
+    the MLP (a mixture of experts' shared expert) and a Gated DeltaNet's projections of its
+    heads' q, k, v, gate and output (Qwen3.5's in_proj_qkv, in_proj_z; Qwen3-Next's
+    in_proj_qkvz; out_proj), leaving its per-head scalars b and a (in_proj_b, in_proj_a,
+    in_proj_ba) frozen; a list naming those adapts them too."""
 
 
 class LoraLinear(nn.Linear):
@@ -66,6 +74,11 @@ def is_lora_param(name: str) -> bool:
 
 def _matches(name: str, targets: list[str]) -> bool:
     return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def adapted_modules(model: nn.Module, targets: list[str]) -> list[str]:
+    """The names of the modules of ``model`` that ``targets`` match (``target_modules``)."""
+    return [name for name, _ in model.named_modules() if name and _matches(name, targets)]
 
 
 def apply_lora(model: nn.Module, config: LoraConfig, generator: torch.Generator | None = None) -> list[str]:

@@ -5,6 +5,8 @@
   sequence). Every parameter becomes a DTensor, so gradient clipping and checkpoints see
   one kind of tensor. The embedding and the output projection stay whole on every rank of
   the tensor-parallel group: the fused cross-entropy then runs on full rows.
+  A Gated DeltaNet layer (Qwen3-Next, Qwen3.5) is split by key-head groups
+  (``linear_layer_tp_plan``), each rank holding whole key heads and their value heads.
 - ``apply_tp_inference``: tensor parallel for generation: the same column/row split of
   attention and MLP, with replicated activations between the layers (no sequence sharding),
   so the KV cache holds each rank's own heads.
@@ -25,9 +27,10 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -41,16 +44,20 @@ from torch.distributed.tensor.parallel import (
 from llmflow.models.config import ModelConfig
 from llmflow.models.decoder import CausalLM
 from llmflow.models.expert_parallel import apply_ep, expert_parameters
-from llmflow.models.lora import is_lora_param
+from llmflow.models.lora import LoraLinear, is_lora_param
 from llmflow.models.lora_parallel import lora_tp_plan
 
 
 def layer_tp_plan(config: ModelConfig) -> dict[str, ParallelStyle]:
-    """The sequence-parallel plan of one decoder layer of ``config``, keyed by HF module names.
+    """The sequence-parallel plan of one attention decoder layer of ``config``, keyed by HF
+    module names (``linear_layer_tp_plan`` turns it into a Gated DeltaNet layer's).
 
     Per-head q/k norms (Qwen3) see this rank's heads ([B, S, heads, head_dim] sharded on dim
     2) and keep their [head_dim] weight whole on every rank, a replicated DTensor whose
-    gradient is summed over the ranks' heads."""
+    gradient is summed over the ranks' heads. A gated attention's ``q_proj`` (Qwen3-Next,
+    Qwen3.5) emits each head's queries and then its gate values, head after head, so its
+    column split (contiguous rows of whole heads) keeps each head's queries and gate on the
+    same rank."""
     plan = {
         "input_layernorm": SequenceParallel(),
         "self_attn": PrepareModuleInput(
@@ -72,6 +79,116 @@ def layer_tp_plan(config: ModelConfig) -> dict[str, ParallelStyle]:
         for norm in ("self_attn.q_norm", "self_attn.k_norm"):
             plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
     return plan
+
+
+def linear_layer_tp_plan(plan: dict[str, ParallelStyle], fused_projections: bool) -> dict[str, ParallelStyle]:
+    """``plan`` for a layer whose token mixer is a Gated DeltaNet (``linear_attn``): split by
+    key-head groups, each rank holding whole key heads and the value heads they serve (see
+    ``GatedDeltaNetParallel``); ``fused_projections``: Qwen3-Next's ``in_proj_qkvz`` and
+    ``in_proj_ba``, grouped per key head, so that their plain column split gives each rank
+    whole key heads."""
+    linear = {name: style for name, style in plan.items() if name != "self_attn" and not name.startswith("self_attn.")}
+    projections = ("in_proj_qkvz", "in_proj_ba") if fused_projections else ("in_proj_z", "in_proj_b", "in_proj_a")
+    linear["linear_attn"] = GatedDeltaNetParallel()
+    linear.update({f"linear_attn.{name}": ColwiseParallel() for name in projections})
+    linear["linear_attn.norm"] = PerHeadNormParallel()
+    linear["linear_attn.out_proj"] = RowwiseParallel(output_layouts=Shard(1))
+    return linear
+
+
+class HeadGroupRows:
+    """This tensor-parallel rank's rows of a Gated DeltaNet's ``[q | k | v]`` concatenation
+    (``in_proj_qkv``'s output and ``conv1d``'s channels): its key heads' slice of q and of k,
+    then their value heads' slice of v.
+
+    Those rows are three separate slices of the stored tensor, which no DTensor placement
+    describes, so the weights keep the plain row split (``Shard(0)``: checkpoints, sharded
+    loading and DCP see the Hugging Face layout whatever tp is) and each forward gathers the
+    whole weight and takes this rank's rows (``rows``); the gradient goes back to the shards by a
+    reduce-scatter, each rank contributing its own rows. That is one all-gather of
+    ``in_proj_qkv`` and of ``conv1d`` per layer and step (as FSDP gathers every weight), and
+    the arithmetic of each head is the single process's."""
+
+    def __init__(self, mesh: DeviceMesh, key_dim: int, value_dim: int) -> None:
+        tp, rank = mesh.size(), mesh.get_local_rank()
+        self.mesh = mesh
+        self.spans = tuple((start + rank * (size // tp), size // tp)
+                           for start, size in ((0, key_dim), (key_dim, key_dim), (2 * key_dim, value_dim)))
+
+    def rows(self, weight: DTensor) -> torch.Tensor:
+        """This rank's rows of ``weight`` (a row-split DTensor), a plain tensor."""
+        whole = weight.full_tensor(grad_placements=[Partial()])
+        return torch.cat([whole.narrow(0, start, size) for start, size in self.spans])
+
+    def _rows_dtensor(self, weight: DTensor) -> DTensor:
+        return DTensor.from_local(self.rows(weight), self.mesh, [Shard(0)], run_check=False)
+
+    def linear(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """``proj(x)`` (``in_proj_qkv``, LoRA adapter included) for this rank's rows, from the
+        whole input ``x``; the input's gradient summed over the ranks, as ColwiseParallel's."""
+        x = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+        out = F.linear(x, self._rows_dtensor(proj.weight))
+        if isinstance(proj, LoraLinear):  # lora_A whole on every rank, lora_B split like the weight
+            low = F.linear(proj.lora_dropout(x), proj.lora_A.weight)
+            out = out + F.linear(low, self._rows_dtensor(proj.lora_B.weight)) * proj.scaling
+        return out.to_local()
+
+    @staticmethod
+    def local(param: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a per-value-head parameter (A_log, dt_bias)."""
+        return param.to_local()
+
+
+class GatedDeltaNetParallel(ParallelStyle):
+    """The Gated DeltaNet (``linear_attn``) itself under the layer plan: its input gathered
+    from the sequence shards like attention's; ``in_proj_qkv`` (with its LoRA adapter) and
+    ``conv1d`` split by rows and computed for this rank's head group (``HeadGroupRows``);
+    ``A_log`` and ``dt_bias`` split per value head. Its other projections, norm and
+    ``out_proj`` have their own entries in the plan."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from llmflow.models.blocks.gated_deltanet import GatedDeltaNet
+
+        if not isinstance(module, GatedDeltaNet):
+            raise TypeError(f"GatedDeltaNetParallel applies to a GatedDeltaNet, not {type(module).__name__}")
+        tp = device_mesh.size()
+        if module.num_key_heads % tp:
+            raise ValueError(f"{module.num_key_heads} linear-attention key heads cannot be split over tp={tp}")
+        key_dim = module.num_key_heads * module.key_head_dim
+        module.tensor_parallel = HeadGroupRows(device_mesh, key_dim, module.num_value_heads * module.value_head_dim)
+        split = [(module, "A_log"), (module, "dt_bias"), (module.conv1d, "weight")]
+        if not module.fused_projections:
+            proj = module.in_proj_qkv
+            split.append((proj, "weight"))
+            if isinstance(proj, LoraLinear):
+                split.append((proj.lora_B, "weight"))
+                self._distribute(proj.lora_A, "weight", device_mesh, Replicate())
+        for owner, name in split:
+            self._distribute(owner, name, device_mesh, Shard(0))
+        prepare = PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                     desired_input_layouts=(Replicate(), None, None, None), use_local_output=True)
+        return prepare._apply(module, device_mesh)
+
+    def _distribute(self, owner: nn.Module, name: str, mesh: DeviceMesh, placement) -> None:
+        param = getattr(owner, name)
+        tensor = distribute_tensor(param, mesh, [placement], src_data_rank=self.src_data_rank)
+        owner.register_parameter(name, nn.Parameter(tensor, requires_grad=param.requires_grad))
+
+
+class PerHeadNormParallel(ParallelStyle):
+    """A Gated DeltaNet's gated RMSNorm: its inputs (the heads' outputs and gates,
+    [B, S, heads, head_dim]) are this rank's heads (sharded on dim 2); its [head_dim] weight
+    whole on every rank, a replicated DTensor whose gradient is summed over the ranks' heads
+    (SequenceParallel does this for q/k norms, but passes on only one input)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def to_heads(_module, inputs, mesh):
+            return tuple(DTensor.from_local(x, mesh, [Shard(2)], run_check=False) for x in inputs)
+
+        def to_local(_module, output, _mesh):
+            return output.to_local()
+
+        return distribute_module(module, device_mesh, input_fn=to_heads, output_fn=to_local)
 
 
 def _replicate_embedding(embed: nn.Embedding, mesh: DeviceMesh) -> None:
@@ -107,14 +224,20 @@ def moe_layer_tp_plan(plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle
     return moe
 
 
-def apply_tp(model: CausalLM, mesh: DeviceMesh, extra_layer_plan: dict[str, ParallelStyle] | None = None) -> None:
-    """Shard ``model`` over the 1-D tensor-parallel ``mesh`` in place. ``extra_layer_plan``
-    adds entries to every layer's plan (LoRA adapters)."""
-    _refuse_linear_attention(model)
+def apply_tp(model: CausalLM, mesh: DeviceMesh, lora: bool = False) -> None:
+    """Shard ``model`` over the 1-D tensor-parallel ``mesh`` in place, each layer by the plan
+    of its kind (attention or Gated DeltaNet, dense or MoE feed-forward); ``lora``: the plans
+    made for a model with LoRA adapters (``lora_tp_plan``)."""
     decoder = model.model
-    plan = {**layer_tp_plan(model.config), **(extra_layer_plan or {})}
+    config = model.config
     for name, layer in decoder.layers.items():
-        parallelize_module(layer, mesh, moe_layer_tp_plan(plan) if model.config.is_moe_layer(int(name)) else plan)
+        index = int(name)  # the layer's number in the whole model, also in a pipeline stage
+        plan = layer_tp_plan(config)
+        if config.is_linear_layer(index):
+            plan = linear_layer_tp_plan(plan, layer.linear_attn.fused_projections)
+        if config.is_moe_layer(index):
+            plan = moe_layer_tp_plan(plan)
+        parallelize_module(layer, mesh, lora_tp_plan(plan) if lora else plan)
     if decoder.embed_tokens is not None:
         _replicate_embedding(decoder.embed_tokens, mesh)
     if decoder.norm is not None:
@@ -152,10 +275,11 @@ def inference_layer_tp_plan() -> dict[str, ParallelStyle]:
 
 
 def _refuse_linear_attention(model: CausalLM) -> None:
-    """The plans shard attention heads; a Gated DeltaNet layer's heads have no plan yet."""
+    """The generation plan shards attention heads and the KV cache with them; a Gated
+    DeltaNet layer's heads and recurrent state have no generation plan yet (training's has)."""
     if "linear_attention" in model.config.layer_types:
-        raise NotImplementedError(f"{model.config.model_type}: tensor parallelism of Gated DeltaNet (linear "
-                                  "attention) layers is not supported; run with tp=1")
+        raise NotImplementedError(f"{model.config.model_type}: tensor-parallel generation of Gated DeltaNet (linear "
+                                  "attention) layers is not supported; generate with tp=1")
 
 
 def apply_tp_inference(model: CausalLM, mesh: DeviceMesh) -> None:
@@ -182,7 +306,12 @@ SAVED_OPS = frozenset(
 def _keep_heavy_ops(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    # Grad mode is off inside an autograd.Function's forward (the gated delta rule's torch path,
+    # kernels/gated_delta.py): its matrix multiplications are intermediates its backward
+    # recomputes from what it saves itself, so keeping them would hold per-chunk products a
+    # layer without checkpointing never keeps.
+    heavy = op in SAVED_OPS and torch.is_grad_enabled()
+    return CheckpointPolicy.MUST_SAVE if heavy else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def apply_ac(model: CausalLM, mode: str = "full") -> None:
@@ -243,7 +372,7 @@ def parallelize_decoder(
     if mesh is not None and "ep" in (mesh.mesh_dim_names or ()):
         apply_ep(model, mesh["ep"])
     if mesh is not None and mesh["tp"].size() > 1:
-        apply_tp(model, mesh["tp"], lora_tp_plan(layer_tp_plan(model.config)) if lora else None)
+        apply_tp(model, mesh["tp"], lora=lora)
         if lora:  # SequenceParallel makes fresh, trainable norm weights
             for name, param in model.named_parameters():
                 param.requires_grad_(is_lora_param(name))

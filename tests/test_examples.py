@@ -29,6 +29,8 @@ from llmflow.train.preflight import batch_problems, parallel_problems, pipeline_
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 DEVICES_PER_NODE = 8
 DEVICE_BYTES = 64 * 10**9
+QWEN3_5_9B_TEXT = 8_953_803_264
+QWEN3_5_35B_A3B_TEXT = 34_660_610_688
 PUBLISHED_PARAMETERS = {  # the model cards' parameter counts
     "qwen1.5-0.5b": 463_987_712,
     "qwen2.5-0.5b": 494_032_768,
@@ -36,6 +38,10 @@ PUBLISHED_PARAMETERS = {  # the model cards' parameter counts
     "llama-3.1-8b": 8_030_261_248,
     "qwen3-8b": 8_190_735_360,
     "qwen3-30b-a3b": 30_532_122_624,  # "30.5B in total and 3.3B activated"
+    # Qwen3.5's text models as llmflow builds them from transformers' documented defaults (the
+    # published counts include the vision tower): computed, not a model card's figure.
+    "qwen3.5-9b": QWEN3_5_9B_TEXT,
+    "qwen3.5-35b-a3b": QWEN3_5_35B_A3B_TEXT,
 }
 KINDS = ("pretrain", "finetune", "lora")
 ONE_NODE = {(kind, 1) for kind in KINDS}
@@ -49,6 +55,9 @@ EXAMPLE_SETS = {  # (kind, nodes) of each model's configs
     # Full training holds 16 bytes a parameter (fp32 weights, gradients, AdamW's two moments):
     # 30.5B over 8 devices is 57 GiB of each 59.6 before any activation; it takes 16.
     "qwen3-30b-a3b": {("lora", 1), *((kind, 2) for kind in KINDS)},
+    "qwen3.5-9b": ONE_NODE,
+    # 35B parameters: the same 16 bytes a parameter leave 8 devices the LoRA example only.
+    "qwen3.5-35b-a3b": {("lora", 1)},
 }
 CONFIGS = sorted(EXAMPLES.glob("*/*.yaml"))
 COMMAND = re.compile(r"llmflow train --nproc (\d+)(?: --nnodes (\d+))?(?:[^\n]|\\\n#)*? examples/(\S+\.yaml)")

@@ -325,3 +325,34 @@ def tp_worker(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     tp_worker()
+
+
+def hybrid_config() -> ModelConfig:
+    """A tiny Qwen3.5: layers 0-2 Gated DeltaNet, layer 3 gated attention."""
+    return ModelConfig.from_hf({"model_type": "qwen3_5_text", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
+                                "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                                "linear_key_head_dim": 16, "linear_value_head_dim": 16})
+
+
+def test_default_targets_adapt_the_gated_deltanet_projections_of_their_heads():
+    with torch.device("meta"):
+        model = CausalLM(hybrid_config())
+    adapted = apply_lora(model, LoraConfig())
+    linear = {name.rpartition(".")[2] for name in adapted if ".linear_attn." in name}
+    assert linear == {"in_proj_qkv", "in_proj_z", "out_proj"}  # b and a (per-head scalars) only when named
+    assert {name.rpartition(".")[2] for name in adapted if ".self_attn." in name} == set(TARGETS[:4])
+    named = apply_lora(CausalLM(hybrid_config()), LoraConfig(target_modules=["in_proj_b", "in_proj_a"]))
+    assert len(named) == 2 * 3
+
+
+def test_a_run_recorded_with_the_older_default_targets_resumes_under_the_current_default():
+    from llmflow.train.preflight import _same_lora
+
+    old = {"rank": 8, "alpha": 16.0, "dropout": 0.0, "target_modules": TARGETS}
+    now = LoraConfig().model_dump(mode="json")
+    assert now["target_modules"] != TARGETS
+    assert _same_lora(old, now, tiny_config())  # they adapt the same Linears of a model without DeltaNets
+    assert not _same_lora(old, now, hybrid_config())
+    assert not _same_lora({**old, "rank": 4}, now, tiny_config())
+    assert not _same_lora({**old, "target_modules": ["q_proj"]}, now, tiny_config())

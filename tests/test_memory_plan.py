@@ -86,6 +86,21 @@ def moe(family: str = "qwen3_moe", **changes) -> ModelConfig:
 
 
 
+def qwen3_5(family: str = "qwen3_5_text", types: str | None = None, **changes) -> ModelConfig:
+    """A small Qwen3.5 shaped like qwen2(): Gated DeltaNets of 4 key heads each serving 2 value
+    heads, heads 64 wide; gated attention every 4th layer, or on ``types`` layers only
+    ("linear_attention" or "full_attention": every layer of that kind, to measure one kind)."""
+    values = {"model_type": family, "head_dim": 64, "linear_num_key_heads": 4, "linear_num_value_heads": 8,
+              "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4,
+              "num_hidden_layers": changes.pop("num_hidden_layers", 4)}
+    if types is not None:
+        values["layer_types"] = [types] * values["num_hidden_layers"]
+    if family.startswith("qwen3_5_moe") or family == "qwen3_next":
+        values.update({"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
+                       "shared_expert_intermediate_size": 384})
+    return qwen2(**{**values, **changes})
+
+
 def shape(**changes) -> TrainShape:
     values = {"pp": 1, "dp": 1, "tp": 1, "micro_batch_size": 1, "seq_length": 4096, "dtype_bytes": 2, "accumulation": 8}
     return TrainShape(**{**values, **changes})
@@ -105,7 +120,8 @@ def term(plan, prefix: str) -> int:
                                     qwen2(model_type="qwen3", head_dim=96, attention_bias=True),
                                     moe(num_hidden_layers=3, mlp_only_layers=[1]),
                                     moe("qwen2_moe", num_hidden_layers=3, decoder_sparse_step=2),
-                                    moe("mixtral", num_local_experts=4)])
+                                    moe("mixtral", num_local_experts=4), qwen3_5(), qwen3_5(attention_bias=True),
+                                    qwen3_5("qwen3_5_moe_text"), qwen3_5("qwen3_next", mlp_only_layers=[1])])
 def test_parameter_counts_equal_the_modules(config):
     with torch.device("meta"):
         model = CausalLM(config)
@@ -139,6 +155,18 @@ def test_tensor_parallel_splits_the_layer_matrices_and_column_biases():
 @pytest.mark.parametrize("targets", [None, ["q_proj", "v_proj"], ["self_attn.o_proj", "down_proj"],
                                      ["shared_expert.up_proj", "mlp.gate_proj", "k_proj"]])
 def test_lora_adapter_counts_equal_the_adapters(config, targets):
+    _assert_adapter_counts(config, targets)
+
+
+@pytest.mark.parametrize("config", [qwen3_5(), qwen3_5("qwen3_5_moe_text"), qwen3_5("qwen3_next")],
+                         ids=["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("targets", [None, ["in_proj_b", "in_proj_a", "in_proj_ba", "q_proj"],
+                                     ["linear_attn.out_proj", "shared_expert_gate", "down_proj"]])
+def test_lora_adapter_counts_of_hybrid_layers(config, targets):
+    _assert_adapter_counts(config, targets)
+
+
+def _assert_adapter_counts(config, targets):
     lora = LoraConfig(rank=8) if targets is None else LoraConfig(rank=8, target_modules=targets)
     with torch.device("meta"):
         model = CausalLM(config)
@@ -164,7 +192,9 @@ def _live_bytes() -> int:
     return info.hblkhd + info.uordblks
 
 
-LAYER_CONFIGS = {"qwen2": qwen2, "qwen3_moe": moe, "qwen2_moe": lambda **changes: moe("qwen2_moe", **changes)}
+LAYER_CONFIGS = {"qwen2": qwen2, "qwen3_moe": moe, "qwen2_moe": lambda **changes: moe("qwen2_moe", **changes),
+                 "qwen3_5_linear": lambda **changes: qwen3_5(types="linear_attention", **changes),
+                 "qwen3_5_attention": lambda **changes: qwen3_5(types="full_attention", **changes)}
 
 
 def measure_layer(dtype: str, mode: str, lora: bool, documents: bool, family: str = "qwen2", seq: int = 256) -> float:
@@ -228,6 +258,42 @@ def test_moe_activation_term_equals_what_a_real_layer_keeps():
         print(f"{family} {dtype} {mode}{' LoRA' if lora else ''}: planned {planned:.0f}, measured {got:.0f} bytes/token")
         # Within 2% plus 64 KiB per layer, here 32 bytes per token of the 2048.
         assert abs(planned - got) <= 0.02 * got + 32, (family, dtype, mode, lora, planned, got)
+
+
+@pytest.mark.slow
+def test_hybrid_activation_term_equals_what_a_real_layer_keeps():
+    """Qwen3.5's two kinds of layer measured apart (every layer a Gated DeltaNet, or every
+    layer a gated attention), 2 x 256 tokens: the DeltaNet's convolution, the gated delta
+    rule's saved inputs and per-chunk fp32 states, its gated norm; the attention's gate and
+    zero-centred q/k norms. Full checkpointing keeps the layer's input, as in every family
+    (test_activation_term_equals_what_a_real_layer_keeps): here its per-layer constant
+    (73-87 KiB measured) is over the allowance at 512 tokens, and 38 bytes a token at 2048."""
+    cases = [(family, d, m, False) for family in ("qwen3_5_linear", "qwen3_5_attention")
+             for d in ("float32", "bfloat16") for m in ("none", "selective")]
+    cases += [("qwen3_5_linear", "bfloat16", "none", True), ("qwen3_5_attention", "bfloat16", "none", True)]
+    args = [(dtype, mode, lora, False, family) for family, dtype, mode, lora in cases]
+    proc = subprocess.run([sys.executable, __file__, "layers", json.dumps(args)], capture_output=True, text=True,
+                          env={**os.environ, **MEASURE_ENV}, timeout=600, check=True)
+    measured = json.loads(proc.stdout)
+    for (family, dtype, mode, lora), got in zip(cases, measured, strict=True):
+        planned = layer_activation_bytes(LAYER_CONFIGS[family](), 4 if dtype == "float32" else 2, mode, 1,
+                                         LoraConfig(rank=8) if lora else None, 256)
+        print(f"{family} {dtype} {mode}{' LoRA' if lora else ''}: planned {planned:.0f}, measured {got:.0f} bytes/token")
+        # As test_activation_term_equals_what_a_real_layer_keeps: 2% plus 64 KiB per layer.
+        assert abs(planned - got) <= 0.02 * got + 128, (family, dtype, mode, lora, planned, got)
+
+
+def test_tensor_parallel_gated_deltanet_counts_its_gathered_weights():
+    """Under tp a Gated DeltaNet gathers in_proj_qkv and conv1d (channels 2 x 256 + 512 = 1024)
+    whole for one layer with their gradient, and without checkpointing keeps each of its 3
+    linear layers' rows of them for backward."""
+    config = qwen3_5()
+    whole = 2 * 1024 * (512 + 4)
+    none = train_plan(config, shape(tp=2, accumulation=1))
+    assert term(none, "Gated DeltaNet in_proj_qkv") == 2 * whole + whole // 2 * 3
+    assert term(train_plan(config, shape(tp=2, activation_checkpointing="selective")), "Gated DeltaNet") == 2 * whole
+    assert not [t for t in train_plan(config, shape()).terms if t.name.startswith("Gated DeltaNet")]
+    assert not [t for t in train_plan(qwen2(), shape(tp=2)).terms if t.name.startswith("Gated DeltaNet")]
 
 
 def test_checkpointing_keeps_less():
@@ -553,6 +619,24 @@ def test_generation_kv_cache_term_equals_the_real_cache():
     sharded = generation_plan(config, 2, batch, prompt, new, whole_on_host=True)
     assert term(sharded, "KV cache") == real // 2
     assert sharded.moment(LOAD) == 4 * model_params(config) + term(sharded, "weights")
+
+
+def test_generation_state_terms_equal_the_real_cache_of_a_hybrid_model():
+    """Qwen3.5 (layers 0-2 Gated DeltaNet, 3 attention): keys and values for the attention
+    layer only, the convolution and recurrent states of the others whatever the length."""
+    config = qwen3_5()
+    model = CausalLM(config).eval()
+    model.init_weights(generator=torch.Generator().manual_seed(0))
+    batch, prompt, new = 3, 10, 6
+    cache = KVCache(prompt + new)
+    with torch.no_grad():
+        model.model(torch.randint(0, 1000, (batch, prompt)), kv_cache=cache)
+    keys = sum(t.numel() * t.element_size() for t in [*cache._keys.values(), *cache._values.values()])
+    states = sum(t.numel() * t.element_size() for pair in cache._linear.values() for t in pair)
+    plan = generation_plan(config, 1, batch, prompt, new)
+    assert term(plan, "KV cache") == keys
+    assert term(plan, "Gated DeltaNet states") == states
+    assert term(plan, "weights") == 4 * sum(p.numel() for p in model.parameters())
 
 
 def test_generate_reports_the_plan_of_a_worker_launch_and_refuses_one_that_does_not_fit(sample_assets, monkeypatch):

@@ -71,3 +71,37 @@ def test_lora_keeps_the_qk_norms_frozen_and_whole(mesh):
     for norm in ("q_norm", "k_norm"):
         weight = model.get_parameter(f"model.layers.0.self_attn.{norm}.weight")
         assert weight.placements == (Replicate(),) and not weight.requires_grad
+
+
+HYBRID = {**SHAPE, "num_hidden_layers": 4, "head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+          "linear_key_head_dim": 8, "linear_value_head_dim": 8, "num_experts": 0}
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
+def test_gated_deltanet_splits_by_key_head_groups(mesh, family):
+    """Layers 0-2 Gated DeltaNet (2 key heads, 4 value heads of 8), layer 3 gated attention:
+    each rank holds 1 key head and its 2 value heads, and 2 of the 4 attention heads with their
+    gates. in_proj_qkv and conv1d keep the plain row split (the Hugging Face layout); the rest
+    of the DeltaNet's per-head tensors split by heads, out_proj by columns, its norm whole."""
+    model = CausalLM(ModelConfig.from_hf({"model_type": family, **HYBRID}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parallelize_decoder(model, mesh)
+    laid_out = placements(model)
+    assert len(laid_out) == len(list(model.parameters()))
+    linear = "model.layers.0.linear_attn."
+    fused = family == "qwen3_next"
+    projections = ["in_proj_qkvz", "in_proj_ba"] if fused else ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]
+    for name in [*(f"{p}.weight" for p in projections), "conv1d.weight", "A_log", "dt_bias"]:
+        assert laid_out[linear + name] == (Shard(0),), name
+        param = model.get_parameter(linear + name)
+        assert param.to_local().shape[0] == param.shape[0] // TP, name
+    assert laid_out[linear + "out_proj.weight"] == (Shard(1),)
+    assert laid_out[linear + "norm.weight"] == (Replicate(),)
+    assert model.get_parameter("model.layers.3.self_attn.q_proj.weight").to_local().shape == (2 * 2 * 8, 32)
+    seen = []
+    model.get_submodule(linear + "norm").register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    ids = torch.randint(0, 64, (2, 8))
+    model(ids, labels=ids, position_ids=torch.arange(8).expand(2, 8)).backward()
+    assert seen == [(2, 8, 2, 8)]  # this rank's 2 value heads, the whole sequence
+    assert model.get_parameter(linear + "A_log").grad.placements == (Shard(0),)

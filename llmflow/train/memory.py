@@ -154,20 +154,54 @@ def _count(n: int) -> str:
 # --- shapes ------------------------------------------------------------------------------
 
 
-COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+DELTANET_COLUMN_PARALLEL = tuple(f"linear_attn.{name}" for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                                                                     "in_proj_qkvz", "in_proj_ba"))
+COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj",
+                   *DELTANET_COLUMN_PARALLEL)
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj", "linear_attn.out_proj")
 """The Linears tensor parallelism splits, by their name in a decoder layer (a mixture of
-experts' router, experts and shared expert stay whole)."""
+experts' router, experts and shared expert stay whole; a Gated DeltaNet splits by key-head
+groups, ``models/parallelize.py``)."""
+FUSED_DELTANET = ("qwen3_next",)
+"""Families whose Gated DeltaNet fuses its projections (``in_proj_qkvz``, ``in_proj_ba``)."""
+DELTANET_CHUNK = 64
+"""Positions per chunk of the gated delta rule (``kernels/gated_delta.py``): its backward keeps
+the fp32 state entering every chunk."""
+
+
+def _deltanet_dims(model: ModelConfig) -> tuple[int, int, int]:
+    """(key dim, value dim, conv channels) of a Gated DeltaNet layer: all heads' widths."""
+    key = model.linear_num_key_heads * model.linear_key_head_dim
+    value = model.linear_num_value_heads * model.linear_value_head_dim
+    return key, value, 2 * key + value
+
+
+def _mixer_shapes(model: ModelConfig, layer: int) -> dict[str, tuple[int, int]]:
+    """(in, out) features of the token mixer's Linears: attention's four (a gated attention's
+    q_proj also emits the gate, as wide as the queries) or a Gated DeltaNet's projections."""
+    h = model.hidden_size
+    if model.is_linear_layer(layer):
+        key, value, conv = _deltanet_dims(model)
+        heads = model.linear_num_value_heads
+        if model.model_type in FUSED_DELTANET:
+            shapes = {"linear_attn.in_proj_qkvz": (h, 2 * key + 2 * value), "linear_attn.in_proj_ba": (h, 2 * heads)}
+        else:
+            shapes = {"linear_attn.in_proj_qkv": (h, conv), "linear_attn.in_proj_z": (h, value),
+                      "linear_attn.in_proj_b": (h, heads), "linear_attn.in_proj_a": (h, heads)}
+        return {**shapes, "linear_attn.out_proj": (value, h)}
+    q, kv = model.num_attention_heads * model.head_dim, model.num_key_value_heads * model.head_dim
+    gate = 2 if model.attention_output_gate else 1
+    return {"self_attn.q_proj": (h, gate * q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
+            "self_attn.o_proj": (q, h)}
 
 
 def _linear_shapes(model: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
     """(in, out) features of each nn.Linear of decoder layer ``layer``, by its name in the
-    layer: attention's four and a dense layer's SwiGLU; a mixture-of-experts layer's shared
-    expert and its gate (Qwen2-MoE), its router and stacked experts being no Linears."""
+    layer: the token mixer's (``_mixer_shapes``) and a dense layer's SwiGLU; a
+    mixture-of-experts layer's shared expert and its gate (Qwen2-MoE, Qwen3-Next, Qwen3.5),
+    its router and stacked experts being no Linears."""
     h = model.hidden_size
-    q, kv = model.num_attention_heads * model.head_dim, model.num_key_value_heads * model.head_dim
-    shapes = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
-              "self_attn.o_proj": (q, h)}
+    shapes = _mixer_shapes(model, layer)
     if not model.is_moe_layer(layer):
         mlp, width = "mlp", model.intermediate_size
     elif model.shared_expert_intermediate_size:
@@ -211,20 +245,29 @@ def layer_params(model: ModelConfig, tp: int = 1, layer: int = 0) -> int:
     """Parameters of decoder layer ``layer`` on one tensor-parallel rank (norms whole: the two of
     the residual stream and, with ``qk_norm``, the per-head ones of queries and keys). A
     mixture-of-experts layer holds its router [experts, hidden], every routed expert and the
-    shared expert with its gate, which tensor parallelism does not split."""
+    shared expert with its gate, which tensor parallelism does not split. A Gated DeltaNet
+    holds, beside its Linears, its convolution [channels, 1, kernel], A_log and dt_bias per
+    value head (split with its heads) and its gated norm [value head dim] (whole)."""
     h = model.hidden_size
-    q, kv = model.num_attention_heads * model.head_dim, model.num_key_value_heads * model.head_dim
     total = 0
     for name, (i, o) in _linear_shapes(model, layer).items():
         cut_in, cut_out = _split(name, tp)
         total += i * o // (cut_in * cut_out)
-    # Column-parallel biases split with their weights; row-parallel ones stay whole.
-    total += (q + 2 * kv) * model.qkv_bias // tp + h * model.o_bias
+    if model.is_linear_layer(layer):
+        conv = _deltanet_dims(model)[2]
+        total += (conv * model.linear_conv_kernel_dim + 2 * model.linear_num_value_heads) // tp
+        total += model.linear_value_head_dim
+    else:
+        q, kv = model.num_attention_heads * model.head_dim, model.num_key_value_heads * model.head_dim
+        gate = 2 if model.attention_output_gate else 1
+        # Column-parallel biases split with their weights; row-parallel ones stay whole.
+        total += (gate * q + 2 * kv) * model.qkv_bias // tp + h * model.o_bias
+        total += 2 * model.head_dim * model.qk_norm
     if model.is_moe_layer(layer):
         total += model.num_experts * h + layer_experts(model, layer)
     else:
         total += 2 * model.intermediate_size * model.mlp_bias // tp + h * model.mlp_bias
-    return total + 2 * h + 2 * model.head_dim * model.qk_norm
+    return total + 2 * h
 
 
 def lora_layer_params(model: ModelConfig, lora: LoraConfig, tp: int = 1, layer: int = 0) -> int:
@@ -291,11 +334,18 @@ def layer_activation_bytes(model: ModelConfig, dtype_bytes: int, checkpointing: 
     its experts' grouped matmuls are not among the operations selective checkpointing keeps
     (``SAVED_OPS``): they are recomputed.
     full: the layer's input only.
+
+    Qwen3-Next and Qwen3.5: their zero-centred norms keep an fp32 normalised output (4 h, when
+    they train); a gated attention also keeps the sigmoid of its gate and the attention
+    output it scales (2 d q); a Gated DeltaNet layer keeps ``_deltanet_bytes`` in place of
+    attention's terms.
     """
     d, h, f = dtype_bytes, model.hidden_size, model.intermediate_size
     heads = model.num_attention_heads
     q, kv = heads * model.head_dim, model.num_key_value_heads * model.head_dim
     moe = model.is_moe_layer(layer)
+    linear = model.is_linear_layer(layer)
+    gated = model.attention_output_gate
     shapes = _linear_shapes(model, layer)
     targets = _targets(lora, model, layer)
     trains = (lambda name: name in shapes) if lora is None else (lambda name: name in targets)
@@ -303,7 +353,10 @@ def layer_activation_bytes(model: ModelConfig, dtype_bytes: int, checkpointing: 
     if checkpointing == "full":
         return d * h / tp
     if checkpointing == "selective":
-        kept = d * h / tp + d * (q + 2 * kv) / tp + d * q / tp + 4 * heads / tp + d * h
+        if linear:
+            kept = d * h / tp + _deltanet_selective_bytes(model, d, tp)
+        else:
+            kept = d * h / tp + d * ((1 + gated) * q + 2 * kv) / tp + d * q / tp + 4 * heads / tp + d * h
         if moe:  # the router's logits; the shared expert's gate, up, down and gate outputs
             s = model.shared_expert_intermediate_size
             kept += d * model.num_experts + (d * (2 * s + h + 1) if s else 0)
@@ -314,20 +367,63 @@ def layer_activation_bytes(model: ModelConfig, dtype_bytes: int, checkpointing: 
             kept += d * r + d * (out / tp if name in COLUMN_PARALLEL else out)
         return kept
     norm_trains = lora is None
-    kept = 2 * (4 + d * norm_trains) * h / tp + 8 / tp  # two norms (and their fp32 rstd)
-    kept += d * h * any(trains(f"self_attn.{p}_proj") for p in "qkv")
-    kept += d * (2 * q + 2 * kv) / tp + 4 * heads / tp  # rotated q, k; v; attention output; lse
-    kept += d * q / tp * trains("self_attn.o_proj")
+    normalised = 4 if model.zero_centered_norms else d  # the normalised output the weight's gradient needs
+    kept = 2 * (4 + normalised * norm_trains) * h / tp + 8 / tp  # two norms (and their fp32 rstd)
+    if linear:
+        kept += _deltanet_bytes(model, d, tp, norm_trains, trains)
+    else:
+        kept += d * h * any(trains(f"self_attn.{p}_proj") for p in "qkv")
+        kept += d * (2 * q + 2 * kv) / tp + 4 * heads / tp  # rotated q, k; v; attention output; lse
+        kept += d * q / tp * trains("self_attn.o_proj")
+        kept += 2 * d * q / tp * gated  # the gate's sigmoid and the output it scales
+        # In fp32 the q norm's input is a view of q_proj's output, which keeps the gate's half too.
+        kept += d * q / tp * (gated and model.qk_norm and d == 4)
+        kept += ((4 + normalised * norm_trains) * (q + kv) + 4 * (heads + model.num_key_value_heads)) / tp * model.qk_norm
+        if documents:
+            kept += d * seq_length
     if moe:
         kept += _moe_bytes(model, d, lora, trains)
     else:
         kept += d * h * (trains("mlp.gate_proj") or trains("mlp.up_proj"))
         kept += 2 * d * f / tp + d * f / tp * trains("mlp.down_proj")
     kept += d * r * len(targets)
-    kept += ((4 + d * norm_trains) * (q + kv) + 4 * (heads + model.num_key_value_heads)) / tp * model.qk_norm
-    if documents:
-        kept += d * seq_length
     return kept
+
+
+def _deltanet_bytes(model: ModelConfig, d: int, tp: int, norm_trains: bool, trains: Callable[[str], bool]) -> float:
+    """Bytes per token a Gated DeltaNet (``models/blocks/gated_deltanet.py``) keeps for its
+    backward pass, no checkpointing, on one tensor-parallel rank (its heads / tp):
+
+    - its input (d h), when a projection or an adapter trains;
+    - the convolution's input and output and the SiLU's output (3 d C, C = 2 Dk Hk + Dv Hv
+      channels; the gated delta rule keeps v as a view of the last);
+    - q and k repeated to the value heads (2 d Hv Dk), beta (d Hv), the decay's fp32 softplus
+      input and output and the decay itself (12 Hv);
+    - the gated delta rule's state entering every chunk of 64 positions, fp32 [Hv, Dk, Dv]:
+      4 Hv Dk Dv / 64 per token (``kernels/gated_delta.py``; its inputs are the tensors above);
+    - the gated norm: its fp32 input and rstd (4 Dv Hv + 4 Hv), the normalised output (d Dv Hv,
+      when its weight trains), the weighted output, the gate in fp32 and its SiLU
+      ((d + 8) Dv Hv);
+    - out_proj's input (d Dv Hv, when it trains).
+
+    The recurrent state between layers and the generation cache are no part of training."""
+    h, (_, value, conv) = model.hidden_size, _deltanet_dims(model)
+    heads, dk = model.linear_num_value_heads, model.linear_key_head_dim
+    kept = d * h * any(trains(name) for name in DELTANET_COLUMN_PARALLEL)
+    kept += (3 * d * conv + 2 * d * heads * dk + d * heads + 12 * heads) / tp
+    kept += 4 * heads * dk * model.linear_value_head_dim / DELTANET_CHUNK / tp
+    kept += (4 * value + 4 * heads + d * value * norm_trains + (d + 8) * value) / tp
+    kept += d * value / tp * trains("linear_attn.out_proj")
+    return kept
+
+
+def _deltanet_selective_bytes(model: ModelConfig, d: int, tp: int) -> float:
+    """Bytes per token selective checkpointing keeps of a Gated DeltaNet: the outputs of its
+    projections (d (C + Dv Hv + 2 Hv) / tp) and of out_proj (d h, before its reduce-scatter).
+    The matrix multiplications inside the gated delta rule's forward run with grad mode off
+    and are not kept (``_keep_heavy_ops``, ``models/parallelize.py``)."""
+    h, (_, value, conv) = model.hidden_size, _deltanet_dims(model)
+    return d * (conv + value + 2 * model.linear_num_value_heads) / tp + d * h
 
 
 def _moe_bytes(model: ModelConfig, d: int, lora: LoraConfig | None, trains: Callable[[str], bool]) -> float:
@@ -496,6 +592,18 @@ def _stage_plan(model: ModelConfig, shape: TrainShape, pp_rank: int) -> tuple[li
             layer_working += (d + 4 + 4 / dp) * u + (cast + 4) * e * (lora is None)
         working = max(working, layer_working)
     terms.append(Term("backward working set: one layer recomputed / its gradients", int(working), FORWARD))
+    linear = sum(model.is_linear_layer(i) for i in indices)
+    if tp > 1 and linear:
+        # Under tp a Gated DeltaNet gathers in_proj_qkv and conv1d whole and computes with this
+        # rank's rows (models/parallelize.py, HeadGroupRows): one layer's gathered weights and
+        # their gradient before its reduce-scatter; without checkpointing each layer's rows stay
+        # for backward.
+        conv = _deltanet_dims(model)[2]
+        whole = d * conv * (h + model.linear_conv_kernel_dim)
+        kept = whole / tp * linear / len(held) * flight if ac == "none" else 0
+        what = "one layer's and its gradient" + (", each layer's rows kept for backward" if kept else "")
+        terms.append(Term(f"Gated DeltaNet in_proj_qkv and conv1d gathered under tp: {what}", int(2 * whole + kept),
+                          FORWARD))
     if ep > 1 and any(model.is_moe_layer(i) for i in indices):
         rows = tokens * model.num_experts_per_tok
         terms.append(Term(f"expert dispatch: all-to-all send and receive buffers, {rows} rows x hidden "
@@ -619,7 +727,10 @@ def generation_plan(model: ModelConfig, tp: int, batch: int, prompt_tokens: int,
     ``prompt_tokens`` tokens plus ``max_new_tokens``: fp32 weights (decoder layers split
     ``tp`` ways, a mixture of experts' router and experts whole, embedding and output
     projection whole), the KV cache [batch, kv heads / tp,
-    prompt + new, head_dim] per layer for keys and values, the prompt's forward pass (one
+    prompt + new, head_dim] per attention layer for keys and values (a Gated DeltaNet layer
+    keeps instead its convolution's last inputs [batch, channels, kernel - 1] and its
+    recurrent state [batch, value heads, Dk, Dv], whatever the length; generation does not
+    split them, ``apply_tp_inference`` refusing these layers), the prompt's forward pass (one
     layer's working set, the padding mask when prompts differ in length) and the logits.
     ``whole_on_host``: the device is host memory (CPU) and each of the ``tp`` workers first
     loads the whole model there (a Hugging Face directory or a LoRA checkpoint)."""
@@ -634,13 +745,21 @@ def generation_plan(model: ModelConfig, tp: int, batch: int, prompt_tokens: int,
         moe = 3 * h + (q + 2 * kv) / tp + model.num_experts + k * (2 * h + 3 * model.moe_intermediate_size) + 3 * s
         per_token = moe if not model.dense_layers else max(per_token, moe)
     prefill = 4 * tokens * per_token
+    linear = sum(model.is_linear_layer(i) for i in range(model.num_hidden_layers))
+    attention = model.num_hidden_layers - linear
     terms = [
         Term(f"weights: fp32{f', layers split tp={tp}' if tp > 1 else ''}", 4 * weights, ALWAYS),
-        Term(f"KV cache: fp32, {batch} x {length} positions x {model.num_hidden_layers} layers",
-             2 * 4 * model.num_hidden_layers * batch * (kv // tp) * length, ALWAYS),
+        Term(f"KV cache: fp32, {batch} x {length} positions x {attention} layers",
+             2 * 4 * attention * batch * (kv // tp) * length, ALWAYS),
         Term(f"prompt forward: one layer's working set ({tokens} tokens)", int(prefill), FORWARD),
         Term("logits and sampling: fp32 [batch, vocab]", 3 * 4 * batch * model.vocab_size, FORWARD),
     ]
+    if linear:  # whatever the length: the convolution's last inputs and the recurrent state
+        conv = _deltanet_dims(model)[2]
+        state = conv * (model.linear_conv_kernel_dim - 1) + model.linear_num_value_heads * model.linear_key_head_dim \
+            * model.linear_value_head_dim
+        terms.insert(2, Term(f"Gated DeltaNet states: fp32, {batch} x {linear} layers (convolution inputs, "
+                             f"recurrent state)", 4 * linear * batch * state, ALWAYS))
     if whole_on_host and tp > 1:
         terms.insert(0, Term("model load: whole model, fp32, beside this worker's shard", 4 * model_params(model)
                              + 4 * weights, LOAD))

@@ -308,7 +308,7 @@ def resume_problems(config: TrainConfig, model: ModelConfig | None) -> list[str]
         )
     differing: dict[str, str] = {}
     lora = config.lora.model_dump(mode="json") if config.lora is not None else None
-    if (meta.lora is None) != (lora is None) or (lora is not None and meta.lora != lora):
+    if (meta.lora is None) != (lora is None) or (lora is not None and not _same_lora(meta.lora, lora, model)):
         differing["lora"] = f"lora {meta.lora!r} -> {lora!r}"
     if model is not None and ModelConfig.from_hf(meta.hf_config) != model:
         differing["model"] = f"model: the config.json of {config.model} is not the one the checkpoints were trained from"
@@ -319,6 +319,8 @@ def resume_problems(config: TrainConfig, model: ModelConfig | None) -> list[str]
     if saved is not None:
         before, now = weight_settings(saved), weight_settings(config)
         for name in sorted(before.keys() | now.keys()):
+            if name == "lora.target_modules" and _same_targets(before.get(name), now.get(name), model):
+                continue
             if before.get(name) != now.get(name) and name.split(".")[0] not in differing:
                 differing[name] = f"{name} {before.get(name)!r} -> {now.get(name)!r}"
     recorded = _read_json(out / INPUTS_NAME)
@@ -333,6 +335,29 @@ def resume_problems(config: TrainConfig, model: ModelConfig | None) -> list[str]
             f"depend on: {'; '.join(differing.values())}. Resume with the run's settings, or choose another out"
         )
     return problems
+
+
+def _same_lora(before: dict[str, Any], now: dict[str, Any], model: ModelConfig | None) -> bool:
+    """Whether two recorded LoRA settings train the same adapters of ``model``: equal but for
+    target lists that adapt the same modules (a run recorded with an older default list
+    resumes under the current default)."""
+    rest = [{k: v for k, v in settings.items() if k != "target_modules"} for settings in (before, now)]
+    return rest[0] == rest[1] and _same_targets(before.get("target_modules"), now.get("target_modules"), model)
+
+
+def _same_targets(before: list[str] | None, now: list[str] | None, model: ModelConfig | None) -> bool:
+    if before == now:
+        return True
+    if before is None or now is None or model is None:
+        return False
+    import torch
+
+    from llmflow.models import CausalLM
+    from llmflow.models.lora import adapted_modules
+
+    with torch.device("meta"):
+        built = CausalLM(model)
+    return adapted_modules(built, before) == adapted_modules(built, now)
 
 
 def settings_problems(config: TrainConfig, world: int, model: ModelConfig | None) -> list[str]:

@@ -64,18 +64,24 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(a_log if a_log.is_meta else init_a_log(a_log))
         self.norm = GatedRMSNorm(value_head_dim, norm_eps)
         self.out_proj = nn.Linear(value_dim, hidden_size, bias=False)
+        self.tensor_parallel = None
+        """Set by the tensor-parallel plan (``models/parallelize.py``, ``HeadGroupRows``): this
+        rank's rows of ``in_proj_qkv`` and ``conv1d``, and its pieces of ``A_log``/``dt_bias``.
+        Shapes are otherwise read from the tensors, so the layer runs on whatever heads it holds."""
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(q, k, v concatenated [B, S, 2 Dk Hk + Dv Hv], z [B, S, Hv, Dv], b, a [B, S, Hv])."""
         batch, seq, _ = x.shape
         if not self.fused_projections:
             z = self.in_proj_z(x).view(batch, seq, -1, self.value_head_dim)
-            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+            tp = self.tensor_parallel
+            qkv = self.in_proj_qkv(x) if tp is None else tp.linear(self.in_proj_qkv, x)
+            return qkv, z, self.in_proj_b(x), self.in_proj_a(x)
         per_key = self.num_value_heads // self.num_key_heads
-        qkvz = self.in_proj_qkvz(x).view(batch, seq, self.num_key_heads, -1)
         dk, dv = self.key_head_dim, self.value_head_dim
+        qkvz = self.in_proj_qkvz(x).view(batch, seq, -1, 2 * dk + 2 * per_key * dv)  # per key head
         q, k, v, z = qkvz.split([dk, dk, per_key * dv, per_key * dv], dim=-1)
-        b, a = self.in_proj_ba(x).view(batch, seq, self.num_key_heads, -1).split([per_key, per_key], dim=-1)
+        b, a = self.in_proj_ba(x).view(batch, seq, -1, 2 * per_key).split([per_key, per_key], dim=-1)
         mixed = torch.cat([t.reshape(batch, seq, -1) for t in (q, k, v)], dim=-1)
         return (mixed, z.reshape(batch, seq, -1, dv), b.reshape(batch, seq, -1), a.reshape(batch, seq, -1))
 
@@ -91,7 +97,9 @@ class GatedDeltaNet(nn.Module):
         ``document_ids`` are those of every cached position and then the new ones."""
         batch, seq, _ = x.shape
         mixed, z, b, a = self._project(x)
-        weight = self.conv1d.weight.squeeze(1)
+        tp = self.tensor_parallel
+        weight = (self.conv1d.weight if tp is None else tp.rows(self.conv1d.weight)).squeeze(1)
+        a_log, dt_bias = (self.A_log, self.dt_bias) if tp is None else (tp.local(self.A_log), tp.local(self.dt_bias))
         conv_state = recurrent_state = None
         passing = None
         if cache is not None:
@@ -104,14 +112,15 @@ class GatedDeltaNet(nn.Module):
                                                       state=conv_state, output_final_state=cache is not None)
         else:
             mixed, conv_final = _conv_after_passing(mixed, weight, document_ids, conv_state, passing)
-        key_dim = self.num_key_heads * self.key_head_dim
-        q, k, v = mixed.split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
         per_key = self.num_value_heads // self.num_key_heads
+        # This layer's key heads: all of them, or one tensor-parallel rank's.
+        key_dim = mixed.shape[-1] // (2 * self.key_head_dim + per_key * self.value_head_dim) * self.key_head_dim
+        q, k, v = mixed.split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
         q = q.reshape(batch, seq, -1, self.key_head_dim).repeat_interleave(per_key, dim=2)
         k = k.reshape(batch, seq, -1, self.key_head_dim).repeat_interleave(per_key, dim=2)
         v = v.reshape(batch, seq, -1, self.value_head_dim)
         beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
         if passing is not None:  # no decay, no write: the cached document's state passes unchanged
             beta = beta.masked_fill(passing[..., None], 0.0)
             g = g.masked_fill(passing[..., None], 0.0)
