@@ -57,13 +57,18 @@ L2NORM_EPS = 1e-6
 # ----------------------------------------------------------------------------- documents
 
 
-def _document_starts(document_ids: torch.Tensor | None) -> torch.Tensor | None:
-    """[B, S] bool, True where a document starts after position 0; None when no row has
-    a boundary (one document per row)."""
-    if document_ids is None or document_ids.shape[1] < 2:
-        return None
+def _boundaries(document_ids: torch.Tensor) -> torch.Tensor:
+    """[B, S] bool, True where a document starts after position 0."""
     starts = torch.zeros_like(document_ids, dtype=torch.bool)
     starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return starts
+
+
+def _document_starts(document_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """``_boundaries``, or None when no row has a boundary (one document per row)."""
+    if document_ids is None or document_ids.shape[1] < 2:
+        return None
+    starts = _boundaries(document_ids)
     return starts if bool(starts.any()) else None
 
 
@@ -367,8 +372,8 @@ def _chunk_aligned_layout(document_ids: torch.Tensor) -> tuple[torch.Tensor, tor
     row's first starts, L)."""
     batch, length = document_ids.shape
     device = document_ids.device
-    new = torch.ones_like(document_ids, dtype=torch.bool)
-    new[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    new = _boundaries(document_ids)
+    new[:, 0] = True
     new = new.flatten()
     doc = new.cumsum(0) - 1  # document of every token
     starts = new.nonzero().flatten()  # flat position of every document's first token
@@ -443,10 +448,9 @@ def _fla_chunk():
 
 def _cu_seqlens(document_ids: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
     """fla's cumulative document ends over the rows flattened into one, starting with 0."""
-    new = torch.zeros(batch, length, dtype=torch.bool, device=device)
+    new = (torch.zeros(batch, length, dtype=torch.bool, device=device) if document_ids is None
+           else _boundaries(document_ids))
     new[:, 0] = True
-    if document_ids is not None:
-        new[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
     starts = new.flatten().nonzero().flatten()
     return torch.cat((starts, starts.new_tensor([batch * length])))
 
@@ -584,9 +588,7 @@ def fused_causal_conv1d(
     if fn is not None:
         seq_idx = None
         if document_ids is not None:
-            new = torch.zeros_like(document_ids, dtype=torch.int32)
-            new[:, 1:] = (document_ids[:, 1:] != document_ids[:, :-1]).to(torch.int32)
-            seq_idx = new.cumsum(1, dtype=torch.int32)
+            seq_idx = _boundaries(document_ids).cumsum(1, dtype=torch.int32)
         out = fn(x.to(weight.dtype).transpose(1, 2), weight, bias, seq_idx=seq_idx,
                  activation=None if activation is None else "silu")
         return out.transpose(1, 2).to(x.dtype), final
