@@ -433,13 +433,58 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-LONGEST_FIRST = ("test_sample.py", "test_flows.py", "test_memory_plan.py", "test_multinode.py", "test_slurm.py",
-                 "test_browser.py", "test_train_tasks.py", "test_real_size.py")
-"""The modules that take longest (``make test`` prints the time per module), run first: the two
-pytest-xdist processes of ``make test`` take whole modules in collection order, and a long one
-taken last would run alone while the other process waits."""
+MODULE_SECONDS = {
+    "test_flows.py": 274,
+    "test_sample.py": 263,
+    "test_memory_plan.py": 245,
+    "test_multinode.py": 211,
+    "test_browser.py": 163,
+    "test_slurm.py": 149,
+    "test_choice_tasks.py": 134,
+    "test_train_tasks.py": 123,
+    "test_real_size.py": 115,
+    "test_user_errors.py": 112,
+    "test_pipeline.py": 110,
+    "test_megatron_core.py": 96,
+    "test_nonfinite.py": 86,
+    "test_hybrid_training.py": 80,
+    "test_train.py": 78,
+    "test_postgres.py": 68,
+    "test_moe.py": 62,
+    "test_moe_training.py": 58,
+    "test_generative_tasks.py": 56,
+    "test_probe_msprobe.py": 44,
+    "test_probe_pipeline.py": 32,
+    "test_probe.py": 30,
+    "test_generate_tp.py": 24,
+    "test_mmlu.py": 23,
+    "test_tasks.py": 20,
+    "test_bench_gpu.py": 19,
+    "test_deployments.py": 15,
+    "test_megatron.py": 13,
+    "test_sandbox.py": 13,
+    "test_preflight.py": 12,
+    "test_humaneval.py": 11,
+    "test_tokenizer_parity.py": 10,
+    "test_qwen3_next.py": 10,
+    "test_packaging.py": 9,
+    "test_lora.py": 8,
+    "test_download.py": 6,
+    "test_prefix_scoring.py": 5,
+    "test_sharded_loading.py": 5,
+}
+"""Seconds each module took in a fresh clone's ``make test`` (its time-per-module table; the
+rest take under 5 s). The two pytest-xdist processes take whole modules in the order given,
+each the next one when it runs out: the longest go first, so that no long module is left to
+run alone at the end while the other process waits."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist would otherwise order the modules by their number of tests, putting the long
+    # one-test modules (the browser, the real-size flow) last.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    items.sort(key=lambda item: -MODULE_SECONDS.get(item.path.name, 0))

@@ -64,6 +64,20 @@ def run_flow(params: FinetuneEvalParams):
     return state, states
 
 
+def run_flow_command(prefect_server, prefect_env, options: dict) -> tuple[dict, str]:
+    """``llmflow flow finetune-eval`` in a process of its own against the session's Prefect
+    server, each of ``options`` given as ``--key value`` (nested settings as JSON or dotted);
+    the flow's result it printed and its flow run id."""
+    env = {**os.environ, **{setting.name: str(value) for setting, value in prefect_server.settings.items()}}
+    proc = subprocess.run([sys.executable, "-m", "llmflow.cli", "flow", "finetune-eval",
+                           *(arg for key, value in options.items() for arg in (f"--{key}", str(value)))],
+                          check=False, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    result = json.loads("\n".join(lines[lines.index("{"):]))  # the flow's result, printed last
+    return result, MlflowClient(prefect_env["mlflow_uri"]).get_run(result["mlflow_run"]).data.tags[FLOW_RUN_TAG]
+
+
 def stage_states(states: dict[str, list[str]]) -> list[tuple[str, str]]:
     order = {"sample": 0, "convert": 1, "tokenize-instruction": 2, "eval-mmlu": 3, "train": 4, "export": 5, "infer": 6,
              "register": 7}
@@ -72,14 +86,18 @@ def stage_states(states: dict[str, list[str]]) -> list[tuple[str, str]]:
 
 
 @pytest.mark.slow
-def test_finetune_eval_runs_every_stage_tracks_it_and_reruns_from_cache(prefect_env, sample_tokenizer_model, tmp_path):
-    """A Qwen3 (q and k norms, an explicit head_dim, tied embeddings) through every stage."""
+def test_finetune_eval_runs_every_stage_tracks_it_and_reruns_from_cache(prefect_env, prefect_server,
+                                                                      sample_tokenizer_model, tmp_path):
+    """A Qwen3 (q and k norms, an explicit head_dim, tied embeddings) through every stage, run
+    by ``llmflow flow finetune-eval`` (nested settings as JSON), then again in-process with the
+    same parameters: every stage from the command line's cache."""
     model = sample_tokenizer_model("qwen3", num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
     # A gain no finetune can make: the registry gate fails whatever the scores.
     params = flow_params(tmp_path / "ws", model=str(model), register_min_gain=2.0)
-    state, states = run_flow(params)
-    assert state.is_completed(), state.message
-    result = state.result()
+    given = params.model_dump(mode="json", exclude_unset=True)
+    result, flow_run_id = run_flow_command(prefect_server, prefect_env, {
+        key.replace("_", "-"): value if isinstance(value, str) else json.dumps(value) for key, value in given.items()})
+    states = task_states(flow_run_id)
     assert {name: set(runs) for name, runs in states.items()} == {
         "sample": {"Completed"}, "convert": {"Completed"}, "tokenize-instruction": {"Completed"},
         "eval-mmlu": {"Completed"}, "train": {"Completed"}, "export": {"Completed"}, "infer": {"Completed"},
@@ -95,7 +113,7 @@ def test_finetune_eval_runs_every_stage_tracks_it_and_reruns_from_cache(prefect_
     # MLflow: one parent run for the flow run, every stage nested under it.
     client = MlflowClient(prefect_env["mlflow_uri"])
     parent = client.get_run(result["mlflow_run"])
-    assert parent.data.tags[FLOW_RUN_TAG] == str(state.state_details.flow_run_id)
+    assert parent.data.tags[FLOW_RUN_TAG] == flow_run_id
     assert parent.data.metrics["mmlu_after"] == pytest.approx(result["mmlu_after"], abs=1e-6)
     assert any(key.startswith("system/") for key in parent.data.metrics), parent.data.metrics
     assert "summary.md" in {a.path for a in client.list_artifacts(parent.info.run_id)}
@@ -121,7 +139,7 @@ def test_finetune_eval_runs_every_stage_tracks_it_and_reruns_from_cache(prefect_
 
     with get_client(sync_client=True) as prefect_client:
         artifacts = prefect_client.read_artifacts(
-            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]))
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
         )
     kinds = {(a.key, a.type) for a in artifacts}
     assert ("finetune-eval-summary", "markdown") in kinds
@@ -242,18 +260,11 @@ def test_finetune_eval_finetunes_a_hybrid_mixture_of_experts_at_ep2_from_the_com
                                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                                    linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
                                    moe_intermediate_size=32, shared_expert_intermediate_size=48)
-    options = {"workspace": tmp_path / "ws", "model": model, "version": "test", "prompts": '["What is the capital of France?"]',
-               "train.steps": 2, "train.save-interval": 2, "train.micro-batch-size": 4, "train.global-batch-size": 8,
-               "train.nproc": 2, "train.ep": 2, "evaluation.limit": 4, "registered-model": "test-hybrid-moe",
-               "register-min-gain": "null"}
-    env = {**os.environ, **{setting.name: str(value) for setting, value in prefect_server.settings.items()}}
-    proc = subprocess.run([sys.executable, "-m", "llmflow.cli", "flow", "finetune-eval",
-                           *(arg for key, value in options.items() for arg in (f"--{key}", str(value)))],
-                          check=False, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
-    result = json.loads("\n".join(lines[lines.index("{"):]))  # the flow's result, printed last
-    flow_run_id = MlflowClient(prefect_env["mlflow_uri"]).get_run(result["mlflow_run"]).data.tags[FLOW_RUN_TAG]
+    result, flow_run_id = run_flow_command(prefect_server, prefect_env, {
+        "workspace": tmp_path / "ws", "model": model, "version": "test", "prompts": '["What is the capital of France?"]',
+        "train.steps": 2, "train.save-interval": 2, "train.micro-batch-size": 4, "train.global-batch-size": 8,
+        "train.nproc": 2, "train.ep": 2, "evaluation.limit": 4, "registered-model": "test-hybrid-moe",
+        "register-min-gain": "null"})
     states = task_states(flow_run_id)
     assert all(set(runs) == {"Completed"} for runs in states.values()) and "register" in states
     assert result["registered"] is not None
