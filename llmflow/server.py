@@ -146,10 +146,8 @@ def serve(command: ServerCommand) -> None:
                            logs / "mlflow.log"))
         wait_until_up(f"{prefect_api}/health", "the Prefect server", procs)
         apply_deployments(env)
-        # The worker asks for due flow runs every 5 s (Prefect's default, 10 s, leaves a run started
-        # from the UI up to 10 s in Pending); each poll writes to the database, so not much more often.
         procs.append(start([str(bin_dir / "prefect"), "--no-prompt", "worker", "start", "--pool", POOL, "--type", "process"],
-                           {**env, "PREFECT_WORKER_QUERY_SECONDS": "5"}, logs / "worker.log"))
+                           env, logs / "worker.log"))
         wait_until_up(f"{mlflow_url}/health", "the MLflow server", procs)
         print(f"Prefect UI:  http://{command.host}:{command.prefect_port} (deployments: nightly and on-demand "
               f"finetune-eval, on-demand pretrain and evaluate)")

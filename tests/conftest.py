@@ -434,11 +434,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 MODULE_SECONDS = {
-    "test_flows.py": 274,
+    "test_flows.py": 330,
     "test_sample.py": 263,
-    "test_memory_plan.py": 245,
+    "test_browser.py": 220,
     "test_multinode.py": 211,
-    "test_browser.py": 163,
+    "test_memory_plan.py": 190,
     "test_slurm.py": 149,
     "test_choice_tasks.py": 134,
     "test_train_tasks.py": 123,

@@ -1,7 +1,8 @@
 """The Prefect UI end to end, in headless Chromium: ``llmflow server`` (Prefect server, work
 pool, deployments, process worker, MLflow) on loopback; the finetune-eval/on-demand deployment
 run from its parameter form, its last evaluation failing, then retried with the flow run
-page's Retry button, finishing with every earlier stage Cached.
+page's Retry button, finishing with every earlier stage Cached; then a dense Qwen3 and a
+Qwen3.5 (Gated DeltaNet and gated attention layers) run from the same form.
 
 Chromium and its driver come from Debian (``chromium``, ``chromium-driver``), installed by
 ``make browser`` (a step of ``make test``); Selenium drives the system chromedriver and never
@@ -42,6 +43,7 @@ RUN_TIMEOUT_S = 240
 # Small enough for a few seconds of training on two CPU workers (one expert-parallel group of
 # two), with a checkpoint half-way.
 TRAIN = {"Steps": 8, "Save Interval": 4, "Micro Batch Size": 4, "Global Batch Size": 8, "Nproc": 2, "Ep": 2}
+SMALL_TRAIN = {"Steps": 2, "Micro Batch Size": 4, "Global Batch Size": 4, "Nproc": 1}
 
 
 # --- the browser -----------------------------------------------------------------------------
@@ -373,3 +375,25 @@ def test_ui_runs_finetune_eval_and_its_retry_skips_finished_stages(llmflow_serve
             **({"register": ["Completed"]} if registered(run_id) else {}),
         }, retry
         shown_state(browser, "Completed")
+
+        # 3. The same form with a dense Qwen3 (q/k norms) and a Qwen3.5 (Gated DeltaNet layers
+        # and gated attention), one process each: both run every stage.
+        families = {"qwen3": sample_tokenizer_model("qwen3", num_key_value_heads=2, head_dim=16),
+                    "qwen3_5_text": sample_tokenizer_model(
+                        "qwen3_5_text", num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                        layer_types=["linear_attention", "full_attention"])}
+        runs = {}
+        for family, path in families.items():
+            open_deployment(browser, server.url, "finetune-eval", "on-demand")
+            fields = [(["model"], path, None), (["version"], f"browser-{family}", "str"),
+                      (["evaluation", "Limit"], 4, "int"),
+                      *((["train", label], value, None) for label, value in SMALL_TRAIN.items())]
+            runs[family] = custom_run(browser, server, f"browser-{family}", fields)
+        for family, run_id in runs.items():
+            run = wait_for_flow_run(run_id, RUN_TIMEOUT_S)
+            assert run.state.is_completed(), f"{family}: {run.state.name}: {run.state.message}\n{log_tails(server.workspace)}"
+            assert run.parameters["model"] == str(families[family])
+            stages = attempt_task_states(run_id, 1)
+            assert {"convert", "tokenize-instruction", "eval-mmlu", "train", "export", "infer"} <= set(stages), stages
+            assert all(state in ("Completed", "Cached") for states in stages.values() for state in states), stages

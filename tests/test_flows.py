@@ -245,31 +245,41 @@ def test_finetune_eval_starts_from_a_megatron_checkpoint_and_exports_one(prefect
         flow_params(tmp_path / "ws", model=f"megatron://{megatron}")
 
 
+MIXTURES = {
+    # Qwen3.5-MoE: Gated DeltaNet layers 0-2, gated attention on layer 3, a shared expert.
+    "qwen3_5_moe_text": ({"num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2,
+                          "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                          "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                          "shared_expert_intermediate_size": 48}, "Qwen3_5MoeForCausalLM"),
+    "qwen3_moe": ({"num_key_value_heads": 2, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 32, "norm_topk_prob": True}, "Qwen3MoeForCausalLM"),
+}
+
+
 @pytest.mark.slow
-def test_finetune_eval_finetunes_a_hybrid_mixture_of_experts_at_ep2_from_the_command_line(prefect_env, prefect_server,
-                                                                                          sample_tokenizer_model, tmp_path):
-    """A Qwen3.5-MoE (tiny: Gated DeltaNet layers 0-2, gated attention on layer 3, a shared
-    expert; the sample's tokenizer) through every stage, run by ``llmflow flow finetune-eval``
-    with dotted options, finetuned by two expert-parallel ranks; the training run logs the
-    experts' load, the export is the per-expert layout transformers loads as
-    Qwen3_5MoeForCausalLM, and the finetune is registered. (Qwen3-MoE goes through the same
-    flow at ep=2 from the Prefect UI form: tests/test_browser.py.)"""
+@pytest.mark.parametrize("family", MIXTURES)
+def test_finetune_eval_finetunes_a_mixture_of_experts_at_ep2_from_the_command_line(prefect_env, prefect_server,
+                                                                                   sample_tokenizer_model, tmp_path,
+                                                                                   family):
+    """A Qwen3.5-MoE and a Qwen3-MoE (tiny, the sample's tokenizer) through every stage, run by
+    ``llmflow flow finetune-eval`` with dotted options, finetuned by two expert-parallel ranks;
+    the training run logs the experts' load, the export is the per-expert layout transformers
+    loads as the family's class, and the finetune is registered. (The Qwen3-MoE goes through
+    the same flow at ep=2 from the Prefect UI form: tests/test_browser.py.)"""
     from transformers import AutoModelForCausalLM
 
-    model = sample_tokenizer_model("qwen3_5_moe_text", num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
-                                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                                   linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
-                                   moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    shape, hf_class = MIXTURES[family]
+    model = sample_tokenizer_model(family, **shape)
     result, flow_run_id = run_flow_command(prefect_server, prefect_env, {
         "workspace": tmp_path / "ws", "model": model, "version": "test", "prompts": '["What is the capital of France?"]',
         "train.steps": 2, "train.save-interval": 2, "train.micro-batch-size": 4, "train.global-batch-size": 8,
-        "train.nproc": 2, "train.ep": 2, "evaluation.limit": 4, "registered-model": "test-hybrid-moe",
+        "train.nproc": 2, "train.ep": 2, "evaluation.limit": 4, "registered-model": f"test-{family}",
         "register-min-gain": "null"})
     states = task_states(flow_run_id)
     assert all(set(runs) == {"Completed"} for runs in states.values()) and "register" in states
     assert result["registered"] is not None
     exported = AutoModelForCausalLM.from_pretrained(result["model"])
-    assert type(exported).__name__ == "Qwen3_5MoeForCausalLM"
+    assert type(exported).__name__ == hf_class
     (train_run,) = mlflow_runs(prefect_env, "train")
     metrics = train_run.data.metrics
     assert {"moe_aux_loss", "moe_max_expert_load", "expert_tokens/0", "expert_tokens/3"} <= set(metrics)
