@@ -19,7 +19,16 @@ from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
-from prefect_helpers import FlowProcess, flow_run_logs, mlflow_runs, task_states, wait_for
+from prefect_helpers import (
+    FlowProcess,
+    checkpoint_after_cancel,
+    flow_run_logs,
+    metric_history,
+    mlflow_runs,
+    task_states,
+    wait_for,
+)
+from train_helpers import losses
 
 from llmflow.flows.comparison import REGRESSION_TAG
 from llmflow.flows.finetune_eval import FinetuneEvalParams, finetune_eval
@@ -289,8 +298,12 @@ def test_finetune_eval_finetunes_a_mixture_of_experts_at_ep2_from_the_command_li
 
 @pytest.mark.slow
 def test_a_killed_run_leaves_no_worker_and_its_rerun_resumes_training(prefect_env, prefect_server, tmp_path):
+    """SIGTERM to a flow run's process (what cancelling it sends) mid-training on two ranks:
+    no torchrun process is left, the flow run crashed and the train stage's MLflow run
+    failed; the rerun resumes from the last checkpoint, and a third run is served from cache."""
     workspace = tmp_path / "ws"
-    params = flow_params(workspace, train={"steps": 16, "save_interval": 4, "micro_batch_size": 8, "global_batch_size": 8})
+    params = flow_params(workspace, train={"steps": 16, "save_interval": 4, "micro_batch_size": 4,
+                                           "global_batch_size": 8, "nproc": 2})
     params_path = tmp_path / "params.json"
     params_path.write_text(params.model_dump_json())
     script = tmp_path / "flow.py"
@@ -298,19 +311,27 @@ def test_a_killed_run_leaves_no_worker_and_its_rerun_resumes_training(prefect_en
     flow_process = FlowProcess([str(script), str(params_path)], prefect_server.settings)
     try:
         wait_for(flow_process.lines, "saved checkpoint", timeout_s=240)
-        assert len(flow_process.training_workers()) >= 2  # torchrun and its rank
+        assert len(flow_process.training_workers()) == 3  # torchrun and two ranks
         assert flow_process.terminate() == []
     finally:
         flow_process.close()
     (run_dir,) = workspace.glob("runs/*")
-    saved = int((run_dir / "latest").read_text().strip().removeprefix("step_"))
-    assert 4 <= saved < 16
+    (cancelled,) = mlflow_runs(prefect_env, "train")
+    parent = MlflowClient(prefect_env["mlflow_uri"]).get_run(cancelled.data.tags["mlflow.parentRunId"])
+    saved = checkpoint_after_cancel(prefect_env, parent.data.tags[FLOW_RUN_TAG], run_dir, 16)
 
     state, states = run_flow(params)
     assert state.is_completed(), state.message
     assert states["sample"] == ["Cached"] and states["convert"] == ["Cached"] and states["train"] == ["Completed"]
     logs = flow_run_logs(state.state_details.flow_run_id)
     assert any(line.startswith(f"resumed from {run_dir / f'step_{saved:08d}'} at step {saved}") for line in logs)
+    # Every step the resumed run reports (each log interval's and the last) comes after the checkpoint.
+    logged = sorted(losses(logs))
+    assert logged and logged[0] > saved and logged[-1] == 16, (saved, logged)
+    assert (run_dir / "latest").read_text().strip() == "step_00000016"
+    resumed = mlflow_runs(prefect_env, "train")[1]
+    assert sorted(metric_history(prefect_env, resumed, "loss")) == logged
+    assert run_flow(params)[1]["train"] == ["Cached"]
 
 
 @pytest.mark.slow
