@@ -274,19 +274,22 @@ def inference_layer_tp_plan() -> dict[str, ParallelStyle]:
     }
 
 
-def _refuse_linear_attention(model: CausalLM) -> None:
-    """The generation plan shards attention heads and the KV cache with them; a Gated
-    DeltaNet layer's heads and recurrent state have no generation plan yet (training's has)."""
-    if "linear_attention" in model.config.layer_types:
-        raise NotImplementedError(f"{model.config.model_type}: tensor-parallel generation of Gated DeltaNet (linear "
-                                  "attention) layers is not supported; generate with tp=1")
+def inference_tp_problems(config: ModelConfig, tp: int) -> list[str]:
+    """Why ``config`` cannot generate at ``tp`` beyond the head and width splits: the
+    generation plan shards attention heads and the KV cache with them; a Gated DeltaNet
+    layer's heads and recurrent state have no generation plan yet (training's has)."""
+    if tp > 1 and "linear_attention" in config.layer_types:
+        return [(f"{config.model_type}: tensor-parallel generation of Gated DeltaNet (linear attention) layers is "
+                 "not supported; generate with one process (tp=1)")]
+    return []
 
 
 def apply_tp_inference(model: CausalLM, mesh: DeviceMesh) -> None:
     """Shard ``model`` for generation over the 1-D tensor-parallel ``mesh`` in place (see
     ``inference_layer_tp_plan``). Sharding a model on the meta device only records the
     layout, so its shards can then be allocated without ever holding the whole model."""
-    _refuse_linear_attention(model)
+    if problems := inference_tp_problems(model.config, mesh.size()):
+        raise NotImplementedError(problems[0])
     for layer in model.model.layers.values():
         parallelize_module(layer, mesh, inference_layer_tp_plan())
 

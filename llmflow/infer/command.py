@@ -28,6 +28,7 @@ from llmflow.infer.generator import Generator, load_generator
 from llmflow.launch import run_workers
 from llmflow.mesh import ParallelLayout, layout_problems
 from llmflow.models import ModelConfig
+from llmflow.models.parallelize import inference_tp_problems
 from llmflow.train.memory import MemoryPlan, device_memory, generation_plan, generation_suggestions, refusal
 from llmflow.weights import hf_config_of, is_checkpoint, read_meta, resolve_step_dir, tokenizer_dir
 
@@ -145,7 +146,7 @@ def check_nproc(command: GenerateCommand) -> None:
     """Refuse an ``nproc`` (times ``nnodes``) the model cannot be split into or the machine cannot run."""
     world = command.nproc * command.nnodes
     config = ModelConfig.from_hf(hf_config_of(Path(command.model)))
-    problems = layout_problems(ParallelLayout(tp=world), world, config)
+    problems = layout_problems(ParallelLayout(tp=world), world, config) + inference_tp_problems(config, world)
     available = runtime.device_count(command.device)
     if available is not None and command.nproc > available:
         problems.append(f"only {available} {command.device} devices are visible")
