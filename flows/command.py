@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 from pydantic_settings import CliApp, CliSubCommand
@@ -37,32 +37,38 @@ def run_flow(target: str, params: Params) -> dict[str, Any]:
     return result
 
 
-class FinetuneEvalCommand(FinetuneEvalParams):
+class FlowCommand:
+    """A subcommand whose options are a flow's parameters: it runs the flow ``flow`` names."""
+
+    flow: ClassVar[str]
+    """The flow, as "module:function"."""
+
+    def cli_cmd(self) -> None:
+        run_flow(self.flow, self)
+
+
+class FinetuneEvalCommand(FlowCommand, FinetuneEvalParams):
     """Finetune a model on instruction data and score it before and after (the finetune-eval flow)."""
 
-    def cli_cmd(self) -> None:
-        run_flow("llmflow.flows.finetune_eval:finetune_eval", self)
+    flow: ClassVar[str] = "llmflow.flows.finetune_eval:finetune_eval"
 
 
-class PretrainCommand(PretrainParams):
+class PretrainCommand(FlowCommand, PretrainParams):
     """Pretrain a model on raw text, export it and score it on MMLU (the pretrain flow)."""
 
-    def cli_cmd(self) -> None:
-        run_flow("llmflow.flows.pretrain:pretrain", self)
+    flow: ClassVar[str] = "llmflow.flows.pretrain:pretrain"
 
 
-class EvaluateCommand(EvaluateParams):
+class EvaluateCommand(FlowCommand, EvaluateParams):
     """Evaluate one model on multiple-choice benchmarks (the evaluate flow)."""
 
-    def cli_cmd(self) -> None:
-        run_flow("llmflow.flows.evaluate:evaluate", self)
+    flow: ClassVar[str] = "llmflow.flows.evaluate:evaluate"
 
 
-class PrecisionCommand(PrecisionParams):
+class PrecisionCommand(FlowCommand, PrecisionParams):
     """Dump a few training steps in two configurations and find where they diverge (the precision flow)."""
 
-    def cli_cmd(self) -> None:
-        run_flow("llmflow.flows.precision:precision", self)
+    flow: ClassVar[str] = "llmflow.flows.precision:precision"
 
 
 class FlowCommands(BaseModel):
