@@ -1,24 +1,22 @@
 """GSM8K (gsm8k_cot) and BBH (bbh_cot_fewshot): the exemplars against the installed harness's
 yamls, the prompts against its own rendering, the filters, exact match and stop-string cut
 against its own functions, the readers' errors, and agreement with the real
-lm-evaluation-harness (``lm_eval --model hf`` on the same tiny local data and model): the
+lm-evaluation-harness (what ``lm_eval --model hf`` runs, on the same tiny local data and model): the
 same contexts, generated texts, extracted answers and metrics, the bbh group's size-weighted
 average included."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import torch
 from harness_exemplars import MODULE, harness_exemplars, harness_tasks, render
+from harness_runs import harness_results, harness_task, ours, run_harness
 from parquet_rows import write_parquet
 
 from llmflow.evaluate.generative_engine import (
@@ -72,23 +70,16 @@ def test_bbh_is_the_harness_group_with_its_size_weighted_score():
                                                "filter_list": BBH.headline_filter}]
 
 
-def harness_yaml(out: Path, name: str, include: str, test: Path) -> None:
-    """A task of lm-eval's own configuration ``include`` reading ``test`` instead of the Hub."""
-    config = harness_tasks() / include
-    (out / f"{name}.yaml").write_text(f"task: {name}\ninclude: {json.dumps(str(config))}\ndataset_path: parquet\n"
-                                      f"dataset_name: null\ndataset_kwargs:\n  data_files:\n"
-                                      f"    test: {json.dumps(str(test))}\n")
-
-
 def test_prompts_and_targets_are_the_harness_renderings(data, tmp_path, monkeypatch):
     from lm_eval.tasks import TaskManager
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
-    harness_yaml(tmp_path, "h_gsm8k_cot", "gsm8k/gsm8k-cot.yaml", next((data / "gsm8k").rglob("*.parquet")))
+    harness_task(tmp_path, "h_gsm8k_cot", "gsm8k/gsm8k-cot.yaml", {"test": next((data / "gsm8k").rglob("*.parquet"))})
     for name in BBH_PAIR:
         subtask = name.removeprefix("bbh_cot_fewshot_")
-        harness_yaml(tmp_path, f"h_{name}", f"bbh/cot_fewshot/{subtask}.yaml", next((data / "bbh" / subtask).glob("*")))
+        harness_task(tmp_path, f"h_{name}", f"bbh/cot_fewshot/{subtask}.yaml",
+                     {"test": next((data / "bbh" / subtask).glob("*"))})
     manager = TaskManager(include_path=str(tmp_path), include_defaults=False)
     tasks = manager.load([f"h_{n}" for n in ["gsm8k_cot", *BBH_PAIR]])["tasks"]
     for group, names, root in ((GSM8K, ["gsm8k_cot"], data / "gsm8k"), (BBH, BBH_PAIR, data / "bbh")):
@@ -249,17 +240,6 @@ def parrot_model(model: Path, out: Path, text: str) -> Path:
     return out
 
 
-def run_harness(model: Path, tasks: str, include: Path, out: Path, limit: int, max_gen_toks: int) -> None:
-    command = [str(Path(sys.executable).parent / "lm_eval"), "--model", "hf", "--model_args",
-               f"pretrained={model},dtype=float32", "--tasks", tasks, "--include_path", str(include), "--device", "cpu",
-               "--batch_size", "4", "--limit", str(limit), "--gen_kwargs", f"max_gen_toks={max_gen_toks}",
-               "--log_samples", "--output_path", str(out)]
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "HF_DATASETS_CACHE": str(out / "datasets-cache")}
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-
-
 def harness_samples(out: Path, task: str) -> dict[str, list[dict]]:
     """Each filter's samples of ``task``, by document."""
     (path,) = out.rglob(f"samples_{task}_*.jsonl")
@@ -267,30 +247,6 @@ def harness_samples(out: Path, task: str) -> dict[str, list[dict]]:
     for sample in map(json.loads, path.read_text().splitlines()):
         by_filter.setdefault(sample["filter"], []).append(sample)
     return {f: sorted(samples, key=lambda s: s["doc_id"]) for f, samples in by_filter.items()}
-
-
-def harness_results(out: Path) -> dict:
-    (path,) = out.rglob("results_*.json")
-    return json.loads(path.read_text())["results"]
-
-
-def start_ours(tmp_path: Path, group: str, model: Path, data: Path, *args: str) -> tuple[subprocess.Popen, Path]:
-    """``llmflow eval {group}`` started (it runs beside the harness: both spend most of their
-    time starting up)."""
-    out = tmp_path / f"llmflow-{group}"
-    command = [sys.executable, "-m", "llmflow.cli", "eval", group, "--model", str(model), "--data", str(data),
-               "--out", str(out), "--batch-size", "3", "--device", "cpu", *args]
-    proc = subprocess.Popen(command, env={**os.environ, "LLMFLOW_DEVICE": "cpu"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    return proc, out
-
-
-def finish_ours(proc: subprocess.Popen, out: Path) -> tuple[dict, list[dict]]:
-    stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr[-3000:]
-    assert "wrote " in stdout
-    results = json.loads((out / "results.json").read_text())
-    return results, [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
 
 
 def assert_same_samples(theirs: dict[str, list[dict]], mine: list[dict], contexts: list[str]) -> None:
@@ -323,10 +279,9 @@ def test_gsm8k_agrees_with_lm_eval(sample_assets, tmp_path):
     (model / "generation_config.json").write_text(json.dumps({**generation, "repetition_penalty": 5.0}))
     tasks = tmp_path / "tasks"
     tasks.mkdir()
-    harness_yaml(tasks, "llmflow_gsm8k_cot", "gsm8k/gsm8k-cot.yaml", next(data.rglob("test-*.parquet")))
-    mine = start_ours(tmp_path, "gsm8k", model, data, "--limit", "6", "--max-new-tokens", "32")
+    harness_task(tasks, "llmflow_gsm8k_cot", "gsm8k/gsm8k-cot.yaml", {"test": next(data.rglob("test-*.parquet"))})
     run_harness(model, "llmflow_gsm8k_cot", tasks, tmp_path / "harness", limit=6, max_gen_toks=32)
-    results, predictions = finish_ours(*mine)
+    results, predictions = ours(tmp_path, "gsm8k", model, data, "--limit", "6", "--max-new-tokens", "32")
     (run,) = build_runs(GSM8K, list(GSM8K.tasks), data, 8, 6)
     theirs = harness_samples(tmp_path / "harness", "llmflow_gsm8k_cot")
     assert sorted(theirs) == ["flexible-extract", "strict-match"]
@@ -351,16 +306,15 @@ def test_bbh_agrees_with_lm_eval_task_by_task_and_as_a_size_weighted_group(sampl
     tasks.mkdir()
     for name in BBH_PAIR:
         subtask = name.removeprefix("bbh_cot_fewshot_")
-        harness_yaml(tasks, f"llmflow_{name}", f"bbh/cot_fewshot/{subtask}.yaml", next((data / subtask).glob("*")))
+        harness_task(tasks, f"llmflow_{name}", f"bbh/cot_fewshot/{subtask}.yaml", {"test": next((data / subtask).glob("*"))})
     # The bbh_cot_fewshot group's own aggregation (bbh/cot_fewshot/_bbh_cot_fewshot.yaml) over these two tasks.
     (tasks / "llmflow_bbh.yaml").write_text(
         "group: llmflow_bbh\ntask:\n" + "".join(f"  - llmflow_{n}\n" for n in BBH_PAIR)
         + "aggregate_metric_list:\n  - metric: exact_match\n    aggregation: mean\n    weight_by_size: true\n"
         + "    filter_list: get-answer\n")
-    mine = start_ours(tmp_path, "bbh", model, data, "--limit", "8", "--max-new-tokens", "16",
-                      "--tasks", json.dumps(BBH_PAIR))
     run_harness(model, "llmflow_bbh", tasks, tmp_path / "harness", limit=8, max_gen_toks=16)
-    results, predictions = finish_ours(*mine)
+    results, predictions = ours(tmp_path, "bbh", model, data, "--limit", "8", "--max-new-tokens", "16",
+                                "--tasks", json.dumps(BBH_PAIR))
     expected = harness_results(tmp_path / "harness")
     runs = build_runs(BBH, select_tasks(BBH.title, BBH.tasks, BBH_PAIR), data, 3, 8)
     for run in runs:
