@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -85,13 +82,6 @@ def run_flow_command(prefect_server, prefect_env, options: dict) -> tuple[dict, 
     lines = proc.stdout.splitlines()
     result = json.loads("\n".join(lines[lines.index("{"):]))  # the flow's result, printed last
     return result, MlflowClient(prefect_env["mlflow_uri"]).get_run(result["mlflow_run"]).data.tags[FLOW_RUN_TAG]
-
-
-def stage_states(states: dict[str, list[str]]) -> list[tuple[str, str]]:
-    order = {"sample": 0, "convert": 1, "tokenize-instruction": 2, "eval-mmlu": 3, "train": 4, "export": 5, "infer": 6,
-             "register": 7}
-    pairs = [(name, state) for name, runs in states.items() for state in runs]
-    return sorted(pairs, key=lambda p: order.get(p[0], 9))
 
 
 @pytest.mark.slow
@@ -177,54 +167,6 @@ def test_finetune_eval_runs_every_stage_tracks_it_and_reruns_from_cache(prefect_
 
 
 @pytest.mark.slow
-def test_a_run_failing_in_its_last_evaluation_reruns_only_that_stage(prefect_env, sample_assets, tmp_path):
-    """The evaluation data goes bad while the model trains (after the base model's score);
-    once it is back as it was, a rerun executes only the final evaluation and what follows."""
-    data = tmp_path / "mmlu"
-    shutil.copytree(sample_assets() / "mmlu" / "hf", data)
-    victim = next(data.rglob("test-*.parquet"))
-    backup = tmp_path / "backup.parquet"
-    shutil.copy2(victim, backup)
-    workspace = tmp_path / "ws"
-    params = flow_params(workspace, evaluation={"data": str(data), "limit": 8}, register_min_gain=None,
-                         registered_model="test-finetuned-always")
-
-    def corrupt_once_training_started() -> None:
-        deadline = time.monotonic() + 300
-        while not list(workspace.glob("runs/*/step_00000004")) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        victim.write_bytes(b"not a parquet file")
-
-    corrupter = threading.Thread(target=corrupt_once_training_started, daemon=True)
-    corrupter.start()
-    state, states = run_flow(params)
-    corrupter.join()
-    assert state.is_failed()
-    assert states["eval-mmlu"] == ["Completed", "Failed"]
-    assert states["train"] == ["Completed"] and "register" not in states
-
-    shutil.copy2(backup, victim)  # content and mtime as they were: the base score's cache key holds
-    state, states = run_flow(params)
-    assert state.is_completed(), state.message
-    assert stage_states(states) == [
-        ("sample", "Cached"), ("convert", "Cached"), ("tokenize-instruction", "Cached"),
-        ("eval-mmlu", "Cached"), ("eval-mmlu", "Completed"), ("train", "Cached"), ("export", "Cached"),
-        ("infer", "Cached"), ("register", "Completed"),
-    ]
-
-    # No gate (register_min_gain empty): the model is registered whatever its score, pointing at
-    # the exported directory, tagged with the scores.
-    result = state.result()
-    assert result["gate"]["passed"] and result["gate"]["rule"] == "always"
-    client = MlflowClient(prefect_env["mlflow_uri"])
-    assert client.get_run(result["mlflow_run"]).data.tags[GATE_TAG] == "off"
-    (version,) = client.search_model_versions("name = 'test-finetuned-always'")
-    assert result["registered"] == {"name": "test-finetuned-always", "version": "1", "source": result["model"]}
-    assert version.source == result["model"]
-    assert float(version.tags["mmlu_after"]) == pytest.approx(result["mmlu_after"], rel=1e-5)
-
-
-@pytest.mark.slow
 def test_finetune_eval_starts_from_a_megatron_checkpoint_and_exports_one(prefect_env, sample_assets, tmp_path):
     """model: megatron:///path (the sample model as a tp=2 torch_dist checkpoint) with
     megatron_hf naming the Hugging Face model it holds; megatron_export writes the finetuned
@@ -286,7 +228,15 @@ def test_finetune_eval_finetunes_a_mixture_of_experts_at_ep2_from_the_command_li
         "register-min-gain": "null"})
     states = task_states(flow_run_id)
     assert all(set(runs) == {"Completed"} for runs in states.values()) and "register" in states
-    assert result["registered"] is not None
+    # No gate (register-min-gain null): registered whatever the scores, pointing at the export,
+    # tagged with the scores.
+    assert result["gate"]["passed"] and result["gate"]["rule"] == "always"
+    client = MlflowClient(prefect_env["mlflow_uri"])
+    assert client.get_run(result["mlflow_run"]).data.tags[GATE_TAG] == "off"
+    (version,) = client.search_model_versions(f"name = 'test-{family}'")
+    assert result["registered"] == {"name": f"test-{family}", "version": "1", "source": result["model"]}
+    assert version.source == result["model"]
+    assert float(version.tags["mmlu_after"]) == pytest.approx(result["mmlu_after"], rel=1e-5)
     exported = AutoModelForCausalLM.from_pretrained(result["model"])
     assert type(exported).__name__ == hf_class
     (train_run,) = mlflow_runs(prefect_env, "train")
@@ -412,20 +362,14 @@ def test_nodes_are_counted_in_the_layout_and_only_an_engine_places_several(sampl
         TrainParams(nproc=1, pp=2, micro_batch_size=4)
 
 
-@pytest.mark.parametrize(
-    ("target", "bench", "finding"),
-    # pp=2 computes what one process does: its stages, merged, match in every row; bf16
-    # diverges from fp32. (tp=2 against tp=1, merged shards and partial sums, is compared at
-    # the stage level in test_probe.py.)
-    [({"pp": 2}, {"pp": 1}, "Every compared value meets the accuracy rules."),
-     ({"dtype": "bf16"}, {"dtype": "fp32"}, "Suspect Nodes:")],
-    ids=["pp2-vs-pp1", "bf16-vs-fp32"],
-)
 @pytest.mark.slow
-def test_precision_flow_dumps_both_runs_and_compares_them(prefect_env, tmp_path, target, bench, finding):
+def test_precision_flow_dumps_both_runs_and_compares_them(prefect_env, tmp_path):
+    """pp=2 computes what one process does: its stages, merged, match in every row. (bf16
+    against fp32, and tp=2 against tp=1 with merged shards and partial sums, are compared at
+    the stage level in test_probe.py.)"""
     from llmflow.flows.precision import PrecisionParams, precision
 
-    params = PrecisionParams.model_validate({"workspace": str(tmp_path / "ws"), "target": target, "bench": bench,
+    params = PrecisionParams.model_validate({"workspace": str(tmp_path / "ws"), "target": {"pp": 2}, "bench": {"pp": 1},
                                              "steps": 1, "seq_length": 32, "batch_size": 2})
     state = precision(**dict(params), return_state=True)
     assert state.is_completed(), state.message
@@ -434,11 +378,10 @@ def test_precision_flow_dumps_both_runs_and_compares_them(prefect_env, tmp_path,
     assert len(folders) == 2 and all(list(f.glob("rank*/dump.json")) for f in folders)
     (run,) = mlflow_runs(prefect_env, "probe-compare")
     rows, passed = run.data.metrics["rows"], run.data.metrics.get("rows_pass", 0)
-    layouts = "dtype" not in target
     uncompared = run.data.metrics.get("rows_N/A", 0)  # pp: calls a later stage repeats, the loop's own calls
-    assert rows > 1000 and (passed + uncompared == rows if layouts else passed < rows)
-    assert finding in result["advice"]
-    assert ("Noise floor on" in result["advice"]) == layouts  # only across parallel layouts
+    assert rows > 1000 and passed + uncompared == rows
+    assert "Every compared value meets the accuracy rules." in result["advice"]
+    assert "Noise floor on" in result["advice"]  # across parallel layouts
     assert (Path(result["comparison"]) / "advisor.txt").read_text() == result["advice"]
 
 
