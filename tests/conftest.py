@@ -452,7 +452,7 @@ MODULE_SECONDS = {
     "test_moe_training.py": 58,
     "test_choice_tasks.py": 45,
     "test_probe_msprobe.py": 44,
-    "test_probe.py": 40,
+    "test_probe.py": 32,
     "test_probe_pipeline.py": 32,
     "test_moe.py": 25,
     "test_generate_tp.py": 24,

@@ -364,13 +364,14 @@ def test_nodes_are_counted_in_the_layout_and_only_an_engine_places_several(sampl
 
 @pytest.mark.slow
 def test_precision_flow_dumps_both_runs_and_compares_them(prefect_env, tmp_path):
-    """pp=2 computes what one process does: its stages, merged, match in every row. (bf16
-    against fp32, and tp=2 against tp=1 with merged shards and partial sums, are compared at
-    the stage level in test_probe.py.)"""
+    """bf16 against fp32, as bench/gpu.py's precision section runs it on a device: one layout,
+    so no noise floor; bf16's rounding breaks msprobe's rules and the advisor names where.
+    (pp=2 against one process, every value equal, and tp=2 against tp=1 with merged shards
+    and partial sums, are compared at the stage level: test_probe_pipeline.py, test_probe.py.)"""
     from llmflow.flows.precision import PrecisionParams, precision
 
-    params = PrecisionParams.model_validate({"workspace": str(tmp_path / "ws"), "target": {"pp": 2}, "bench": {"pp": 1},
-                                             "steps": 1, "seq_length": 32, "batch_size": 2})
+    params = PrecisionParams.model_validate({"workspace": str(tmp_path / "ws"), "target": {"dtype": "bf16"},
+                                             "bench": {"dtype": "fp32"}, "steps": 1, "seq_length": 32, "batch_size": 2})
     state = precision(**dict(params), return_state=True)
     assert state.is_completed(), state.message
     result = state.result()
@@ -378,10 +379,8 @@ def test_precision_flow_dumps_both_runs_and_compares_them(prefect_env, tmp_path)
     assert len(folders) == 2 and all(list(f.glob("rank*/dump.json")) for f in folders)
     (run,) = mlflow_runs(prefect_env, "probe-compare")
     rows, passed = run.data.metrics["rows"], run.data.metrics.get("rows_pass", 0)
-    uncompared = run.data.metrics.get("rows_N/A", 0)  # pp: calls a later stage repeats, the loop's own calls
-    assert rows > 1000 and passed + uncompared == rows
-    assert "Every compared value meets the accuracy rules." in result["advice"]
-    assert "Noise floor on" in result["advice"]  # across parallel layouts
+    assert rows > 1000 and passed < rows
+    assert "Suspect Nodes:" in result["advice"] and "Noise floor on" not in result["advice"]
     assert (Path(result["comparison"]) / "advisor.txt").read_text() == result["advice"]
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from llmflow.cli import main
 from llmflow.weights.convert import ConvertConfig, convert
 
 pytestmark = pytest.mark.slow  # every test starts the CLI (torch, transformers) at least once
@@ -33,13 +34,11 @@ def checkpoint(sample, tmp_path_factory) -> Path:
     return convert(ConvertConfig(hf=sample / "model", out=tmp_path_factory.mktemp("user_errors") / "ckpt"))
 
 
-def llmflow(*args: object, env: dict[str, str] | None = None, wrap: list[str] | None = None,
-            umask: int | None = None) -> subprocess.CompletedProcess:
+def llmflow(*args: object, env: dict[str, str] | None = None, wrap: list[str] | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m llmflow.cli ARGS`` (inside ``wrap`` when given) and capture its output."""
     command = [*(wrap or []), sys.executable, "-m", "llmflow.cli", *map(str, args)]
     environment = {k: v for k, v in os.environ.items() if k != "LLMFLOW_DEBUG"} | {"OMP_NUM_THREADS": "1", **(env or {})}
-    preexec = (lambda: os.umask(umask)) if umask is not None else None
-    return subprocess.run(command, check=False, capture_output=True, text=True, env=environment, timeout=600, preexec_fn=preexec)
+    return subprocess.run(command, check=False, capture_output=True, text=True, env=environment, timeout=600)
 
 
 def one_line_error(result: subprocess.CompletedProcess, *named: object) -> str:
@@ -167,15 +166,19 @@ def test_cuda_on_a_machine_without_it_is_one_line(sample, tmp_path, command):
 
 
 def test_outputs_follow_the_umask(sample, tmp_path):
+    """The commands run by the command line's ``main`` in this process, under umask 022."""
     runs = [
         ("sample", "--out", tmp_path / "sample"),
         ("convert", "--hf", sample / "model", "--out", tmp_path / "ckpt"),
         ("tokenize", "pretrain", "--input", sample / "pretrain" / "corpus.parquet",
          "--tokenizer", sample / "tokenizer", "--out", tmp_path / "data" / "corpus"),
     ]
-    for args in runs:
-        result = llmflow(*args, umask=0o022)
-        assert result.returncode == 0, result.stderr
+    previous = os.umask(0o022)
+    try:
+        for args in runs:
+            main([str(arg) for arg in args])
+    finally:
+        os.umask(previous)
     modes = {p.relative_to(tmp_path).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in tmp_path.rglob("*")}
     assert {"sample/manifest.json", "sample/model/model.safetensors", "ckpt/manifest.json",
             "ckpt/step_00000000/.metadata", "data/corpus_text_document.idx", "data/corpus.manifest.json"} <= set(modes)
