@@ -5,12 +5,13 @@ them; both in the test's process, which has already imported torch and transform
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import os
 from pathlib import Path
 from unittest.mock import patch
+
+from harness_exemplars import harness_tasks
 
 from llmflow.cli import main
 
@@ -18,8 +19,7 @@ from llmflow.cli import main
 def harness_task(out: Path, name: str, include: str, files: dict[str, Path]) -> None:
     """A task of lm-eval's own configuration ``include`` (a path inside the installed package)
     reading ``files`` (split -> parquet) instead of the Hub. JSON strings are YAML strings."""
-    spec = importlib.util.find_spec("lm_eval")
-    config = Path(spec.origin).parent / "tasks" / include
+    config = harness_tasks() / include
     data_files = "".join(f"    {split}: {json.dumps(str(path))}\n" for split, path in files.items())
     (out / f"{name}.yaml").write_text(f"task: {name}\ninclude: {json.dumps(str(config))}\ndataset_path: parquet\n"
                                       f"dataset_name: null\ndataset_kwargs:\n  data_files:\n{data_files}")

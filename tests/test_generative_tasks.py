@@ -71,10 +71,12 @@ def test_bbh_is_the_harness_group_with_its_size_weighted_score():
 
 
 def test_prompts_and_targets_are_the_harness_renderings(data, tmp_path, monkeypatch):
+    import datasets
     from lm_eval.tasks import TaskManager
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
+    # datasets reads HF_DATASETS_CACHE when imported, which may have happened already.
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets-cache")
     harness_task(tmp_path, "h_gsm8k_cot", "gsm8k/gsm8k-cot.yaml", {"test": next((data / "gsm8k").rglob("*.parquet"))})
     for name in BBH_PAIR:
         subtask = name.removeprefix("bbh_cot_fewshot_")

@@ -21,7 +21,7 @@ import torch
 from llmflow.cli import main
 from llmflow.weights.convert import ConvertConfig, convert
 
-pytestmark = pytest.mark.slow  # every test starts the CLI (torch, transformers) at least once
+pytestmark = pytest.mark.slow  # every test but the umask one starts the CLI (torch, transformers) at least once
 
 
 @pytest.fixture(scope="module")
