@@ -195,6 +195,16 @@ class ModelConfig:
         return cls.from_hf(hf, source=str(path))
 
 
+def inference_tp_problems(config: ModelConfig, tp: int) -> list[str]:
+    """Why ``config`` cannot generate at ``tp`` beyond the head and width splits: the
+    generation plan shards attention heads and the KV cache with them; a Gated DeltaNet
+    layer's heads and recurrent state have no generation plan yet (training's has)."""
+    if tp > 1 and "linear_attention" in config.layer_types:
+        return [(f"{config.model_type}: tensor-parallel generation of Gated DeltaNet (linear attention) layers is "
+                 "not supported; generate with one process (tp=1)")]
+    return []
+
+
 @dataclass(frozen=True)
 class Family:
     """A model family: the HF ``model_type`` it reads, its own config.json keys and the

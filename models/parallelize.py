@@ -41,7 +41,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from llmflow.models.config import ModelConfig
+from llmflow.models.config import ModelConfig, inference_tp_problems
 from llmflow.models.decoder import CausalLM
 from llmflow.models.expert_parallel import apply_ep, expert_parameters
 from llmflow.models.lora import LoraLinear, is_lora_param
@@ -272,16 +272,6 @@ def inference_layer_tp_plan() -> dict[str, ParallelStyle]:
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(),
     }
-
-
-def inference_tp_problems(config: ModelConfig, tp: int) -> list[str]:
-    """Why ``config`` cannot generate at ``tp`` beyond the head and width splits: the
-    generation plan shards attention heads and the KV cache with them; a Gated DeltaNet
-    layer's heads and recurrent state have no generation plan yet (training's has)."""
-    if tp > 1 and "linear_attention" in config.layer_types:
-        return [(f"{config.model_type}: tensor-parallel generation of Gated DeltaNet (linear attention) layers is "
-                 "not supported; generate with one process (tp=1)")]
-    return []
 
 
 def apply_tp_inference(model: CausalLM, mesh: DeviceMesh) -> None:

@@ -228,8 +228,22 @@ def _chat(model: Path, finish) -> tuple[int, str]:
     return os.waitstatus_to_exitcode(status), output.decode(errors="replace")
 
 
+READ_SYSCALL = {"x86_64": "0", "aarch64": "63"}[os.uname().machine]
+
+
+def _interrupt_once_reading(pid: int, fd: int) -> None:
+    """Ctrl-C as a person gives it, at a chat waiting on the terminal: a signal that lands
+    between the prompt's write and the read(2) after it interrupts no system call, and Python
+    raises KeyboardInterrupt only once the blocked read returns."""
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{pid}/syscall").read_text().split()[:2] != [READ_SYSCALL, "0x0"]:
+        assert time.monotonic() < deadline, "the chat never waited on its terminal"
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGINT)
+
+
 def test_chat_ctrl_c_at_the_prompt_ends_quietly_and_ctrl_d_too(sample):
-    code, output = _chat(sample / "model", lambda pid, fd: os.kill(pid, signal.SIGINT))
+    code, output = _chat(sample / "model", _interrupt_once_reading)
     assert (code, "Traceback" in output, "KeyboardInterrupt" in output) == (130, False, False), output
     code, output = _chat(sample / "model", lambda pid, fd: os.write(fd, b"\x04"))  # Ctrl-D: end of input
     assert (code, "Traceback" in output) == (0, False), output

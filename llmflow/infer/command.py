@@ -28,7 +28,7 @@ from llmflow.infer.generator import Generator, load_generator
 from llmflow.launch import run_workers
 from llmflow.mesh import ParallelLayout, layout_problems
 from llmflow.models import ModelConfig
-from llmflow.models.parallelize import inference_tp_problems
+from llmflow.models.config import inference_tp_problems
 from llmflow.train.memory import MemoryPlan, device_memory, generation_plan, generation_suggestions, refusal
 from llmflow.weights import hf_config_of, is_checkpoint, read_meta, resolve_step_dir, tokenizer_dir
 

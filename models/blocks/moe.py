@@ -10,6 +10,7 @@ the statistics of its last forward (``routing``): after the model's forward,
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -17,7 +18,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from llmflow import kernels
 from llmflow.models.blocks.mlp import MLP
@@ -79,8 +79,11 @@ class GroupedExperts(nn.Module):
 
 
 def _local(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """This rank's experts of a weight expert parallelism split (a DTensor), in the compute dtype."""
-    return (weight.to_local() if isinstance(weight, DTensor) else weight).to(dtype)
+    """This rank's experts of a weight expert parallelism split (a DTensor), in the compute dtype.
+    DTensor is looked up, not imported: importing it takes a second, and a DTensor exists only
+    where the code that made it has imported it."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return (weight.to_local() if dtensor and isinstance(weight, dtensor.DTensor) else weight).to(dtype)
 
 
 class MoE(nn.Module):
