@@ -228,15 +228,18 @@ def _chat(model: Path, finish) -> tuple[int, str]:
     return os.waitstatus_to_exitcode(status), output.decode(errors="replace")
 
 
-READ_SYSCALL = {"x86_64": "0", "aarch64": "63"}[os.uname().machine]
+READ_SYSCALL = {"x86_64": "0", "aarch64": "63"}
+"""read(2)'s number in /proc/PID/syscall, by machine."""
 
 
 def _interrupt_once_reading(pid: int, fd: int) -> None:
     """Ctrl-C as a person gives it, at a chat waiting on the terminal: a signal that lands
     between the prompt's write and the read(2) after it interrupts no system call, and Python
     raises KeyboardInterrupt only once the blocked read returns."""
+    machine = os.uname().machine
+    assert machine in READ_SYSCALL, f"read(2)'s system call number on {machine} is not listed"
     deadline = time.monotonic() + 60
-    while Path(f"/proc/{pid}/syscall").read_text().split()[:2] != [READ_SYSCALL, "0x0"]:
+    while Path(f"/proc/{pid}/syscall").read_text().split()[:2] != [READ_SYSCALL[machine], "0x0"]:
         assert time.monotonic() < deadline, "the chat never waited on its terminal"
         time.sleep(0.05)
     os.kill(pid, signal.SIGINT)
