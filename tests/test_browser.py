@@ -1,8 +1,9 @@
 """The Prefect UI end to end, in headless Chromium: ``llmflow server`` (Prefect server, work
 pool, deployments, process worker, MLflow) on loopback; the finetune-eval/on-demand deployment
 run from its parameter form, its last evaluation failing, then retried with the flow run
-page's Retry button, finishing with every earlier stage Cached; then a dense Qwen3 and a
-Qwen3.5 (Gated DeltaNet and gated attention layers) run from the same form.
+page's Retry button, finishing with every earlier stage Cached, its two expert-parallel ranks'
+expert load in MLflow and its export a Qwen3-MoE transformers loads; then a Qwen3.5 (Gated
+DeltaNet and gated attention layers) run from the same form.
 
 Chromium and its driver come from Debian (``chromium``, ``chromium-driver``), installed by
 ``make browser`` (a step of ``make test``); Selenium drives the system chromedriver and never
@@ -12,6 +13,7 @@ downloads anything. Without a browser the test fails: it is never skipped.
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import threading
 import time
@@ -34,6 +36,7 @@ from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support import expected_conditions as EC
 from selenium.webdriver.support.ui import WebDriverWait
 from server_process import Server, log_tails, running_server
+from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.slow
 
@@ -294,6 +297,16 @@ def small_run(version: str, model: Path, **evaluation) -> list[tuple[list[str], 
     return fields
 
 
+def mlflow_train_metrics(server: Server) -> dict[str, float]:
+    """The latest metrics of the one train stage's run in the server's MLflow."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(server.mlflow_url)
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    (train_run,) = client.search_runs(experiments, filter_string="attributes.run_name = 'train'")
+    return train_run.data.metrics
+
+
 def registered(run_id: str) -> bool:
     """Whether the flow run's last registry gate passed (the flow logs its verdict; the run's
     last log lines can reach the API shortly after its state does)."""
@@ -377,25 +390,29 @@ def test_ui_runs_finetune_eval_and_its_retry_skips_finished_stages(llmflow_serve
             **({"register": ["Completed"]} if registered(run_id) else {}),
         }, retry
         shown_state(browser, "Completed")
+        # Trained by two expert-parallel ranks, the experts' load logged, exported in the
+        # per-expert layout transformers loads as the family's class.
+        (run_dir,) = server.workspace.glob("runs/*")
+        assert json.loads((run_dir / "train_config.json").read_text())["ep"] == 2
+        assert {"moe_aux_loss", "moe_max_expert_load", "expert_tokens/0", "expert_tokens/3"} <= set(
+            mlflow_train_metrics(server))
+        (exported,) = server.workspace.glob("models/*")
+        assert type(AutoModelForCausalLM.from_pretrained(exported)).__name__ == "Qwen3MoeForCausalLM"
 
-        # 3. The same form with a dense Qwen3 (q/k norms) and a Qwen3.5 (Gated DeltaNet layers
-        # and gated attention), one process each: both run every stage.
-        families = {"qwen3": sample_tokenizer_model("qwen3", num_key_value_heads=2, head_dim=16),
-                    "qwen3_5_text": sample_tokenizer_model(
-                        "qwen3_5_text", num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
-                        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                        layer_types=["linear_attention", "full_attention"])}
-        runs = {}
-        for family, path in families.items():
-            open_deployment(browser, server.url, "finetune-eval", "on-demand")
-            fields = [(["model"], path, None), (["version"], f"browser-{family}", "str"),
-                      (["evaluation", "Limit"], 4, "int"),
-                      *((["train", label], value, None) for label, value in SMALL_TRAIN.items())]
-            runs[family] = custom_run(browser, server, f"browser-{family}", fields)
-        for family, run_id in runs.items():
-            run = wait_for_flow_run(run_id, RUN_TIMEOUT_S)
-            assert run.state.is_completed(), f"{family}: {run.state.name}: {run.state.message}\n{log_tails(server.workspace)}"
-            assert run.parameters["model"] == str(families[family])
-            stages = attempt_task_states(run_id, 1)
-            assert {"convert", "tokenize-instruction", "eval-mmlu", "train", "export", "infer"} <= set(stages), stages
-            assert all(state in ("Completed", "Cached") for states in stages.values() for state in states), stages
+        # 3. The same form with a Qwen3.5 (Gated DeltaNet layers and gated attention), one
+        # process: every stage runs. (A dense Qwen3 runs every stage from the command line:
+        # tests/test_flows.py.)
+        family = "qwen3_5_text"
+        path = sample_tokenizer_model(family, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                                      linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                                      layer_types=["linear_attention", "full_attention"])
+        open_deployment(browser, server.url, "finetune-eval", "on-demand")
+        fields = [(["model"], path, None), (["version"], f"browser-{family}", "str"), (["evaluation", "Limit"], 4, "int"),
+                  *((["train", label], value, None) for label, value in SMALL_TRAIN.items())]
+        run_id = custom_run(browser, server, f"browser-{family}", fields)
+        run = wait_for_flow_run(run_id, RUN_TIMEOUT_S)
+        assert run.state.is_completed(), f"{family}: {run.state.name}: {run.state.message}\n{log_tails(server.workspace)}"
+        assert run.parameters["model"] == str(path)
+        stages = attempt_task_states(run_id, 1)
+        assert {"convert", "tokenize-instruction", "eval-mmlu", "train", "export", "infer"} <= set(stages), stages
+        assert all(state in ("Completed", "Cached") for states in stages.values() for state in states), stages

@@ -196,31 +196,25 @@ def test_finetune_eval_starts_from_a_megatron_checkpoint_and_exports_one(prefect
         flow_params(tmp_path / "ws", model=f"megatron://{megatron}")
 
 
-MIXTURES = {
-    # Qwen3.5-MoE: Gated DeltaNet layers 0-2, gated attention on layer 3, a shared expert.
-    "qwen3_5_moe_text": ({"num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2,
-                          "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-                          "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                          "shared_expert_intermediate_size": 48}, "Qwen3_5MoeForCausalLM"),
-    "qwen3_moe": ({"num_key_value_heads": 2, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
-                   "moe_intermediate_size": 32, "norm_topk_prob": True}, "Qwen3MoeForCausalLM"),
-}
+# Qwen3.5-MoE: Gated DeltaNet layers 0-2, gated attention on layer 3, a shared expert. (A Qwen3-MoE
+# goes through the same flow at ep=2 from the Prefect UI form: tests/test_browser.py.)
+QWEN3_5_MOE = {"num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2,
+               "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+               "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+               "shared_expert_intermediate_size": 48}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", MIXTURES)
 def test_finetune_eval_finetunes_a_mixture_of_experts_at_ep2_from_the_command_line(prefect_env, prefect_server,
-                                                                                   sample_tokenizer_model, tmp_path,
-                                                                                   family):
-    """A Qwen3.5-MoE and a Qwen3-MoE (tiny, the sample's tokenizer) through every stage, run by
-    ``llmflow flow finetune-eval`` with dotted options, finetuned by two expert-parallel ranks;
-    the training run logs the experts' load, the export is the per-expert layout transformers
-    loads as the family's class, and the finetune is registered. (The Qwen3-MoE goes through
-    the same flow at ep=2 from the Prefect UI form: tests/test_browser.py.)"""
+                                                                                   sample_tokenizer_model, tmp_path):
+    """A Qwen3.5-MoE (tiny, the sample's tokenizer) through every stage, run by ``llmflow flow
+    finetune-eval`` with dotted options, finetuned by two expert-parallel ranks; the training run
+    logs the experts' load, the export is the per-expert layout transformers loads as
+    ``Qwen3_5MoeForCausalLM``, and the finetune is registered."""
     from transformers import AutoModelForCausalLM
 
-    shape, hf_class = MIXTURES[family]
-    model = sample_tokenizer_model(family, **shape)
+    family = "qwen3_5_moe_text"
+    model = sample_tokenizer_model(family, **QWEN3_5_MOE)
     result, flow_run_id = run_flow_command(prefect_server, prefect_env, {
         "workspace": tmp_path / "ws", "model": model, "version": "test", "prompts": '["What is the capital of France?"]',
         "train.steps": 2, "train.save-interval": 2, "train.micro-batch-size": 4, "train.global-batch-size": 8,
@@ -238,7 +232,7 @@ def test_finetune_eval_finetunes_a_mixture_of_experts_at_ep2_from_the_command_li
     assert version.source == result["model"]
     assert float(version.tags["mmlu_after"]) == pytest.approx(result["mmlu_after"], rel=1e-5)
     exported = AutoModelForCausalLM.from_pretrained(result["model"])
-    assert type(exported).__name__ == hf_class
+    assert type(exported).__name__ == "Qwen3_5MoeForCausalLM"
     (train_run,) = mlflow_runs(prefect_env, "train")
     metrics = train_run.data.metrics
     assert {"moe_aux_loss", "moe_max_expert_load", "expert_tokens/0", "expert_tokens/3"} <= set(metrics)
