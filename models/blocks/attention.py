@@ -4,7 +4,8 @@ narrower than the head rotate its first dims, the rest pass through), and a sigm
 gate (Qwen3-Next, Qwen3.5), appending to a ``KVCache`` during generation.
 
 Shapes are read from the weights at run time (``view(B, S, -1, head_dim)``), so a
-tensor-parallel plan that shards heads needs no change here.
+tensor-parallel plan that shards heads needs no change here; context parallelism replaces
+``core_attention`` alone.
 """
 
 from __future__ import annotations
@@ -72,11 +73,17 @@ class Attention(nn.Module):
         k = _rotary(k.transpose(1, 2), cos, sin)
         if cache is not None:
             k, v = cache[0].update(cache[1], k, v)
-        out = kernels.attention(q, k, v, self.scale, document_ids, self.sliding_window)
+        out = self.core_attention(q, k, v, document_ids)
         out = out.transpose(1, 2).reshape(batch, seq, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(batch, seq, -1))
         return self.o_proj(out)
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       document_ids: torch.Tensor | None) -> torch.Tensor:
+        """Causal attention of q [B, Hq, S, D] over k/v [B, Hkv, S', D]: the step context
+        parallelism replaces (``models/context_parallel.py``)."""
+        return kernels.attention(q, k, v, self.scale, document_ids, self.sliding_window)
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,118 @@
+"""Context parallelism (Ulysses), applied from outside the model: each rank of a "cp" mesh
+dimension holds a contiguous 1/cp of every sequence, and each attention layer trades that
+sequence shard for a head shard around the attention itself.
+
+Every layer but attention works on each token alone, so it runs on the rank's shard as it
+would on the whole sequence. Attention needs every position: ``ulysses_attention`` sends
+each rank's queries, keys and values of head group j to rank j with one all-to-all (rank j
+then holds heads group j over the whole sequence, shards concatenated in rank order),
+attends with the usual kernel, causal and per-document masks and sliding window on the
+whole sequence, and sends each rank's positions back with a second all-to-all. Both carry
+gradients. Grouped-query attention keeps its pairing: query heads [j Hq/cp, (j+1) Hq/cp)
+read key/value heads [j Hkv/cp, (j+1) Hkv/cp); when cp does not divide the key/value heads,
+they are repeated to one per query head first (DeepSpeed-Ulysses does the same).
+
+The inputs of a context-parallel forward come from ``shard_sequence``: each rank's tokens,
+labels and position ids, and the document ids of the whole sequence (the attention masks
+are built over it). The loss of a shard is its tokens' sum; the training step divides by the
+tokens of the whole sequence and sums gradients over "cp" as it does over "dp".
+
+A Gated DeltaNet layer (Qwen3-Next, Qwen3.5) carries a recurrent state along the sequence,
+which a sequence shard cannot start from: ``context_parallel_problems`` refuses those models.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+
+from llmflow import kernels
+from llmflow.models.blocks.attention import Attention
+from llmflow.models.blocks.rotary import positions_from_documents
+from llmflow.models.config import ModelConfig
+
+
+def context_parallel_problems(config: ModelConfig, cp: int, seq_length: int) -> list[str]:
+    """Every reason Ulysses context parallelism of degree ``cp`` cannot split ``config``'s
+    attention or a ``seq_length``-token sequence (empty when it can)."""
+    if cp == 1:
+        return []
+    problems = []
+    if seq_length % cp:
+        problems.append(f"seq_length={seq_length} is not divisible by cp={cp}: each rank holds seq_length/cp positions")
+    if config.num_attention_heads % cp:
+        problems.append(f"model num_attention_heads={config.num_attention_heads} is not divisible by cp={cp}: "
+                        "Ulysses gives each rank num_attention_heads/cp heads")
+    if "linear_attention" in config.layer_types:
+        problems.append(f"cp={cp} cannot split {config.model_type}'s Gated DeltaNet layers: their recurrent state runs "
+                        "along the whole sequence; train it with cp=1")
+    return problems
+
+
+def _seq_to_heads(x: torch.Tensor, group: ProcessGroup, ranks: int) -> torch.Tensor:
+    """[B, H, S/cp, D] (this rank's positions, every head) -> [B, H/cp, S, D] (this rank's
+    head group, every position in rank order)."""
+    batch, heads, local, dim = x.shape
+    chunks = x.reshape(batch, ranks, heads // ranks, local, dim).transpose(0, 1).contiguous()
+    arrived = all_to_all_single_autograd(chunks, None, None, group)
+    # [source rank, B, H/cp, S/cp, D] -> [B, H/cp, source rank, S/cp, D]
+    return arrived.view(ranks, batch, heads // ranks, local, dim).permute(1, 2, 0, 3, 4).reshape(
+        batch, heads // ranks, ranks * local, dim)
+
+
+def _heads_to_seq(x: torch.Tensor, group: ProcessGroup, ranks: int) -> torch.Tensor:
+    """The inverse of ``_seq_to_heads``: [B, H/cp, S, D] -> [B, H, S/cp, D]."""
+    batch, heads, seq, dim = x.shape
+    local = seq // ranks
+    chunks = x.reshape(batch, heads, ranks, local, dim).permute(2, 0, 1, 3, 4).contiguous()
+    arrived = all_to_all_single_autograd(chunks, None, None, group)
+    # [source rank (head group), B, H/cp, S/cp, D] -> [B, H, S/cp, D]
+    return arrived.view(ranks, batch, heads, local, dim).transpose(0, 1).reshape(batch, ranks * heads, local, dim)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      document_ids: torch.Tensor | None, sliding_window: int | None, group: ProcessGroup,
+                      ranks: int) -> torch.Tensor:
+    """``kernels.attention`` over the whole sequence of which q [B, Hq, S/cp, D] and k/v
+    [B, Hkv, S/cp, D] hold this rank's positions; ``document_ids`` [B, S] are the whole
+    sequence's. Returns this rank's positions of the output, [B, Hq, S/cp, D]."""
+    if k.shape[1] % ranks:
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    q, k, v = (_seq_to_heads(t, group, ranks) for t in (q, k, v))
+    out = kernels.attention(q, k, v, scale, document_ids, sliding_window)
+    return _heads_to_seq(out, group, ranks)
+
+
+def _core_attention(self: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    document_ids: torch.Tensor | None) -> torch.Tensor:
+    group, ranks = self.context_parallel
+    return ulysses_attention(q, k, v, self.scale, document_ids, self.sliding_window, group, ranks)
+
+
+def apply_cp(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Make every attention layer of ``model`` attend over the whole sequence split over the
+    ranks of ``mesh`` (Ulysses). The model must pass ``context_parallel_problems``."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.context_parallel = (mesh.get_group(), mesh.size())
+            module.core_attention = types.MethodType(_core_attention, module)
+
+
+def shard_sequence(input_ids: torch.Tensor, labels: torch.Tensor | None, document_ids: torch.Tensor | None,
+                   rank: int, ranks: int) -> dict[str, torch.Tensor | None]:
+    """This rank's inputs of a context-parallel forward (``CausalLM``'s keyword arguments):
+    its contiguous 1/cp of ``input_ids`` and ``labels`` [B, S], the position ids of those
+    positions (restarting at each packed document), and the whole sequence's document ids."""
+    seq = input_ids.shape[1]
+    local = seq // ranks
+    positions = (positions_from_documents(document_ids) if document_ids is not None
+                 else torch.arange(seq, device=input_ids.device).expand_as(input_ids))
+    shard = slice(rank * local, (rank + 1) * local)
+    return {"input_ids": input_ids[:, shard], "labels": labels[:, shard] if labels is not None else None,
+            "position_ids": positions[:, shard], "document_ids": document_ids}
