@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from prefect_helpers import attempt_task_states, flow_run_logs, wait_for_flow_run
+from prefect_helpers import attempt_task_states, flow_run_logs, mlflow_runs, wait_for_flow_run
 from selenium import webdriver
 from selenium.common.exceptions import (
     ElementClickInterceptedException,
@@ -37,6 +37,8 @@ from selenium.webdriver.support import expected_conditions as EC
 from selenium.webdriver.support.ui import WebDriverWait
 from server_process import Server, log_tails, running_server
 from transformers import AutoModelForCausalLM
+
+from llmflow.tracking import experiment_name
 
 pytestmark = pytest.mark.slow
 
@@ -306,16 +308,6 @@ def small_run(version: str, model: Path, **evaluation) -> list[tuple[list[str], 
     return fields
 
 
-def mlflow_train_metrics(server: Server) -> dict[str, float]:
-    """The latest metrics of the one train stage's run in the server's MLflow."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient(server.mlflow_url)
-    experiments = [e.experiment_id for e in client.search_experiments()]
-    (train_run,) = client.search_runs(experiments, filter_string="attributes.run_name = 'train'")
-    return train_run.data.metrics
-
-
 def registered(run_id: str) -> bool:
     """Whether the flow run's last registry gate passed (the flow logs its verdict; the run's
     last log lines can reach the API shortly after its state does)."""
@@ -403,8 +395,9 @@ def test_ui_runs_finetune_eval_and_its_retry_skips_finished_stages(llmflow_serve
         # per-expert layout transformers loads as the family's class.
         (run_dir,) = server.workspace.glob("runs/*")
         assert json.loads((run_dir / "train_config.json").read_text())["ep"] == 2
-        assert {"moe_aux_loss", "moe_max_expert_load", "expert_tokens/0", "expert_tokens/3"} <= set(
-            mlflow_train_metrics(server))
+        (train_run,) = mlflow_runs({"mlflow_uri": server.mlflow_url, "experiment": experiment_name("finetune-eval")},
+                                   "train")
+        assert {"moe_aux_loss", "moe_max_expert_load", "expert_tokens/0", "expert_tokens/3"} <= set(train_run.data.metrics)
         (exported,) = server.workspace.glob("models/*")
         assert type(AutoModelForCausalLM.from_pretrained(exported)).__name__ == "Qwen3MoeForCausalLM"
 

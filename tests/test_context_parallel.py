@@ -2,8 +2,9 @@
 ranks, each holding half of every sequence, give the whole sequence's logits (each rank its
 half), loss and gradients (summed over the ranks) within 1e-5 in fp32, for grouped-query
 attention whose key/value heads split over the ranks and for one key/value head repeated to
-them, with q/k norms, Qwen3.5's gated attention, a mixture of experts, packed documents crossing the ranks' boundary
-and a sliding window; and the layouts it cannot split are named before any work."""
+them, with q/k norms, Qwen3.5's gated attention, a mixture of experts, packed documents
+crossing the ranks' boundary and a sliding window; and the layouts it cannot split are named
+before any work."""
 
 from __future__ import annotations
 
@@ -84,11 +85,12 @@ def cp_worker(argv: list[str]) -> None:
         total = shard_loss.detach().clone()
         dist.all_reduce(total)
         worst_grad = 0.0
-        for (param_name, param), (_, reference) in zip(parallel.named_parameters(), model.named_parameters(), strict=True):
+        for (param_name, param), (reference_name, reference) in zip(parallel.named_parameters(),
+                                                                    model.named_parameters(), strict=True):
+            assert param_name == reference_name
             grad = param.grad.clone()
             dist.all_reduce(grad)
             worst_grad = max(worst_grad, (grad - reference.grad).abs().max().item())
-            assert param_name in dict(model.named_parameters())
         worst = torch.tensor([(shard_logits - logits[:, local]).abs().max().item(),
                               abs(total.item() / tokens - loss.item()), worst_grad], dtype=torch.float64)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the logits of every rank's half
