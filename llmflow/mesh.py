@@ -1,5 +1,5 @@
-"""Parallel layouts: checking a (pp, dp, tp) split (with ep expert-parallel ranks carved out
-of dp) against the world and the model, and building the device mesh for it."""
+"""Parallel layouts: checking a (pp, dp, cp, tp) split (with ep expert-parallel ranks carved
+out of dp) against the world and the model, and building the device mesh for it."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ from typing import TYPE_CHECKING
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from llmflow.models.context_parallel import context_parallel_problems
+
 if TYPE_CHECKING:
     from llmflow.models.config import ModelConfig
 
-MESH_DIMS = ("pp", "dp", "tp")
+MESH_DIMS = ("pp", "dp", "cp", "tp")
 LAYOUT_FIELDS = (*MESH_DIMS, "ep")
 
 
@@ -21,7 +23,7 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """How the ranks of a job are split. pp * dp * tp must equal the number of ranks."""
+    """How the ranks of a job are split. pp * dp * cp * tp must equal the number of ranks."""
 
     pp: int = 1
     """Pipeline stages: consecutive decoder layers on different ranks."""
@@ -29,6 +31,9 @@ class ParallelLayout:
     """Data-parallel replicas (parameters sharded with FSDP2 across them)."""
     tp: int = 1
     """Tensor-parallel degree: attention heads and FFN columns are split this many ways."""
+    cp: int = 1
+    """Context-parallel degree: every sequence is split into cp contiguous shards on
+    different ranks, which trade sequence shards for head shards around attention (Ulysses)."""
     ep: int = 1
     """Expert-parallel degree (a mixture-of-experts model): each group of ep data-parallel
     ranks splits every MoE layer's experts among themselves and sends each token to the ranks
@@ -36,13 +41,18 @@ class ParallelLayout:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     @classmethod
-    def of_world(cls, world_size: int, pp: int = 1, tp: int = 1, dp: int | None = None, ep: int = 1) -> ParallelLayout:
-        """The layout of ``world_size`` ranks split into ``pp`` stages of ``tp`` ranks: dp is
-        what remains (world_size / (pp * tp), at least 1) unless given."""
-        return cls(pp=pp, dp=dp or max(world_size // (pp * tp), 1), tp=tp, ep=ep)
+    def of_world(cls, world_size: int, pp: int = 1, tp: int = 1, dp: int | None = None, ep: int = 1,
+                 cp: int = 1) -> ParallelLayout:
+        """The layout of ``world_size`` ranks split into ``pp`` stages of ``cp * tp`` ranks: dp
+        is what remains (world_size / (pp * cp * tp), at least 1) unless given."""
+        return cls(pp=pp, dp=dp or max(world_size // (pp * cp * tp), 1), cp=cp, tp=tp, ep=ep)
+
+    def as_dict(self) -> dict[str, int]:
+        """The degrees by name, as checkpoints record them."""
+        return {name: getattr(self, name) for name in LAYOUT_FIELDS}
 
 
 def layout_problems(layout: ParallelLayout, world_size: int, config: ModelConfig | None = None) -> list[str]:
@@ -55,8 +65,10 @@ def layout_problems(layout: ParallelLayout, world_size: int, config: ModelConfig
     if problems:
         return problems
     if layout.world_size != world_size:
+        names, values = zip(*((name, getattr(layout, name)) for name in MESH_DIMS
+                              if name != "cp" or layout.cp > 1), strict=True)
         problems.append(
-            f"pp*dp*tp = {layout.pp}*{layout.dp}*{layout.tp} = {layout.world_size} "
+            f"{'*'.join(names)} = {'*'.join(map(str, values))} = {layout.world_size} "
             f"but the job has {world_size} ranks; they must be equal"
         )
     if config is not None:
@@ -76,6 +88,7 @@ def layout_problems(layout: ParallelLayout, world_size: int, config: ModelConfig
             problems.append(f"ep={layout.ep} needs a mixture-of-experts model; {config.model_type} has no experts")
         elif config.num_experts % layout.ep:
             problems.append(f"ep={layout.ep} does not divide the model's num_experts={config.num_experts}")
+        problems += context_parallel_problems(config, layout.cp, tp=tp)
         if layout.pp > config.num_hidden_layers:
             problems.append(f"pp={layout.pp} stages but the model has {config.num_hidden_layers} layers; each stage needs one")
     if layout.dp % layout.ep:
@@ -91,17 +104,25 @@ def validate_layout(layout: ParallelLayout, world_size: int, config: ModelConfig
 
 
 def build_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
-    """A DeviceMesh with dims ("pp", "dp", "tp"); tp innermost so tensor-parallel ranks are
-    neighbours (same node, fastest links), pp outermost (its point-to-point traffic is the
+    """A DeviceMesh with dims ("pp", "dp", "tp"), and "cp" between dp and tp when cp > 1; tp
+    innermost so tensor-parallel ranks are neighbours (same node, fastest links), cp next (its
+    all-to-alls are the next heaviest), pp outermost (its point-to-point traffic is the
     lightest, so it may cross nodes). With ep > 1, dp is made of ("dp_replicate", "ep"): the
     ep ranks that share out the experts are neighbours, and the experts' gradients are
-    summed over "dp_replicate" (the ranks holding the same experts)."""
+    summed over "dp_replicate" (the ranks holding the same experts). With cp > 1, "dp_cp"
+    (dp and cp flattened) is what FSDP shards over: the cp ranks of a replica hold the same
+    weights and each computes their gradients from its own positions."""
     import torch.distributed as dist
 
     validate_layout(layout, dist.get_world_size())
-    if layout.ep == 1:
-        return init_device_mesh(device_type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=MESH_DIMS)
-    mesh = init_device_mesh(device_type, (layout.pp, layout.dp // layout.ep, layout.ep, layout.tp),
-                            mesh_dim_names=("pp", "dp_replicate", "ep", "tp"))
-    mesh[("dp_replicate", "ep")]._flatten("dp")
+    data = (("dp", layout.dp),) if layout.ep == 1 else (("dp_replicate", layout.dp // layout.ep), ("ep", layout.ep))
+    context = (("cp", layout.cp),) if layout.cp > 1 else ()
+    dims = (("pp", layout.pp), *data, *context, ("tp", layout.tp))
+    mesh = init_device_mesh(device_type, tuple(size for _, size in dims), mesh_dim_names=tuple(name for name, _ in dims))
+    data_names = tuple(name for name, _ in data)
+    if layout.ep > 1:
+        mesh[data_names]._flatten("dp")
+    if layout.cp > 1:
+        mesh[(*data_names, "cp")]._flatten("dp_cp")
     return mesh
+

@@ -37,17 +37,27 @@ from llmflow.models.blocks.rotary import positions_from_documents
 from llmflow.models.config import ModelConfig
 
 
-def context_parallel_problems(config: ModelConfig, cp: int, seq_length: int) -> list[str]:
+def sequence_split_problems(seq_length: int, cp: int) -> list[str]:
+    """Why a ``seq_length``-token sequence cannot be split into ``cp`` equal shards, if it cannot."""
+    if seq_length % cp:
+        return [(f"seq_length={seq_length} is not divisible by cp={cp}: each rank holds seq_length/cp positions; "
+                f"use a seq_length that is a multiple of {cp}")]
+    return []
+
+
+def context_parallel_problems(config: ModelConfig, cp: int, seq_length: int | None = None, tp: int = 1) -> list[str]:
     """Every reason Ulysses context parallelism of degree ``cp`` cannot split ``config``'s
-    attention or a ``seq_length``-token sequence (empty when it can)."""
+    attention heads (those of one of ``tp`` tensor-parallel ranks) or a ``seq_length``-token
+    sequence (empty when it can; the length is not checked when None)."""
     if cp == 1:
         return []
-    problems = []
-    if seq_length % cp:
-        problems.append(f"seq_length={seq_length} is not divisible by cp={cp}: each rank holds seq_length/cp positions")
-    if config.num_attention_heads % cp:
-        problems.append(f"model num_attention_heads={config.num_attention_heads} is not divisible by cp={cp}: "
-                        "Ulysses gives each rank num_attention_heads/cp heads")
+    problems = sequence_split_problems(seq_length, cp) if seq_length is not None else []
+    heads = config.num_attention_heads // tp
+    if heads % cp:
+        per_rank = f"num_attention_heads/tp = {config.num_attention_heads}/{tp} = {heads}" if tp > 1 else \
+            f"num_attention_heads={heads}"
+        problems.append(f"model {per_rank} is not divisible by cp={cp}: Ulysses gives each rank 1/cp of the "
+                        "attention heads; use a cp that divides them")
     if "linear_attention" in config.layer_types:
         problems.append(f"cp={cp} cannot split {config.model_type}'s Gated DeltaNet layers: their recurrent state runs "
                         "along the whole sequence; train it with cp=1")
@@ -104,15 +114,17 @@ def apply_cp(model: nn.Module, mesh: DeviceMesh) -> None:
             module.core_attention = types.MethodType(_core_attention, module)
 
 
-def shard_sequence(input_ids: torch.Tensor, labels: torch.Tensor | None, document_ids: torch.Tensor | None,
-                   rank: int, ranks: int) -> dict[str, torch.Tensor | None]:
+def shard_sequence(input_ids: torch.Tensor, labels: torch.Tensor | None, position_ids: torch.Tensor | None,
+                   document_ids: torch.Tensor | None, rank: int, ranks: int) -> dict[str, torch.Tensor | None]:
     """This rank's inputs of a context-parallel forward (``CausalLM``'s keyword arguments):
-    its contiguous 1/cp of ``input_ids`` and ``labels`` [B, S], the position ids of those
-    positions (restarting at each packed document), and the whole sequence's document ids."""
+    its contiguous 1/cp of ``input_ids``, ``labels`` and ``position_ids`` [B, S] (None: each
+    token's position, restarting at each packed document), and the whole sequence's
+    document ids. With ``ranks`` 1, the inputs themselves."""
     seq = input_ids.shape[1]
+    if position_ids is None:
+        position_ids = (positions_from_documents(document_ids) if document_ids is not None
+                        else torch.arange(seq, device=input_ids.device).expand_as(input_ids))
     local = seq // ranks
-    positions = (positions_from_documents(document_ids) if document_ids is not None
-                 else torch.arange(seq, device=input_ids.device).expand_as(input_ids))
     shard = slice(rank * local, (rank + 1) * local)
     return {"input_ids": input_ids[:, shard], "labels": labels[:, shard] if labels is not None else None,
-            "position_ids": positions[:, shard], "document_ids": document_ids}
+            "position_ids": position_ids[:, shard], "document_ids": document_ids}

@@ -12,6 +12,8 @@
   so the KV cache holds each rank's own heads.
 - ``apply_ep`` (``expert_parallel.py``): the experts of every MoE layer split over the
   expert-parallel ranks, tokens sent to their experts' ranks and back by all-to-all.
+- ``apply_cp`` (``context_parallel.py``): context parallel (Ulysses), each rank holding a
+  contiguous shard of every sequence and attention trading it for a shard of the heads.
 - ``apply_ac``: activation checkpointing of every decoder layer.
 - ``apply_compile``: ``torch.compile`` of every decoder layer.
 - ``apply_fsdp``: FSDP2 ``fully_shard`` of every layer and of the root (the split experts
@@ -42,6 +44,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from llmflow.models.config import ModelConfig, inference_tp_problems
+from llmflow.models.context_parallel import apply_cp
 from llmflow.models.decoder import CausalLM
 from llmflow.models.expert_parallel import apply_ep, expert_parameters
 from llmflow.models.lora import LoraLinear, is_lora_param
@@ -357,18 +360,22 @@ def parallelize_decoder(
     reshard_after_forward: bool = True,
 ) -> None:
     """Shard ``model`` (the whole model or one pipeline stage) for training over ``mesh`` (dims
-    "pp", "dp" and "tp", and "ep" under expert parallelism; None in a single process), in
-    place: tensor parallel when the "tp" dimension is larger than 1 (LoRA's adapters split
-    with the weights they adapt), expert parallel over "ep", activation checkpointing,
-    compilation, then FSDP2 over "dp" computing in ``fsdp_dtype`` (None: no FSDP; see
-    ``apply_fsdp`` for ``reshard_after_forward``)."""
-    if mesh is not None and "ep" in (mesh.mesh_dim_names or ()):
+    "pp", "dp" and "tp", "ep" under expert parallelism and "cp" under context parallelism;
+    None in a single process), in place: expert parallel over "ep", tensor parallel when the
+    "tp" dimension is larger than 1 (LoRA's adapters split with the weights they adapt),
+    context parallel over "cp", activation checkpointing, compilation, then FSDP2 over "dp"
+    (over "dp_cp", dp and cp flattened, under context parallelism) computing in
+    ``fsdp_dtype`` (None: no FSDP; see ``apply_fsdp`` for ``reshard_after_forward``)."""
+    dims = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    if "ep" in dims:
         apply_ep(model, mesh["ep"])
     if mesh is not None and mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"], lora=lora)
         if lora:  # SequenceParallel makes fresh, trainable norm weights
             for name, param in model.named_parameters():
                 param.requires_grad_(is_lora_param(name))
+    if "cp" in dims:
+        apply_cp(model, mesh["cp"])
     if activation_checkpointing != "none":
         apply_ac(model, activation_checkpointing)
     if compile:
@@ -376,4 +383,5 @@ def parallelize_decoder(
     if fsdp_dtype is not None:
         if mesh is None:
             raise ValueError("FSDP needs a device mesh (a torchrun launch)")
-        apply_fsdp(model, mesh["dp"], param_dtype=fsdp_dtype, reshard_after_forward=reshard_after_forward)
+        apply_fsdp(model, mesh["dp_cp" if "cp" in dims else "dp"], param_dtype=fsdp_dtype,
+                   reshard_after_forward=reshard_after_forward)

@@ -75,7 +75,7 @@ def cp_worker(argv: list[str]) -> None:
         loss = model(ids, labels, document_ids=documents)
         loss.backward()
 
-        inputs = shard_sequence(ids, labels, documents, rank, ranks)
+        inputs = shard_sequence(ids, labels, None, documents, rank, ranks)
         local = slice(rank * SEQ // ranks, (rank + 1) * SEQ // ranks)
         shard_logits = parallel(inputs["input_ids"], position_ids=inputs["position_ids"],
                                 document_ids=inputs["document_ids"]).detach()
@@ -118,9 +118,14 @@ def test_layouts_context_parallelism_cannot_split_are_named():
     assert context_parallel_problems(dense, 1, 33) == []
     assert context_parallel_problems(dense, 2, 64) == []
     assert context_parallel_problems(dense, 2, 33) == [
-        "seq_length=33 is not divisible by cp=2: each rank holds seq_length/cp positions"]
+        ("seq_length=33 is not divisible by cp=2: each rank holds seq_length/cp positions; "
+        "use a seq_length that is a multiple of 2")]
     assert context_parallel_problems(dense, 8, 64) == [
-        "model num_attention_heads=4 is not divisible by cp=8: Ulysses gives each rank num_attention_heads/cp heads"]
+        ("model num_attention_heads=4 is not divisible by cp=8: Ulysses gives each rank 1/cp of the attention heads; "
+        "use a cp that divides them")]
+    assert context_parallel_problems(dense, 4, tp=2) == [
+        ("model num_attention_heads/tp = 4/2 = 2 is not divisible by cp=4: Ulysses gives each rank 1/cp of the "
+        "attention heads; use a cp that divides them")]
     hybrid = _config({**CASES["qwen3_5 gated attention, packed documents"],
                       "layer_types": ["linear_attention", "full_attention"]})
     (problem,) = context_parallel_problems(hybrid, 2, 64)

@@ -104,7 +104,7 @@ def after_loading(p: MemoryPlan) -> tuple[int, str]:
 
 def layout(config: TrainConfig, world: int) -> str:
     parts = [f"{name}={value}" for name, value in (("tp", config.tp), ("pp", config.pp)) if value > 1]
-    dp = ParallelLayout.of_world(world, config.pp, config.tp, config.dp).dp
+    dp = ParallelLayout.of_world(world, config.pp, config.tp, config.dp, cp=config.cp).dp
     text = " x ".join(parts + ([f"dp={dp}"] if dp > 1 else []))
     return f"{text}, ep={config.ep}" if config.ep > 1 else text
 
@@ -144,7 +144,7 @@ def test_example_passes_the_checks_and_fits_64_gb(path):
     config = load(path)
     model = ModelConfig.from_file(path.parent / "config.json")
     world = devices(path)
-    dp = ParallelLayout.of_world(world, config.pp, config.tp, config.dp).dp
+    dp = ParallelLayout.of_world(world, config.pp, config.tp, config.dp, cp=config.cp).dp
     assert parallel_problems(world, config.tp, config.dp, model, config.pp, config.ep) == []
     assert batch_problems(config.global_batch_size, config.micro_batch_size, dp) == []
     assert pipeline_problems(config, dp, model.num_hidden_layers) == []

@@ -201,7 +201,7 @@ def test_resume_across_pp_layouts_and_after_sigkill(assets, tmp_path):
     assert_close(run(config(assets, resume_from(tmp_path / "one", 3, tmp_path / "to-pp2"), pp=2, **saving), 2), want)
 
     final = latest_step_dir(cfg.out)
-    assert read_meta(final).layout == {"pp": 2, "dp": 1, "tp": 1, "ep": 1}
+    assert read_meta(final).layout == {"pp": 2, "dp": 1, "cp": 1, "tp": 1, "ep": 1}
     assert {k: (v.size, v.properties.dtype) for k, v in stored_tensors(final).items()} == {
         k: (v.size, v.properties.dtype) for k, v in stored_tensors(latest_step_dir(tmp_path / "one")).items()}
     exported = export(ExportConfig(ckpt=cfg.out, out=tmp_path / "hf"))

@@ -91,6 +91,20 @@ def test_batch_sizes_against_dp_and_every_problem_at_once(assets, tmp_path):
     assert not out.exists()
 
 
+def test_a_sequence_or_heads_context_parallelism_cannot_split_are_refused(assets, tmp_path):
+    out = tmp_path / "run"
+    assert refused(config(assets, out, seq_length=33, cp=2), nproc=2) == [
+        ("seq_length=33 is not divisible by cp=2: each rank holds seq_length/cp positions; "
+        "use a seq_length that is a multiple of 2"),
+    ]
+    assert refused(config(assets, out, cp=4, tp=2), nproc=8) == [
+        ("model num_attention_heads/tp = 4/2 = 2 is not divisible by cp=4: Ulysses gives each rank 1/cp of the "
+        "attention heads; use a cp that divides them"),
+    ]
+    assert refused(config(assets, out, cp=2, tp=2), nproc=6) == ["nproc=6 is not a multiple of cp*tp = 2*2 = 4"]
+    assert not out.exists()
+
+
 def test_data_tokenized_for_a_larger_vocabulary_is_refused(assets, make_hf_model, tmp_path):
     _, small = make_hf_model("qwen2", vocab_size=160)  # the data's ids go up to the sample model's vocabulary
     vocab = json.loads((assets["model"] / "config.json").read_text())["vocab_size"]

@@ -220,7 +220,7 @@ def test_a_qwen2_5_0_5b_shaped_model_runs_the_finetune_eval_flow(prefect_env, re
     step_dir = latest_step_dir(result["checkpoint"])
     assert step_dir.name == "step_00000002"
     meta = read_meta(step_dir)
-    assert (meta.step, meta.layout, meta.padded_vocab_size) == (2, {"pp": 1, "dp": 2, "tp": 1, "ep": 1}, VOCAB)
+    assert (meta.step, meta.layout, meta.padded_vocab_size) == (2, {"pp": 1, "dp": 2, "cp": 1, "tp": 1, "ep": 1}, VOCAB)
     check_dcp_files(step_dir)  # every data file the metadata names, at its size
     stored = stored_tensors(step_dir, MODEL_KEY)
     assert tuple(stored["model.embed_tokens.weight"].size) == (VOCAB, 896)

@@ -175,7 +175,8 @@ def model_config(**overrides) -> ModelConfig:
 
 @pytest.mark.parametrize(
     "layout,world",
-    [(ParallelLayout(), 1), (ParallelLayout(tp=4), 4), (ParallelLayout(dp=2, tp=4), 8), (ParallelLayout(dp=12), 12)],
+    [(ParallelLayout(), 1), (ParallelLayout(tp=4), 4), (ParallelLayout(dp=2, tp=4), 8), (ParallelLayout(dp=12), 12),
+     (ParallelLayout(dp=2, cp=2, tp=2), 8)],
 )
 def test_valid_layouts_pass(layout, world):
     assert layout.world_size == world

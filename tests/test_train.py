@@ -149,11 +149,12 @@ def test_out_of_vocabulary_id_names_the_sample(assets, tmp_path):
 
 @pytest.fixture(scope="module")
 def reference(assets) -> dict[str, dict[int, float]]:
-    """Single-process losses of 10 pretraining and 10 packed-SFT steps."""
+    """Single-process losses of 10 pretraining and 10 packed-SFT steps (the latter's step-6
+    checkpoint kept)."""
     root = assets["root"]
     return {
         "pretrain": train_in_subprocess(config(assets, root / "ref-pretrain")),
-        "sft": train_in_subprocess(config(assets, root / "ref-sft", kind="sft", seq_length=None)),
+        "sft": train_in_subprocess(config(assets, root / "ref-sft", kind="sft", seq_length=None, save_interval=6)),
     }
 
 
@@ -168,15 +169,50 @@ def odd_checkpoint(assets) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["pretrain", "sft"])
-@pytest.mark.parametrize("layout", [{"dp": 2}, {"tp": 2}], ids=["dp2", "tp2"])
+@pytest.mark.parametrize("layout", [{"dp": 2}, {"tp": 2}, {"cp": 2}], ids=["dp2", "tp2", "cp2"])
 def test_loss_matches_one_process(assets, reference, odd_checkpoint, tmp_path, kind, layout):
-    """dp=2 and tp=2 give the single process's losses; the tensor-parallel runs train the
-    converted checkpoint, whose padding does not depend on tp (one checkpoint, any layout)."""
+    """dp=2, tp=2 and cp=2 give the single process's losses (cp on packed SFT rows: documents
+    cross the ranks' shards); the tensor-parallel runs train the converted checkpoint, whose
+    padding does not depend on tp (one checkpoint, any layout)."""
     model = {"model": str(odd_checkpoint)} if "tp" in layout else {}
     cfg = config(assets, tmp_path / "run", kind=kind, seq_length=64 if kind == "pretrain" else None, **layout, **model)
     got = run(cfg, nproc=2)
     assert sorted(got) == list(range(1, 11))
     assert_close(got, reference[kind])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [{"cp": 2, "tp": 2}, {"cp": 2, "pp": 2}], ids=["cp2xtp2", "cp2xpp2"])
+def test_context_parallel_composes_with_tp_and_pp(assets, reference, tmp_path, layout):
+    """Four ranks: cp=2 with tp=2 (each tensor-parallel rank's 2 heads split again over cp,
+    its one key/value head repeated) and with pp=2 give the single process's packed-SFT losses."""
+    got = run(config(assets, tmp_path / "run", kind="sft", seq_length=None, **layout), nproc=4)
+    assert sorted(got) == list(range(1, 11))
+    assert_close(got, reference["sft"])
+
+
+def resume_copy(step_dir: Path, out: Path) -> Path:
+    """A run directory holding only ``step_dir``, the checkpoint its next launch resumes from."""
+    shutil.copytree(step_dir, out / step_dir.name)
+    (out / "latest").write_text(f"{step_dir.name}\n")
+    return out
+
+
+@pytest.mark.slow
+def test_context_parallel_checkpoints_resume_at_another_cp(assets, reference, tmp_path):
+    """A cp=2 run's step-6 checkpoint resumed by one process, and the one-process run's by
+    two context-parallel ranks, continue with the single process's packed-SFT losses."""
+    sft = {"kind": "sft", "seq_length": None}
+    by_cp = config(assets, tmp_path / "cp2", cp=2, save_interval=6, **sft)
+    assert_close(run(by_cp, nproc=2), reference["sft"])
+    step_6 = "step_00000006"
+    resumed = train_in_subprocess(config(assets, resume_copy(Path(by_cp.out) / step_6, tmp_path / "to-cp1"), **sft))
+    assert sorted(resumed) == list(range(7, 11))
+    assert_close(resumed, reference["sft"])
+    alone = assets["root"] / "ref-sft" / step_6
+    resumed = run(config(assets, resume_copy(alone, tmp_path / "to-cp2"), cp=2, **sft), nproc=2)
+    assert sorted(resumed) == list(range(7, 11))
+    assert_close(resumed, reference["sft"])
 
 
 @pytest.mark.slow
@@ -197,9 +233,7 @@ def test_sigkill_then_resume_is_exact_and_resumes_onto_another_layout(assets, re
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
     assert (Path(cfg.out) / "latest").read_text().strip() == "step_00000006"
-    other = tmp_path / "other"
-    shutil.copytree(Path(cfg.out) / "step_00000006", other / "step_00000006")
-    (other / "latest").write_text("step_00000006\n")
+    other = resume_copy(Path(cfg.out) / "step_00000006", tmp_path / "other")
 
     resumed = train_in_subprocess(cfg)
     assert sorted(resumed) == list(range(7, 11))

@@ -80,7 +80,7 @@ class TrainConfig(BaseModel):
     """Checkpoint directory of this run. When it holds a checkpoint, training resumes from it,
     but only with the settings the weights depend on unchanged (model, data, optim, lora,
     seed, seq_length, dtype, global_batch_size, router_aux_loss_coef; a launch that changes one is refused, naming
-    it). The parallel layout (nproc, pp, tp, dp, the pipeline schedule and split),
+    it). The parallel layout (nproc, pp, tp, dp, cp, ep, the pipeline schedule and split),
     micro_batch_size and the settings of recomputation, compilation, logging and saving may
     change between launches, and steps may grow."""
     data: DataConfig
@@ -109,16 +109,22 @@ class TrainConfig(BaseModel):
     tp: int = Field(default=1, ge=1)
     """Tensor-parallel degree (heads, KV heads and FFN width must divide by it)."""
     dp: int | None = Field(default=None, ge=1)
-    """Data-parallel degree; default: world size / (pp * tp)."""
+    """Data-parallel degree; default: world size / (pp * cp * tp)."""
     ep: int = Field(default=1, ge=1)
     """Expert-parallel degree of a mixture-of-experts model: each group of ep data-parallel
     ranks splits every MoE layer's experts among themselves (num_experts / ep each) and sends
     each token to the ranks holding its experts. It divides dp and num_experts and adds no
-    ranks (nproc = pp * dp * tp still)."""
+    ranks (nproc = pp * dp * cp * tp still)."""
+    cp: int = Field(default=1, ge=1)
+    """Context-parallel degree for long sequences: every sample's tokens are split into cp
+    contiguous shards on cp ranks (Ulysses: each attention layer trades the sequence shard for
+    1/cp of the heads by all-to-all), so activations per rank fall to about 1/cp. seq_length
+    and the attention heads per tensor-parallel rank must divide by it; packed documents keep
+    their own attention. It adds ranks: nproc = pp * dp * cp * tp."""
     pp: int = Field(default=1, ge=1)
     """Pipeline-parallel stages: the decoder layers are split into pp consecutive groups on
     different ranks (stage 0 also holds the embedding, the last the norm, output projection
-    and loss). The ranks form a (pp, dp, tp) mesh: nproc = pp * dp * tp."""
+    and loss). The ranks form a (pp, dp, cp, tp) mesh: nproc = pp * dp * cp * tp."""
     pp_schedule: Literal["1F1B", "Interleaved1F1B", "GPipe"] = "1F1B"
     """Pipeline schedule (pp > 1): 1F1B (one forward, one backward; needs microbatches >= pp),
     Interleaved1F1B (virtual_stages model chunks per rank, a smaller bubble; needs

@@ -40,6 +40,7 @@ from llmflow import runtime
 from llmflow.mesh import ParallelLayout, build_mesh, validate_layout
 from llmflow.models import CausalLM, ModelConfig, apply_lora, is_lora_param
 from llmflow.models.config import text_config
+from llmflow.models.context_parallel import sequence_split_problems, shard_sequence
 from llmflow.models.expert_parallel import expert_parameters, moe_parameters, sum_gradients
 from llmflow.models.parallelize import parallelize_decoder
 from llmflow.models.pipeline import ScaledLoss, pipeline_schedule, split_model
@@ -139,13 +140,16 @@ class Topology:
     """Under ep < dp: the ranks holding the same experts, which add up their gradients."""
     tp_group: Any = None
     """Under tp: this rank's tensor-parallel group (a mixture of experts sums its gradients over it)."""
+    cp_rank: int = 0
+    cp_group: Any = None
+    """Under cp: this rank's context-parallel group, whose ranks hold shards of the same sequences."""
     routing_group: Any = None
-    """The ranks that share a micro-batch's tokens (dp, and tp's sequence shards): a mixture of
-    experts' auxiliary loss counts its experts' assignments over them."""
+    """The ranks that share a micro-batch's tokens (dp, and the sequence shards of cp and tp): a
+    mixture of experts' auxiliary loss counts its experts' assignments over them."""
 
 
 def topology(config: TrainConfig, env: runtime.DistEnv, model_config: ModelConfig) -> Topology:
-    layout = ParallelLayout.of_world(env.world_size, config.pp, config.tp, config.dp, config.ep)
+    layout = ParallelLayout.of_world(env.world_size, config.pp, config.tp, config.dp, config.ep, config.cp)
     validate_layout(layout, env.world_size, model_config)
     if not dist.is_initialized():
         return Topology(layout, 0, None, None)
@@ -153,15 +157,17 @@ def topology(config: TrainConfig, env: runtime.DistEnv, model_config: ModelConfi
     topo = Topology(layout, mesh["dp"].get_local_rank(), mesh["dp"].get_group(), mesh)
     if 1 < layout.ep < layout.dp:
         topo.expert_replicate_group = mesh["dp_replicate"].get_group()
-    topo.routing_group = topo.dp_group
     if layout.tp > 1:
         topo.tp_group = mesh["tp"].get_group()
-        data_dims = ("dp_replicate", "ep", "tp") if layout.ep > 1 else ("dp", "tp")
-        topo.routing_group = mesh[data_dims]._flatten("dp_tp").get_group()
+    if layout.cp > 1:
+        topo.cp_rank, topo.cp_group = mesh["cp"].get_local_rank(), mesh["cp"].get_group()
+    token_dims = (*(("dp_replicate", "ep") if layout.ep > 1 else ("dp",)),
+                  *(("cp",) if layout.cp > 1 else ()), *(("tp",) if layout.tp > 1 else ()))
+    topo.routing_group = mesh[token_dims]._flatten("tokens").get_group() if len(token_dims) > 1 else topo.dp_group
     if layout.pp > 1:
         topo.pp_rank, topo.pp_group = mesh["pp"].get_local_rank(), mesh["pp"].get_group()
         if model_config.tie_word_embeddings:
-            ends = mesh.mesh[[0, -1]].reshape(2, -1).T.tolist()  # [first, last] of every (dp, tp)
+            ends = mesh.mesh[[0, -1]].reshape(2, -1).T.tolist()  # [first, last] of every (dp, cp, tp)
             topo.tied_group, _ = dist.new_subgroups_by_enumeration(ends)
     return topo
 
@@ -274,7 +280,10 @@ def setup(config: TrainConfig) -> Run:
     if problems:
         raise ValueError("; ".join(problems))
     samples = data_source(config)
-    sharded = topo.mesh is not None and (layout.dp > 1 or dtype != torch.float32)
+    problems = sequence_split_problems(samples.seq_length, layout.cp)
+    if problems:
+        raise ValueError("; ".join(problems))
+    sharded = topo.mesh is not None and (layout.dp * layout.cp > 1 or dtype != torch.float32)
     if not sharded and dtype != torch.float32:
         raise ValueError(f"dtype {dtype} needs a torchrun launch (mixed precision comes with FSDP2); use dtype=fp32")
 
@@ -359,12 +368,13 @@ def resume(run: Run) -> None:
 
 
 def same_layout(saved: dict[str, int], current: dict[str, int]) -> bool:
-    """Whether a checkpoint's layout is this run's (a layout recorded without pp or ep had 1)."""
-    return {"pp": 1, "ep": 1, **saved} == {"pp": 1, "ep": 1, **current}
+    """Whether a checkpoint's layout is this run's (a layout recorded without pp, ep or cp had 1)."""
+    return {"pp": 1, "ep": 1, "cp": 1, **saved} == {"pp": 1, "ep": 1, "cp": 1, **current}
 
 
 def micro_batches(run: Run, step: int) -> list[dict[str, torch.Tensor | None]]:
-    """This rank's micro-batches of ``step``: its slice of each of the global batch's."""
+    """This rank's micro-batches of ``step``: its data-parallel slice of each of the global
+    batch's (whole sequences: the ranks of a context-parallel group read the same samples)."""
     config = run.config
     per_step = config.micro_batch_size * run.topo.layout.dp
     first = (step - 1) * config.global_batch_size
@@ -378,9 +388,17 @@ def micro_batches(run: Run, step: int) -> list[dict[str, torch.Tensor | None]]:
 
 
 def rank_sum_scale(run: Run) -> int:
-    """dp where FSDP averages the gradients over the dp ranks (a loss each rank holds a share
-    of is multiplied by it, so that the gradients add up), else 1."""
-    return run.topo.layout.dp if run.sharded else 1
+    """dp * cp where FSDP averages the gradients over the dp and cp ranks (a loss each rank
+    holds a share of is multiplied by it, so that the gradients add up), else 1."""
+    return run.topo.layout.dp * run.topo.layout.cp if run.sharded else 1
+
+
+def sequence_shard(run: Run, batch: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+    """The model's keyword arguments for ``batch`` on this rank: under cp its contiguous
+    shard of the tokens, targets and positions, with the whole sequence's document ids."""
+    layout = run.topo.layout
+    return shard_sequence(batch["input_ids"], batch["targets"], batch["position_ids"], batch["document_ids"],
+                          run.topo.cp_rank, layout.cp)
 
 
 def loss_scale(run: Run, total: float) -> float:
@@ -400,9 +418,8 @@ def forward_backward(run: Run, batches: list[dict[str, torch.Tensor | None]], to
     for m, batch in enumerate(batches):
         if run.sharded:
             model.set_requires_gradient_sync(m == len(batches) - 1)
-        tensors = {k: (v.to(device) if v is not None else None) for k, v in batch.items()}
-        loss = model(tensors["input_ids"], labels=tensors["targets"], position_ids=tensors["position_ids"],
-                     document_ids=tensors["document_ids"], loss_reduction="sum")
+        inputs = {k: (v.to(device) if v is not None else None) for k, v in sequence_shard(run, batch).items()}
+        loss = model(**inputs, loss_reduction="sum")
         objective = loss * loss_scale(run, total)
         aux = run.routing.after_forward() if run.routing is not None else None
         if aux is not None and run.aux_loss_coef:
@@ -419,13 +436,15 @@ def pipeline_forward_backward(run: Run, batches: list[dict[str, torch.Tensor | N
     keyword arguments (the last stage's forward returns the summed loss). Returns the summed
     loss on the last stage's ranks, zero elsewhere."""
     device = run.env.device
-    input_ids, targets, positions = (torch.cat([b[key] for b in batches]).to(device)
-                                     for key in ("input_ids", "targets", "position_ids"))
+    shards = [sequence_shard(run, batch) for batch in batches]
+    input_ids, targets, positions = (torch.cat([b[key] for b in shards]).to(device)
+                                     for key in ("input_ids", "labels", "position_ids"))
     # A stage after the first sees hidden states (a sequence shard under tp): it takes the positions.
     extra = {"position_ids": positions}
-    if any(b["document_ids"] is not None for b in batches):
+    if any(b["document_ids"] is not None for b in shards):
         extra["document_ids"] = torch.cat([b["document_ids"] if b["document_ids"] is not None
-                                           else torch.zeros_like(b["input_ids"]) for b in batches]).to(device)
+                                           else torch.zeros_like(batch["input_ids"])
+                                           for b, batch in zip(shards, batches, strict=True)]).to(device)
     run.pipeline_loss.scale = loss_scale(run, total)
     scaled: list[torch.Tensor] = []
     run.pipeline.step(input_ids, target=targets, losses=scaled, return_outputs=False, labels=targets,
@@ -483,11 +502,12 @@ def train_step(run: Run, step: int) -> tuple[float, float, float]:
     if run.moe_replicated:  # under tp each rank routed its own tokens: add up what they gave
         sum_gradients(run.moe_replicated, [run.topo.tp_group])
     if run.experts:  # they hold this ep group's tokens, and FSDP does not average them over dp
-        sum_gradients(run.experts, [run.topo.expert_replicate_group, run.topo.tp_group], 1 / rank_sum_scale(run))
+        sum_gradients(run.experts, [run.topo.expert_replicate_group, run.topo.cp_group, run.topo.tp_group],
+                      1 / rank_sum_scale(run))
     sync_tied_gradients(run)
     norm = total_grad_norm(run)
-    for group in (run.topo.pp_group, run.topo.dp_group):
-        if group is not None:  # the loss lives on the last stage; each dp rank has its share
+    for group in (run.topo.pp_group, run.topo.dp_group, run.topo.cp_group):
+        if group is not None:  # the loss lives on the last stage; each dp and cp rank has its share
             dist.all_reduce(loss_sum, group=group)
     loss_value, norm_value = finite_step(step, loss_sum / total, norm, run.parts, Path(config.out), run.parameter_order)
     if config.optim.clip_grad:

@@ -35,6 +35,7 @@ from llmflow.data.tokenize_instruction import STAGE as INSTRUCTION_STAGE
 from llmflow.data.tokenize_pretrain import STAGE as PRETRAIN_STAGE
 from llmflow.mesh import ParallelLayout, layout_problems
 from llmflow.models import ModelConfig
+from llmflow.models.context_parallel import sequence_split_problems
 from llmflow.train.config import TrainConfig
 from llmflow.train.data import pretrain_prefix
 from llmflow.train.memory import (
@@ -74,14 +75,17 @@ class PreflightError(ValueError):
 
 
 def parallel_problems(nproc: int, tp: int, dp: int | None = None, model: ModelConfig | None = None, pp: int = 1,
-                      ep: int = 1) -> list[str]:
-    """Every reason ``nproc`` ranks cannot split ``pp`` stages by ``tp`` ways (and ``dp``
-    ways, default nproc / (pp * tp), of which ``ep`` share out the experts) for ``model``;
-    empty when they can."""
-    layout = ParallelLayout.of_world(nproc, pp, tp, dp, ep)
-    if dp is None and nproc % (pp * tp):
+                      ep: int = 1, cp: int = 1) -> list[str]:
+    """Every reason ``nproc`` ranks cannot split ``pp`` stages by ``cp * tp`` ways (and ``dp``
+    ways, default nproc / (pp * cp * tp), of which ``ep`` share out the experts) for
+    ``model``; empty when they can."""
+    layout = ParallelLayout.of_world(nproc, pp, tp, dp, ep, cp)
+    if dp is None and nproc % (pp * cp * tp):
         # The layout's own world-size complaint would say the same thing again.
-        product = f"tp={tp}" if pp == 1 else f"pp*tp = {pp}*{tp} = {pp * tp}"
+        factors = [(name, value) for name, value in (("pp", pp), ("cp", cp), ("tp", tp)) if value > 1] or [("tp", tp)]
+        names, values = zip(*factors, strict=True)
+        product = (f"{names[0]}={values[0]}" if len(factors) == 1 else
+                   f"{'*'.join(names)} = {'*'.join(map(str, values))} = {pp * cp * tp}")
         return [f"nproc={nproc} is not a multiple of {product}", *layout_problems(layout, layout.world_size, model)]
     return layout_problems(layout, nproc, model)
 
@@ -363,8 +367,11 @@ def _same_targets(before: list[str] | None, now: list[str] | None, model: ModelC
 def settings_problems(config: TrainConfig, world: int, model: ModelConfig | None) -> list[str]:
     """Every reason ``config``'s layout, batch sizes and pipeline settings cannot run on
     ``world`` ranks for ``model``."""
-    problems = parallel_problems(world, config.tp, config.dp, model, config.pp, config.ep)
-    dp = ParallelLayout.of_world(world, config.pp, config.tp, config.dp).dp
+    problems = parallel_problems(world, config.tp, config.dp, model, config.pp, config.ep, config.cp)
+    dp = ParallelLayout.of_world(world, config.pp, config.tp, config.dp, cp=config.cp).dp
+    seq_length = training_seq_length(config)
+    if seq_length is not None:
+        problems += sequence_split_problems(seq_length, config.cp)
     problems += batch_problems(config.global_batch_size, config.micro_batch_size, dp)
     problems += moe_problems(config, model)
     return problems + pipeline_problems(config, dp, model.num_hidden_layers if model is not None else None)

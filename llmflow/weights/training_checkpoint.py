@@ -62,8 +62,8 @@ class CheckpointMeta(BaseModel):
     consumed_samples: int = 0
     """Training samples consumed when the checkpoint was saved."""
     layout: dict[str, int] = Field(default_factory=lambda: {"pp": 1, "dp": 1, "tp": 1})
-    """Parallel layout the checkpoint was saved under (pipeline, data- and tensor-parallel
-    sizes; checkpoints written before pipeline parallelism record no pp)."""
+    """Parallel layout the checkpoint was saved under (pipeline, data-, context-, tensor- and
+    expert-parallel sizes; an older checkpoint records no pp, cp or ep, which were 1)."""
     lora: dict[str, Any] | None = None
     """The LoRA config (with at least ``rank`` and ``alpha``) when the checkpoint holds only
     adapter weights (``...q_proj.lora_A.weight``, ``...q_proj.lora_B.weight``); None for full weights."""
