@@ -14,13 +14,14 @@ from llmflow.weights import hf_config_of
 
 
 def check_layout(model_dir: Path, train: TrainParams, launch: LaunchSettings | None = None) -> None:
-    """Raise LayoutError when the model's heads or FFN width do not split ``train.tp`` ways, its
+    """Raise LayoutError when the model's heads or FFN width do not split ``train.tp`` ways (its
+    heads per tensor-parallel rank ``train.cp`` ways), its
     layers do not split into ``train``'s pipeline stages, or ``launch``'s launcher cannot place
     the job (more nodes than torchrun here can run, or more workers than this machine's
     devices when they run here)."""
     launch = launch or LaunchSettings()
     config = ModelConfig.from_hf(hf_config_of(model_dir))
-    layout = ParallelLayout.of_world(train.world_size, train.pp, train.tp)
+    layout = ParallelLayout.of_world(train.world_size, train.pp, train.tp, cp=train.cp)
     validate_layout(layout, train.world_size, config)
     problems = pipeline_problems(train, layout.dp, config.num_hidden_layers)
     problems += node_problems(launch, NodeLayout(nnodes=train.nnodes))

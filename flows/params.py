@@ -28,6 +28,7 @@ from llmflow.cluster.launcher import LaunchSettings
 from llmflow.data.conversations import Format
 from llmflow.data.tokenize_instruction import TemplateName
 from llmflow.mesh import ParallelLayout
+from llmflow.models.context_parallel import sequence_split_problems
 from llmflow.train.config import DataConfig, OptimConfig, TrainConfig
 from llmflow.train.preflight import batch_problems, parallel_problems, pipeline_problems
 
@@ -102,8 +103,9 @@ class _TrainSettings(Params):
     @model_validator(mode="after")
     def _layout_fits(self) -> _TrainSettings:
         pp, tp, micro, batch = self.pp, self.tp, self.micro_batch_size, self.global_batch_size  # type: ignore[attr-defined]
-        dp = ParallelLayout.of_world(self.world_size, pp, tp).dp
-        problems = parallel_problems(self.world_size, tp, pp=pp, ep=self.ep)  # type: ignore[attr-defined]
+        cp = self.cp  # type: ignore[attr-defined]
+        dp = ParallelLayout.of_world(self.world_size, pp, tp, cp=cp).dp
+        problems = parallel_problems(self.world_size, tp, pp=pp, ep=self.ep, cp=cp)  # type: ignore[attr-defined]
         problems += batch_problems(batch, micro, dp)
         problems += pipeline_problems(self, dp, None)
         if problems:
@@ -128,7 +130,7 @@ TrainParams = create_model(
     **_train_config_fields({
         "steps": 500, "micro_batch_size": 16, "global_batch_size": 16,
         "optim": OptimConfig(lr=5e-3, min_lr=5e-4, warmup_steps=20, decay="linear"),
-        "lora": None, "tp": 1, "ep": 1, "pp": 1, "pp_schedule": "1F1B", "virtual_stages": None, "num_layer_list": None,
+        "lora": None, "tp": 1, "cp": 1, "ep": 1, "pp": 1, "pp_schedule": "1F1B", "virtual_stages": None, "num_layer_list": None,
         "microbatches": None, "dtype": "auto", "save_interval": 100, "seed": 1234,
     }),
 )
@@ -201,7 +203,17 @@ class MegatronExport(Params):
     """Expert-parallel size of a mixture of experts (the legacy layout's expert ranks)."""
 
 
-class FinetuneEvalParams(Params):
+class _SequenceSplit(Params):
+    """A flow whose training samples have ``seq_length`` tokens, split ``train.cp`` ways."""
+
+    @model_validator(mode="after")
+    def _sequence_splits(self) -> _SequenceSplit:
+        if problems := sequence_split_problems(self.seq_length, self.train.cp):  # type: ignore[attr-defined]
+            raise ValueError(f"train.cp: {problems[0]}")
+        return self
+
+
+class FinetuneEvalParams(_SequenceSplit):
     """Finetune a model on instruction data and measure MMLU before and after."""
 
     workspace: str | None = None
@@ -280,7 +292,7 @@ class FinetuneEvalParams(Params):
         return self
 
 
-class PretrainParams(Params):
+class PretrainParams(_SequenceSplit):
     """Pretrain a model on raw text, export it and score it on MMLU."""
 
     workspace: str | None = None

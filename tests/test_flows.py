@@ -31,6 +31,7 @@ from llmflow.flows.comparison import REGRESSION_TAG
 from llmflow.flows.finetune_eval import FinetuneEvalParams, finetune_eval
 from llmflow.tasks.register import GATE_TAG, REASON_TAG
 from llmflow.tracking import FLOW_RUN_TAG
+from llmflow.weights import read_meta
 
 pytestmark = pytest.mark.usefixtures("prefect_env")
 
@@ -242,12 +243,13 @@ def test_finetune_eval_finetunes_a_mixture_of_experts_at_ep2_from_the_command_li
 
 @pytest.mark.slow
 def test_a_killed_run_leaves_no_worker_and_its_rerun_resumes_training(prefect_env, prefect_server, tmp_path):
-    """SIGTERM to a flow run's process (what cancelling it sends) mid-training on two ranks:
-    no torchrun process is left, the flow run crashed and the train stage's MLflow run
-    failed; the rerun resumes from the last checkpoint, and a third run is served from cache."""
+    """SIGTERM to a flow run's process (what cancelling it sends) mid-training on two
+    context-parallel ranks (train.cp=2): no torchrun process is left, the flow run crashed and
+    the train stage's MLflow run failed; the rerun resumes from the last checkpoint, and a
+    third run is served from cache."""
     workspace = tmp_path / "ws"
     params = flow_params(workspace, train={"steps": 16, "save_interval": 4, "micro_batch_size": 4,
-                                           "global_batch_size": 8, "nproc": 2})
+                                           "global_batch_size": 8, "nproc": 2, "cp": 2})
     params_path = tmp_path / "params.json"
     params_path.write_text(params.model_dump_json())
     script = tmp_path / "flow.py"
@@ -273,6 +275,7 @@ def test_a_killed_run_leaves_no_worker_and_its_rerun_resumes_training(prefect_en
     logged = sorted(losses(logs))
     assert logged and logged[0] > saved and logged[-1] == 16, (saved, logged)
     assert (run_dir / "latest").read_text().strip() == "step_00000016"
+    assert read_meta(run_dir / "step_00000016").layout == {"pp": 1, "dp": 1, "cp": 2, "tp": 1, "ep": 1}
     resumed = mlflow_runs(prefect_env, "train")[1]
     assert sorted(metric_history(prefect_env, resumed, "loss")) == logged
     assert run_flow(params)[1]["train"] == ["Cached"]
@@ -338,6 +341,21 @@ def test_pipeline_layouts_are_checked_with_the_parameters_and_against_the_model(
         check_layout(model, TrainParams(nproc=8, pp=8, micro_batch_size=2))
     with pytest.raises(LayoutError, match=r"num_layer_list \[3, 3\] sums to 6 layers but the model has 4"):
         check_layout(model, TrainParams(nproc=2, pp=2, micro_batch_size=4, num_layer_list=[3, 3]))
+
+
+def test_context_parallel_layouts_are_checked_with_the_parameters_and_against_the_model(sample_assets, tmp_path):
+    from llmflow.flows.checks import check_layout
+    from llmflow.flows.params import TrainParams
+    from llmflow.mesh import LayoutError
+
+    with pytest.raises(ValueError, match="train.cp: seq_length=100 is not divisible by cp=8"):
+        flow_params(tmp_path / "ws", seq_length=100, train={"nproc": 8, "cp": 8})
+    with pytest.raises(ValueError, match=r"nproc=2 is not a multiple of cp\*tp = 2\*2 = 4"):
+        TrainParams(nproc=2, cp=2, tp=2)
+    model = sample_assets() / "model"
+    check_layout(model, TrainParams(nproc=4, cp=2, tp=2))
+    with pytest.raises(LayoutError, match="model num_attention_heads=4 is not divisible by cp=8"):
+        check_layout(model, TrainParams(nproc=8, cp=8))
 
 
 def test_nodes_are_counted_in_the_layout_and_only_an_engine_places_several(sample_assets):
