@@ -75,6 +75,21 @@ def test_two_data_parallel_ranks_train_the_auxiliary_loss_of_one_process(assets,
     assert plain[1]["loss"] == one[1]["loss"] and abs(plain[4]["loss"] - one[4]["loss"]) > 1e-6
 
 
+@pytest.mark.slow
+def test_context_parallel_ranks_route_and_train_what_one_process_does(assets, tmp_path):
+    """cp=2 (each rank routing half of every sequence's tokens to every expert) and dp=2 x
+    ep=2 x cp=2 (four ranks, the experts' tokens exchanged within each context-parallel
+    shard's ep group): losses, gradient norms, the auxiliary loss and the experts' load equal
+    one process's."""
+    one = train(assets, tmp_path / "one", micro_batch_size=4)
+    cp = train(assets, tmp_path / "cp", nproc=2, cp=2, micro_batch_size=4)
+    assert sorted(cp) == [1, 2, 3, 4]
+    assert_same(cp, one)
+    experts = train(assets, tmp_path / "ep-cp", nproc=4, dp=2, ep=2, cp=2, micro_batch_size=2)
+    assert sorted(experts) == [1, 2, 3, 4]
+    assert_same(experts, one)
+
+
 def resume_from(out: Path, step: int) -> None:
     """Make ``out`` a run directory whose latest checkpoint is the one of ``step``."""
     for later in out.glob("step_*"):

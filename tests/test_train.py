@@ -191,6 +191,17 @@ def test_context_parallel_composes_with_tp_and_pp(assets, reference, tmp_path, l
     assert_close(got, reference["sft"])
 
 
+@pytest.mark.slow
+def test_lora_under_context_parallelism_matches_one_process(assets, tmp_path):
+    """LoRA adapters trained by two context-parallel ranks on packed SFT rows: one process's losses."""
+    lora = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    settings = {"kind": "sft", "seq_length": None, "steps": 4, "lora": lora, "optim": {"lr": 1e-2}}
+    want = train_in_subprocess(config(assets, tmp_path / "one", **settings))
+    got = run(config(assets, tmp_path / "cp2", cp=2, **settings), nproc=2)
+    assert sorted(got) == [1, 2, 3, 4]
+    assert_close(got, want)
+
+
 def resume_copy(step_dir: Path, out: Path) -> Path:
     """A run directory holding only ``step_dir``, the checkpoint its next launch resumes from."""
     shutil.copytree(step_dir, out / step_dir.name)
