@@ -9,6 +9,7 @@ from llmflow.cluster.nodes import NodeLayout
 from llmflow.flows.params import TrainParams
 from llmflow.mesh import LayoutError, ParallelLayout, validate_layout
 from llmflow.models import ModelConfig
+from llmflow.models.context_parallel import context_parallel_problems
 from llmflow.train.preflight import device_problems, pipeline_problems
 from llmflow.weights import hf_config_of
 
@@ -23,7 +24,8 @@ def check_layout(model_dir: Path, train: TrainParams, launch: LaunchSettings | N
     config = ModelConfig.from_hf(hf_config_of(model_dir))
     layout = ParallelLayout.of_world(train.world_size, train.pp, train.tp, cp=train.cp)
     validate_layout(layout, train.world_size, config)
-    problems = pipeline_problems(train, layout.dp, config.num_hidden_layers)
+    problems = context_parallel_problems(config, train.cp, tp=train.tp, algo=train.cp_algo)
+    problems += pipeline_problems(train, layout.dp, config.num_hidden_layers)
     problems += node_problems(launch, NodeLayout(nnodes=train.nnodes))
     if launch.on_this_machine:
         problems += device_problems(train.nproc)

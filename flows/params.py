@@ -130,7 +130,7 @@ TrainParams = create_model(
     **_train_config_fields({
         "steps": 500, "micro_batch_size": 16, "global_batch_size": 16,
         "optim": OptimConfig(lr=5e-3, min_lr=5e-4, warmup_steps=20, decay="linear"),
-        "lora": None, "tp": 1, "cp": 1, "ep": 1, "pp": 1, "pp_schedule": "1F1B", "virtual_stages": None, "num_layer_list": None,
+        "lora": None, "tp": 1, "cp": 1, "cp_algo": "ulysses", "ep": 1, "pp": 1, "pp_schedule": "1F1B", "virtual_stages": None, "num_layer_list": None,
         "microbatches": None, "dtype": "auto", "save_interval": 100, "seed": 1234,
     }),
 )
@@ -208,7 +208,8 @@ class _SequenceSplit(Params):
 
     @model_validator(mode="after")
     def _sequence_splits(self) -> _SequenceSplit:
-        if problems := sequence_split_problems(self.seq_length, self.train.cp):  # type: ignore[attr-defined]
+        train = self.train  # type: ignore[attr-defined]
+        if problems := sequence_split_problems(self.seq_length, train.cp, train.cp_algo):  # type: ignore[attr-defined]
             raise ValueError(f"train.cp: {problems[0]}")
         return self
 

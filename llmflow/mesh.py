@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from llmflow.models.context_parallel import context_parallel_problems
-
 if TYPE_CHECKING:
     from llmflow.models.config import ModelConfig
 
@@ -88,7 +86,6 @@ def layout_problems(layout: ParallelLayout, world_size: int, config: ModelConfig
             problems.append(f"ep={layout.ep} needs a mixture-of-experts model; {config.model_type} has no experts")
         elif config.num_experts % layout.ep:
             problems.append(f"ep={layout.ep} does not divide the model's num_experts={config.num_experts}")
-        problems += context_parallel_problems(config, layout.cp, tp=tp)
         if layout.pp > config.num_hidden_layers:
             problems.append(f"pp={layout.pp} stages but the model has {config.num_hidden_layers} layers; each stage needs one")
     if layout.dp % layout.ep:

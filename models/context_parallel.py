@@ -1,21 +1,33 @@
-"""Context parallelism (Ulysses), applied from outside the model: each rank of a "cp" mesh
-dimension holds a contiguous 1/cp of every sequence, and each attention layer trades that
-sequence shard for a head shard around the attention itself.
+"""Context parallelism, applied from outside the model: each rank of a "cp" mesh dimension
+holds 1/cp of every sequence's positions, and each attention layer reaches the other ranks'
+positions by one of two algorithms (``CP_ALGOS``).
 
 Every layer but attention works on each token alone, so it runs on the rank's shard as it
-would on the whole sequence. Attention needs every position: ``ulysses_attention`` sends
-each rank's queries, keys and values of head group j to rank j with one all-to-all (rank j
-then holds heads group j over the whole sequence, shards concatenated in rank order),
-attends with the usual kernel, causal and per-document masks and sliding window on the
-whole sequence, and sends each rank's positions back with a second all-to-all. Both carry
-gradients. Grouped-query attention keeps its pairing: query heads [j Hq/cp, (j+1) Hq/cp)
-read key/value heads [j Hkv/cp, (j+1) Hkv/cp); when cp does not divide the key/value heads,
-they are repeated to one per query head first (DeepSpeed-Ulysses does the same).
+would on the whole sequence. Attention needs every position:
 
-The inputs of a context-parallel forward come from ``shard_sequence``: each rank's tokens,
-labels and position ids, and the document ids of the whole sequence (the attention masks
-are built over it). The loss of a shard is its tokens' sum; the training step divides by the
-tokens of the whole sequence and sums gradients over "cp" as it does over "dp".
+- ``ulysses`` (DeepSpeed-Ulysses; MindSpeed's ulysses_cp_algo): each rank holds a contiguous
+  1/cp of the sequence. ``ulysses_attention`` sends each rank's queries, keys and values of
+  head group j to rank j with one all-to-all (rank j then holds head group j over the whole
+  sequence, shards concatenated in rank order), attends with the usual kernel, causal and
+  per-document masks and sliding window on the whole sequence, and sends each rank's
+  positions back with a second all-to-all. Grouped-query attention keeps its pairing: query
+  heads [j Hq/cp, (j+1) Hq/cp) read key/value heads [j Hkv/cp, (j+1) Hkv/cp); when cp does not
+  divide the key/value heads, they are repeated to one per query head first. The query heads
+  (per tensor-parallel rank) must divide by cp.
+- ``ring`` (ring attention as ``torch.distributed.tensor.experimental.context_parallel``
+  runs it with its default all-gather rotation and causal load balancing): the sequence is
+  cut into 2 cp chunks and rank r holds chunks r and 2 cp - 1 - r, so every rank attends
+  over as many keys as any other under the causal mask (torch's head-tail load balancer).
+  ``ring_attention`` all-gathers the keys and values of every rank (their gradients
+  reduce-scattered back in backward) and attends each of the rank's two query chunks over
+  the keys up to its end, with the usual kernel and masks. Any head count works; each rank
+  holds the whole sequence's keys and values of its layer while it attends.
+
+Both carry gradients through their collectives. The inputs of a context-parallel forward
+come from ``shard_sequence``: each rank's tokens, labels and position ids, and the document
+ids of the whole sequence (the attention masks are built over it). The loss of a shard is its
+tokens' sum; the training step divides by the tokens of the whole sequence and sums gradients
+over "cp" as it does over "dp".
 
 A Gated DeltaNet layer (Qwen3-Next, Qwen3.5) carries a recurrent state along the sequence,
 which a sequence shard cannot start from: ``context_parallel_problems`` refuses those models.
@@ -28,7 +40,7 @@ import types
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed._functional_collectives import all_gather_tensor_autograd, all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
 from llmflow import kernels
@@ -36,28 +48,36 @@ from llmflow.models.blocks.attention import Attention
 from llmflow.models.blocks.rotary import positions_from_documents
 from llmflow.models.config import ModelConfig
 
+CP_ALGOS = ("ulysses", "ring")
+"""How attention reaches the other context-parallel ranks' positions (see the module docstring)."""
 
-def sequence_split_problems(seq_length: int, cp: int) -> list[str]:
-    """Why a ``seq_length``-token sequence cannot be split into ``cp`` equal shards, if it cannot."""
-    if seq_length % cp:
-        return [(f"seq_length={seq_length} is not divisible by cp={cp}: each rank holds seq_length/cp positions; "
-                f"use a seq_length that is a multiple of {cp}")]
+
+def sequence_split_problems(seq_length: int, cp: int, algo: str = "ulysses") -> list[str]:
+    """Why a ``seq_length``-token sequence cannot be split over ``cp`` ranks by ``algo``
+    (into cp equal shards for ulysses, 2 cp equal chunks for ring), if it cannot."""
+    parts = 2 * cp if algo == "ring" else cp
+    if cp > 1 and seq_length % parts:
+        held = "2 chunks of seq_length/(2 cp)" if algo == "ring" else "seq_length/cp positions"
+        divisor = "2*cp" if algo == "ring" else "cp"
+        return [(f"seq_length={seq_length} is not divisible by {divisor}={parts}: "
+                 f"each rank holds {held}; use a seq_length that is a multiple of {parts}")]
     return []
 
 
-def context_parallel_problems(config: ModelConfig, cp: int, seq_length: int | None = None, tp: int = 1) -> list[str]:
-    """Every reason Ulysses context parallelism of degree ``cp`` cannot split ``config``'s
-    attention heads (those of one of ``tp`` tensor-parallel ranks) or a ``seq_length``-token
-    sequence (empty when it can; the length is not checked when None)."""
+def context_parallel_problems(config: ModelConfig, cp: int, seq_length: int | None = None, tp: int = 1,
+                              algo: str = "ulysses") -> list[str]:
+    """Every reason context parallelism of degree ``cp`` by ``algo`` cannot split
+    ``config``'s attention (Ulysses: the heads of one of ``tp`` tensor-parallel ranks) or a
+    ``seq_length``-token sequence (empty when it can; the length is not checked when None)."""
     if cp == 1:
         return []
-    problems = sequence_split_problems(seq_length, cp) if seq_length is not None else []
+    problems = sequence_split_problems(seq_length, cp, algo) if seq_length is not None else []
     heads = config.num_attention_heads // tp
-    if heads % cp:
+    if algo == "ulysses" and heads % cp:
         per_rank = f"num_attention_heads/tp = {config.num_attention_heads}/{tp} = {heads}" if tp > 1 else \
             f"num_attention_heads={heads}"
         problems.append(f"model {per_rank} is not divisible by cp={cp}: Ulysses gives each rank 1/cp of the "
-                        "attention heads; use a cp that divides them")
+                        "attention heads; use a cp that divides them, or cp_algo=ring")
     if "linear_attention" in config.layer_types:
         problems.append(f"cp={cp} cannot split {config.model_type}'s Gated DeltaNet layers: their recurrent state runs "
                         "along the whole sequence; train it with cp=1")
@@ -99,32 +119,76 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return _heads_to_seq(out, group, ranks)
 
 
-def _core_attention(self: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    document_ids: torch.Tensor | None) -> torch.Tensor:
-    group, ranks = self.context_parallel
+def ring_chunks(rank: int, ranks: int) -> tuple[int, int]:
+    """The two of the sequence's 2 ``ranks`` chunks ring attention gives ``rank``."""
+    return rank, 2 * ranks - 1 - rank
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   document_ids: torch.Tensor | None, sliding_window: int | None, group: ProcessGroup,
+                   rank: int, ranks: int) -> torch.Tensor:
+    """``kernels.attention`` over the whole sequence of which q [B, Hq, 2L, D] and k/v [B, Hkv,
+    2L, D] hold this rank's two chunks (``ring_chunks``, L positions each); ``document_ids``
+    [B, S] are the whole sequence's. Returns this rank's positions of the output."""
+    chunk = q.shape[2] // 2
+    # [ranks * 2 (k, v), B, Hkv, 2L, D], rank s holding chunks s and 2 ranks - 1 - s.
+    gathered = all_gather_tensor_autograd(torch.stack([k, v]), 0, group).unflatten(0, (ranks, 2))
+    pieces: list[torch.Tensor | None] = [None] * (2 * ranks)
+    for source in range(ranks):
+        first, second = ring_chunks(source, ranks)
+        pieces[first], pieces[second] = gathered[source].split(chunk, dim=-2)
+    keys, values = torch.cat(pieces, dim=-2)
+    outputs = []
+    for held, index in enumerate(ring_chunks(rank, ranks)):
+        end = (index + 1) * chunk  # a query chunk attends to the keys up to its own end
+        outputs.append(kernels.attention(q[:, :, held * chunk:(held + 1) * chunk], keys[:, :, :end], values[:, :, :end],
+                                         scale, document_ids[:, :end] if document_ids is not None else None,
+                                         sliding_window))
+    return torch.cat(outputs, dim=2)
+
+
+def _ulysses_core_attention(self: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            document_ids: torch.Tensor | None) -> torch.Tensor:
+    group, _, ranks = self.context_parallel
     return ulysses_attention(q, k, v, self.scale, document_ids, self.sliding_window, group, ranks)
 
 
-def apply_cp(model: nn.Module, mesh: DeviceMesh) -> None:
+def _ring_core_attention(self: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         document_ids: torch.Tensor | None) -> torch.Tensor:
+    group, rank, ranks = self.context_parallel
+    return ring_attention(q, k, v, self.scale, document_ids, self.sliding_window, group, rank, ranks)
+
+
+def apply_cp(model: nn.Module, mesh: DeviceMesh, algo: str = "ulysses") -> None:
     """Make every attention layer of ``model`` attend over the whole sequence split over the
-    ranks of ``mesh`` (Ulysses). The model must pass ``context_parallel_problems``."""
+    ranks of ``mesh`` by ``algo`` (``CP_ALGOS``). The model must pass ``context_parallel_problems``."""
+    core = {"ulysses": _ulysses_core_attention, "ring": _ring_core_attention}[algo]
     for module in model.modules():
         if isinstance(module, Attention):
-            module.context_parallel = (mesh.get_group(), mesh.size())
-            module.core_attention = types.MethodType(_core_attention, module)
+            module.context_parallel = (mesh.get_group(), mesh.get_local_rank(), mesh.size())
+            module.core_attention = types.MethodType(core, module)
 
 
 def shard_sequence(input_ids: torch.Tensor, labels: torch.Tensor | None, position_ids: torch.Tensor | None,
-                   document_ids: torch.Tensor | None, rank: int, ranks: int) -> dict[str, torch.Tensor | None]:
+                   document_ids: torch.Tensor | None, rank: int, ranks: int,
+                   algo: str = "ulysses") -> dict[str, torch.Tensor | None]:
     """This rank's inputs of a context-parallel forward (``CausalLM``'s keyword arguments):
-    its contiguous 1/cp of ``input_ids``, ``labels`` and ``position_ids`` [B, S] (None: each
-    token's position, restarting at each packed document), and the whole sequence's
-    document ids. With ``ranks`` 1, the inputs themselves."""
+    its part of ``input_ids``, ``labels`` and ``position_ids`` [B, S] (None: each token's
+    position, restarting at each packed document) — a contiguous 1/cp for ulysses, its two
+    ``ring_chunks`` for ring — and the whole sequence's document ids. With ``ranks`` 1, the
+    inputs themselves."""
     seq = input_ids.shape[1]
     if position_ids is None:
         position_ids = (positions_from_documents(document_ids) if document_ids is not None
                         else torch.arange(seq, device=input_ids.device).expand_as(input_ids))
-    local = seq // ranks
-    shard = slice(rank * local, (rank + 1) * local)
-    return {"input_ids": input_ids[:, shard], "labels": labels[:, shard] if labels is not None else None,
-            "position_ids": position_ids[:, shard], "document_ids": document_ids}
+    if ranks == 1:
+        return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "document_ids": document_ids}
+    if algo == "ring":
+        chunk = seq // (2 * ranks)
+        held = torch.cat([torch.arange(i * chunk, (i + 1) * chunk) for i in ring_chunks(rank, ranks)])
+        held = held.to(input_ids.device)
+    else:
+        local = seq // ranks
+        held = torch.arange(rank * local, (rank + 1) * local, device=input_ids.device)
+    return {"input_ids": input_ids[:, held], "labels": labels[:, held] if labels is not None else None,
+            "position_ids": position_ids[:, held], "document_ids": document_ids}

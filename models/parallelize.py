@@ -358,12 +358,13 @@ def parallelize_decoder(
     compile: bool = False,
     fsdp_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
+    cp_algo: str = "ulysses",
 ) -> None:
     """Shard ``model`` (the whole model or one pipeline stage) for training over ``mesh`` (dims
     "pp", "dp" and "tp", "ep" under expert parallelism and "cp" under context parallelism;
     None in a single process), in place: expert parallel over "ep", tensor parallel when the
     "tp" dimension is larger than 1 (LoRA's adapters split with the weights they adapt),
-    context parallel over "cp", activation checkpointing, compilation, then FSDP2 over "dp"
+    context parallel over "cp" by ``cp_algo``, activation checkpointing, compilation, then FSDP2 over "dp"
     (over "dp_cp", dp and cp flattened, under context parallelism) computing in
     ``fsdp_dtype`` (None: no FSDP; see ``apply_fsdp`` for ``reshard_after_forward``)."""
     dims = (mesh.mesh_dim_names or ()) if mesh is not None else ()
@@ -375,7 +376,7 @@ def parallelize_decoder(
             for name, param in model.named_parameters():
                 param.requires_grad_(is_lora_param(name))
     if "cp" in dims:
-        apply_cp(model, mesh["cp"])
+        apply_cp(model, mesh["cp"], cp_algo)
     if activation_checkpointing != "none":
         apply_ac(model, activation_checkpointing)
     if compile:

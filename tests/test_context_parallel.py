@@ -1,13 +1,14 @@
-"""Ulysses context parallelism (``models/context_parallel.py``) against one process: two gloo
-ranks, each holding half of every sequence, give the whole sequence's logits (each rank its
-half), loss and gradients (summed over the ranks) within 1e-5 in fp32, for grouped-query
-attention whose key/value heads split over the ranks and for one key/value head repeated to
-them, with q/k norms, Qwen3.5's gated attention, a mixture of experts, packed documents
-crossing the ranks' boundary and a sliding window; and the layouts it cannot split are named
-before any work."""
+"""Context parallelism (``models/context_parallel.py``) against one process: two gloo ranks,
+each holding half of every sequence (Ulysses: a contiguous half; ring: two of four chunks,
+load-balanced), give the whole sequence's logits (each rank its positions), loss and
+gradients (summed over the ranks) within 1e-5 in fp32, for grouped-query attention whose
+key/value heads split over the ranks and for one key/value head repeated to them, with q/k
+norms, Qwen3.5's gated attention, a mixture of experts, packed documents crossing the ranks'
+boundaries and a sliding window; and the layouts they cannot split are named before any work."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from llmflow.models.config import ModelConfig
-from llmflow.models.context_parallel import context_parallel_problems
+from llmflow.models.context_parallel import CP_ALGOS, context_parallel_problems
 
 TOLERANCE = 1e-5  # fp32
 SEQ = 32
@@ -63,20 +64,20 @@ def cp_worker(argv: list[str]) -> None:
     rank, ranks = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (ranks,), mesh_dim_names=("cp",))
     differences = {}
-    for name, case in CASES.items():
+    for (name, case), algo in itertools.product(CASES.items(), CP_ALGOS):
         model = CausalLM(_config(case))
         model.init_weights(generator=torch.Generator().manual_seed(0))
         parallel = CausalLM(_config(case))
         parallel.load_state_dict(model.state_dict())
-        apply_cp(parallel, mesh)
+        apply_cp(parallel, mesh, algo)
         ids, labels, documents = _batch(case)
 
         logits = model(ids, document_ids=documents).detach()
         loss = model(ids, labels, document_ids=documents)
         loss.backward()
 
-        inputs = shard_sequence(ids, labels, None, documents, rank, ranks)
-        local = slice(rank * SEQ // ranks, (rank + 1) * SEQ // ranks)
+        inputs = shard_sequence(ids, labels, None, documents, rank, ranks, algo)
+        local = shard_sequence(torch.arange(SEQ)[None], None, None, None, rank, ranks, algo)["input_ids"][0]
         shard_logits = parallel(inputs["input_ids"], position_ids=inputs["position_ids"],
                                 document_ids=inputs["document_ids"]).detach()
         shard_loss = parallel(**inputs, loss_reduction="sum")
@@ -94,21 +95,21 @@ def cp_worker(argv: list[str]) -> None:
         worst = torch.tensor([(shard_logits - logits[:, local]).abs().max().item(),
                               abs(total.item() / tokens - loss.item()), worst_grad], dtype=torch.float64)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the logits of every rank's half
-        differences[name] = dict(zip(("logits", "loss", "gradients"), worst.tolist(), strict=True))
+        differences[f"{algo}: {name}"] = dict(zip(("logits", "loss", "gradients"), worst.tolist(), strict=True))
     if rank == 0:
         Path(argv[0]).write_text(json.dumps(differences))
     dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_ulysses_cp2_equals_one_process(tmp_path):
+def test_ulysses_and_ring_at_cp2_equal_one_process(tmp_path):
     from forked_workers import run_forked
 
     out = tmp_path / "differences.json"
     run_forked(f"{Path(__file__).stem}:cp_worker", [str(out)], 2, tmp_path / "cp", {"OMP_NUM_THREADS": "1"})
     differences = json.loads(out.read_text())
     print(json.dumps(differences, indent=1))
-    assert set(differences) == set(CASES)
+    assert set(differences) == {f"{algo}: {name}" for name in CASES for algo in CP_ALGOS}
     for name, worst in differences.items():
         assert max(worst.values()) <= TOLERANCE, (name, worst)
 
@@ -122,10 +123,14 @@ def test_layouts_context_parallelism_cannot_split_are_named():
         "use a seq_length that is a multiple of 2")]
     assert context_parallel_problems(dense, 8, 64) == [
         ("model num_attention_heads=4 is not divisible by cp=8: Ulysses gives each rank 1/cp of the attention heads; "
-        "use a cp that divides them")]
+        "use a cp that divides them, or cp_algo=ring")]
     assert context_parallel_problems(dense, 4, tp=2) == [
         ("model num_attention_heads/tp = 4/2 = 2 is not divisible by cp=4: Ulysses gives each rank 1/cp of the "
-        "attention heads; use a cp that divides them")]
+        "attention heads; use a cp that divides them, or cp_algo=ring")]
+    assert context_parallel_problems(dense, 8, 64, algo="ring") == []  # ring splits no heads
+    assert context_parallel_problems(dense, 2, 36, algo="ring") == [
+        "seq_length=36 is not divisible by 2*cp=4: each rank holds 2 chunks of seq_length/(2 cp); "
+        "use a seq_length that is a multiple of 4"]
     hybrid = _config({**CASES["qwen3_5 gated attention, packed documents"],
                       "layer_types": ["linear_attention", "full_attention"]})
     (problem,) = context_parallel_problems(hybrid, 2, 64)

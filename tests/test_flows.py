@@ -356,6 +356,9 @@ def test_context_parallel_layouts_are_checked_with_the_parameters_and_against_th
     check_layout(model, TrainParams(nproc=4, cp=2, tp=2))
     with pytest.raises(LayoutError, match="model num_attention_heads=4 is not divisible by cp=8"):
         check_layout(model, TrainParams(nproc=8, cp=8))
+    check_layout(model, TrainParams(nproc=8, cp=8, cp_algo="ring"))  # ring splits no heads
+    with pytest.raises(ValueError, match="train.cp: seq_length=100 is not divisible by 2\\*cp=8"):
+        flow_params(tmp_path / "ws", seq_length=100, train={"nproc": 4, "cp": 4, "cp_algo": "ring"})
 
 
 def test_nodes_are_counted_in_the_layout_and_only_an_engine_places_several(sample_assets):

@@ -99,7 +99,7 @@ def test_a_sequence_or_heads_context_parallelism_cannot_split_are_refused(assets
     ]
     assert refused(config(assets, out, cp=4, tp=2), nproc=8) == [
         ("model num_attention_heads/tp = 4/2 = 2 is not divisible by cp=4: Ulysses gives each rank 1/cp of the "
-        "attention heads; use a cp that divides them"),
+        "attention heads; use a cp that divides them, or cp_algo=ring"),
     ]
     assert refused(config(assets, out, cp=2, tp=2), nproc=6) == ["nproc=6 is not a multiple of cp*tp = 2*2 = 4"]
     assert not out.exists()

@@ -116,11 +116,17 @@ class TrainConfig(BaseModel):
     each token to the ranks holding its experts. It divides dp and num_experts and adds no
     ranks (nproc = pp * dp * cp * tp still)."""
     cp: int = Field(default=1, ge=1)
-    """Context-parallel degree for long sequences: every sample's tokens are split into cp
-    contiguous shards on cp ranks (Ulysses: each attention layer trades the sequence shard for
-    1/cp of the heads by all-to-all), so activations per rank fall to about 1/cp. seq_length
-    and the attention heads per tensor-parallel rank must divide by it; packed documents keep
-    their own attention. It adds ranks: nproc = pp * dp * cp * tp."""
+    """Context-parallel degree for long sequences: every sample's tokens are split over cp
+    ranks (see cp_algo), so activations per rank fall to about 1/cp. seq_length must divide
+    by it (ring: by 2*cp); packed documents keep their own attention. It adds ranks: nproc =
+    pp * dp * cp * tp."""
+    cp_algo: Literal["ulysses", "ring"] = "ulysses"
+    """How attention reaches the other context-parallel ranks' positions. ulysses: each rank
+    holds a contiguous 1/cp of the sequence and trades it for 1/cp of the heads by all-to-all
+    (the attention heads per tensor-parallel rank must divide by cp). ring: torch's ring
+    attention with its all-gather rotation and causal load balancing: each rank holds 2 of the
+    sequence's 2*cp chunks (r and 2*cp-1-r) and gathers every rank's keys and values to
+    attend over them; any head count, seq_length a multiple of 2*cp."""
     pp: int = Field(default=1, ge=1)
     """Pipeline-parallel stages: the decoder layers are split into pp consecutive groups on
     different ranks (stage 0 also holds the embedding, the last the norm, output projection

@@ -40,7 +40,7 @@ from llmflow import runtime
 from llmflow.mesh import ParallelLayout, build_mesh, validate_layout
 from llmflow.models import CausalLM, ModelConfig, apply_lora, is_lora_param
 from llmflow.models.config import text_config
-from llmflow.models.context_parallel import sequence_split_problems, shard_sequence
+from llmflow.models.context_parallel import context_parallel_problems, shard_sequence
 from llmflow.models.expert_parallel import expert_parameters, moe_parameters, sum_gradients
 from llmflow.models.parallelize import parallelize_decoder
 from llmflow.models.pipeline import ScaledLoss, pipeline_schedule, split_model
@@ -280,7 +280,7 @@ def setup(config: TrainConfig) -> Run:
     if problems:
         raise ValueError("; ".join(problems))
     samples = data_source(config)
-    problems = sequence_split_problems(samples.seq_length, layout.cp)
+    problems = context_parallel_problems(model.config, layout.cp, samples.seq_length, layout.tp, config.cp_algo)
     if problems:
         raise ValueError("; ".join(problems))
     sharded = topo.mesh is not None and (layout.dp * layout.cp > 1 or dtype != torch.float32)
@@ -300,7 +300,8 @@ def setup(config: TrainConfig) -> Run:
     for part in parts:
         parallelize_decoder(part, topo.mesh, lora=config.lora is not None,
                             activation_checkpointing=config.activation_checkpointing, compile=config.compile,
-                            fsdp_dtype=dtype if sharded else None, reshard_after_forward=layout.pp == 1)
+                            fsdp_dtype=dtype if sharded else None, reshard_after_forward=layout.pp == 1,
+                            cp_algo=config.cp_algo)
     if source is not None:
         load_sharded(model, parts, source, env.device, config.seed if config.lora is not None else None)
     accumulation = config.global_batch_size // (config.micro_batch_size * layout.dp)
@@ -394,11 +395,11 @@ def rank_sum_scale(run: Run) -> int:
 
 
 def sequence_shard(run: Run, batch: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
-    """The model's keyword arguments for ``batch`` on this rank: under cp its contiguous
-    shard of the tokens, targets and positions, with the whole sequence's document ids."""
+    """The model's keyword arguments for ``batch`` on this rank: under cp its part of the
+    tokens, targets and positions (``shard_sequence``), with the whole sequence's document ids."""
     layout = run.topo.layout
     return shard_sequence(batch["input_ids"], batch["targets"], batch["position_ids"], batch["document_ids"],
-                          run.topo.cp_rank, layout.cp)
+                          run.topo.cp_rank, layout.cp, run.config.cp_algo)
 
 
 def loss_scale(run: Run, total: float) -> float:
