@@ -61,8 +61,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -73,80 +71,19 @@ from pathlib import Path
 import torch
 
 from bench.machine import cpu_model
+from bench.process import (
+    LOSS_TOLERANCE,
+    QUIET_CORES,
+    WORKER_ENV,
+    CpuMeter,
+    parse_steps,
+    training_assets,
+    training_config,
+    wait_quiet,
+)
 from bench.results import update_results
 
 REPO = Path(__file__).resolve().parent.parent
-STEP_LINE = re.compile(r"^step (\d+)/(\d+) \| loss (\S+) \|.* \| ([0-9.]+) tokens/s \|")
-LOSS_TOLERANCE = 1e-5
-QUIET_CORES = 0.25
-"""A round whose runs had other jobs using more cores than this (on average over a launch) is
-left out of the medians, unless every round was."""
-WORKER_ENV = {"OMP_NUM_THREADS": "1", "LLMFLOW_DEVICE": "cpu"}
-
-
-class CpuMeter:
-    """CPU time the rest of the machine used while this benchmark ran something: the busy time
-    of /proc/stat less this process's and its reaped descendants' CPU time, in cores (other
-    people's jobs on a shared machine; 0 where /proc/stat is missing)."""
-
-    def __init__(self) -> None:
-        self.start = self._sample()
-
-    @staticmethod
-    def _sample() -> tuple[float, float, float]:
-        import resource
-
-        own = sum(getattr(resource.getrusage(who), field) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-                  for field in ("ru_utime", "ru_stime"))
-        busy = 0.0
-        stat = Path("/proc/stat")
-        if stat.is_file():
-            fields = [int(x) for x in stat.read_text().split("\n", 1)[0].split()[1:]]
-            busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
-        return time.perf_counter(), busy, own
-
-    def other_cores(self) -> float:
-        now, busy, own = self._sample()
-        wall = now - self.start[0]
-        return max(0.0, (busy - self.start[1]) - (own - self.start[2])) / wall if wall > 0 else 0.0
-
-
-def wait_quiet(budget: list[float], threshold: float = 0.25) -> None:
-    """Wait, in 2 s windows, until the rest of the machine uses under ``threshold`` cores, or
-    until the shared waiting budget (seconds, ``budget[0]``) runs out."""
-    while budget[0] > 0:
-        meter = CpuMeter()
-        time.sleep(2.0)
-        budget[0] -= 2.0
-        if meter.other_cores() < threshold:
-            return
-    budget[0] = 0.0
-
-
-def prepare(work: Path, args) -> tuple[Path, Path, int]:
-    """The benchmark model (random weights, the sample tokenizer) and the tokenized sample
-    corpus; returns (model dir, data prefix, parameter count)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig, tokenize_pretrain
-    from llmflow.sample.assets import SampleConfig, write_sample
-
-    sample = write_sample(SampleConfig(out=work / "sample")) / "model"
-    tokenize_pretrain(PretrainTokenizeConfig(input=[work / "sample" / "pretrain" / "corpus.parquet"], tokenizer=sample,
-                                             out=work / "wiki", append_eod=True))
-    vocab = json.loads((sample / "config.json").read_text())["vocab_size"]
-    config = LlamaConfig(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
-                         max_position_embeddings=max(1024, args.seq), tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    params = sum(p.numel() for p in model.parameters())
-    model_dir = work / "model"
-    model.save_pretrained(model_dir)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (sample / name).is_file():
-            shutil.copy(sample / name, model_dir / name)
-    return model_dir, work / "wiki", params
 
 
 def layouts(args) -> list[tuple[str, dict]]:
@@ -165,46 +102,6 @@ def layouts(args) -> list[tuple[str, dict]]:
     return sides
 
 
-def write_config(model: Path, data: Path, out: Path, args, samples: int, microbatches: int, pipeline: dict) -> Path:
-    """A training config of ``samples`` per step in ``microbatches`` micro-batches per pipeline,
-    written beside its (emptied) run directory ``out``; returns its path."""
-    from llmflow.train.config import TrainConfig
-
-    config = TrainConfig.model_validate({
-        "model": str(model),
-        "out": str(out),
-        "data": {"kind": "pretrain", "paths": [str(data)]},
-        "steps": args.warmup + args.steps,
-        "seq_length": args.seq,
-        "micro_batch_size": args.micro_batch,
-        "global_batch_size": samples,
-        "microbatches": microbatches,
-        "optim": {"lr": args.lr, "warmup_steps": 0, "decay": "constant"},
-        "dtype": "fp32",
-        "log_interval": 1,
-        **pipeline,
-    })
-    shutil.rmtree(out, ignore_errors=True)  # a run directory holding a checkpoint would resume
-    path = out.with_suffix(".json")
-    path.write_text(config.model_dump_json())
-    return path
-
-
-def parse_steps(lines: list[str], args, tokens: int) -> dict:
-    """Losses and step seconds from the worker's step lines; tokens/s after the warm-up."""
-    losses, seconds = {}, {}
-    for line in lines:
-        match = STEP_LINE.match(line)
-        if match:
-            losses[int(match[1])] = float(match[3])
-            seconds[int(match[1])] = tokens / float(match[4])
-    if sorted(losses) != list(range(1, args.warmup + args.steps + 1)):
-        raise SystemExit("a training worker logged no step line for some steps; its output:\n" + "\n".join(lines[-30:]))
-    timed = [seconds[s] for s in range(args.warmup + 1, args.warmup + args.steps + 1)]
-    return {"losses": [losses[s] for s in sorted(losses)], "step_s": statistics.mean(timed),
-            "tokens_per_s": tokens * len(timed) / sum(timed)}
-
-
 def run_layout(model: Path, data: Path, work: Path, pipeline: dict, args) -> dict:
     """pp=1 (dp=2, pipeline empty) or pp=2 on 2 torchrun ranks, the whole global batch."""
     from llmflow.cluster.nodes import torchrun_command
@@ -212,18 +109,20 @@ def run_layout(model: Path, data: Path, work: Path, pipeline: dict, args) -> dic
 
     dp = 2 // pipeline.get("pp", 1)
     samples = args.micro_batch * args.microbatches
-    path = write_config(model, data, work / "run", args, samples, args.microbatches // dp, pipeline)
+    path = training_config(model, data, work / "run", args.warmup + args.steps, args.seq, args.micro_batch, samples,
+                           args.lr, microbatches=args.microbatches // dp, **pipeline)
     lines: list[str] = []
     meter = CpuMeter()
     run_workers(torchrun_command("llmflow.train", [str(path)], 2), on_line=lines.append, cwd=REPO, env=WORKER_ENV)
-    return {**parse_steps(lines, args, samples * args.seq), "other_cores": meter.other_cores()}
+    return {**parse_steps(lines, args.warmup, args.steps, samples * args.seq), "other_cores": meter.other_cores()}
 
 
 def run_compute(model: Path, data: Path, work: Path, args) -> dict:
     """Two independent one-rank workers side by side, each on half the global batch (one dp=2
     rank's work, no collectives); tokens/s of the whole global batch at the slower one's pace."""
     samples = args.micro_batch * args.microbatches // 2
-    paths = [write_config(model, data, work / f"compute{i}", args, samples, args.microbatches // 2, {}) for i in range(2)]
+    paths = [training_config(model, data, work / f"compute{i}", args.warmup + args.steps, args.seq, args.micro_batch,
+                             samples, args.lr, microbatches=args.microbatches // 2) for i in range(2)]
     env = {**os.environ, **WORKER_ENV, "PYTHONUNBUFFERED": "1"}
     meter = CpuMeter()
     procs = [subprocess.Popen([sys.executable, "-m", "llmflow.train", str(path)], stdout=subprocess.PIPE,
@@ -233,7 +132,7 @@ def run_compute(model: Path, data: Path, work: Path, args) -> dict:
     for proc, output in zip(procs, outputs, strict=True):
         if proc.returncode != 0:
             raise SystemExit("a compute-reference worker failed:\n" + "\n".join(output.splitlines()[-30:]))
-    slower = max((parse_steps(output.splitlines(), args, samples * args.seq) for output in outputs),
+    slower = max((parse_steps(output.splitlines(), args.warmup, args.steps, samples * args.seq) for output in outputs),
                  key=lambda result: result["step_s"])
     return {"step_s": slower["step_s"], "tokens_per_s": 2 * samples * args.seq / slower["step_s"],
             "other_cores": other}
@@ -270,7 +169,7 @@ def main() -> None:
     compute: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model, data, params = prepare(work, args)
+        model, data, params = training_assets(work, args.layers, args.hidden, args.intermediate, args.heads, args.seq)
         for r in range(args.rounds):
             for name, pipeline in sides:
                 order = [("pp1", {}), ("pp2", pipeline)]

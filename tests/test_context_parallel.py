@@ -129,8 +129,8 @@ def test_layouts_context_parallelism_cannot_split_are_named():
         "attention heads; use a cp that divides them, or cp_algo=ring")]
     assert context_parallel_problems(dense, 8, 64, algo="ring") == []  # ring splits no heads
     assert context_parallel_problems(dense, 2, 36, algo="ring") == [
-        "seq_length=36 is not divisible by 2*cp=4: each rank holds 2 chunks of seq_length/(2 cp); "
-        "use a seq_length that is a multiple of 4"]
+        ("seq_length=36 is not divisible by 2*cp=4: each rank holds 2 chunks of seq_length/(2 cp); "
+        "use a seq_length that is a multiple of 4")]
     hybrid = _config({**CASES["qwen3_5 gated attention, packed documents"],
                       "layer_types": ["linear_attention", "full_attention"]})
     (problem,) = context_parallel_problems(hybrid, 2, 64)

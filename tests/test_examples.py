@@ -2,7 +2,8 @@
 settings pass the checks ``llmflow train`` makes for its devices (1 node x 8, or 2 nodes x 8
 for a ``-2nodes`` config, as the train command in its opening comment says), its memory plan
 with the model's published config.json fits a 64 GB device, and examples/README.md's table
-is that plan's."""
+is that plan's; a long-sequence config's (``-32k``, context parallel) whole plan, as
+``llmflow train`` prints it, is in examples/README.md too."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from llmflow.mesh import ParallelLayout
 from llmflow.models import ModelConfig
+from llmflow.models.context_parallel import context_parallel_problems
 from llmflow.train.config import TrainConfig, load_train_config
 from llmflow.train.memory import (
     LOAD,
@@ -24,7 +26,7 @@ from llmflow.train.memory import (
     train_plan,
     train_shape,
 )
-from llmflow.train.preflight import batch_problems, parallel_problems, pipeline_problems
+from llmflow.train.preflight import batch_problems, memory_check, parallel_problems, pipeline_problems
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 DEVICES_PER_NODE = 8
@@ -59,6 +61,9 @@ EXAMPLE_SETS = {  # (kind, nodes) of each model's configs
     # 35B parameters: the same 16 bytes a parameter leave 8 devices the LoRA example only.
     "qwen3.5-35b-a3b": {("lora", 1)},
 }
+LONG = "-32k"
+LONG_EXAMPLES = {"qwen2.5-7b": {"finetune"}}
+"""The kinds of each model's long-sequence configs (``{kind}-32k.yaml``, 32768 tokens a row)."""
 CONFIGS = sorted(EXAMPLES.glob("*/*.yaml"))
 COMMAND = re.compile(r"llmflow train --nproc (\d+)(?: --nnodes (\d+))?(?:[^\n]|\\\n#)*? examples/(\S+\.yaml)")
 
@@ -73,7 +78,7 @@ def devices(path: Path) -> int:
 
 
 def kind(path: Path) -> str:
-    return path.stem.removesuffix("-2nodes")
+    return path.stem.removesuffix("-2nodes").removesuffix(LONG)
 
 
 def load(path: Path) -> TrainConfig:
@@ -102,8 +107,19 @@ def after_loading(p: MemoryPlan) -> tuple[int, str]:
     return p.moment(moment), moment
 
 
+def printed_plan(path: Path) -> str:
+    """The plan ``llmflow train --nproc 8 {path} device_memory_gb=64`` prints before launch (on
+    CUDA as on Ascend: bf16, fused AdamW)."""
+    config = load(path).model_copy(update={"device_memory_gb": 64})
+    model = ModelConfig.from_file(path.parent / "config.json")
+    plan, _ = memory_check(config, model, devices(path), DEVICES_PER_NODE, "npu", seq_length(path, config),
+                           measure=False)
+    return plan.table()
+
+
 def layout(config: TrainConfig, world: int) -> str:
-    parts = [f"{name}={value}" for name, value in (("tp", config.tp), ("pp", config.pp)) if value > 1]
+    parts = [f"{name}={value}" for name, value in (("tp", config.tp), ("pp", config.pp), ("cp", config.cp))
+             if value > 1]
     dp = ParallelLayout.of_world(world, config.pp, config.tp, config.dp, cp=config.cp).dp
     text = " x ".join(parts + ([f"dp={dp}"] if dp > 1 else []))
     return f"{text}, ep={config.ep}" if config.ep > 1 else text
@@ -136,7 +152,9 @@ def test_every_model_has_its_examples_and_published_config():
     for name, count in PUBLISHED_PARAMETERS.items():
         assert model_params(ModelConfig.from_file(EXAMPLES / name / "config.json")) == count
         assert {(kind(p), nodes(p)) for p in CONFIGS if p.parent.name == name} == EXAMPLE_SETS[name]
-    assert {p.stem for p in CONFIGS} <= {f"{k}{s}" for k in KINDS for s in ("", "-2nodes")}
+        assert {kind(p) for p in CONFIGS if p.parent.name == name and p.stem.endswith(LONG)} == \
+            LONG_EXAMPLES.get(name, set())
+    assert {p.stem for p in CONFIGS} <= {f"{k}{s}" for k in KINDS for s in ("", "-2nodes", LONG)}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(EXAMPLES)))
@@ -145,7 +163,9 @@ def test_example_passes_the_checks_and_fits_64_gb(path):
     model = ModelConfig.from_file(path.parent / "config.json")
     world = devices(path)
     dp = ParallelLayout.of_world(world, config.pp, config.tp, config.dp, cp=config.cp).dp
-    assert parallel_problems(world, config.tp, config.dp, model, config.pp, config.ep) == []
+    assert parallel_problems(world, config.tp, config.dp, model, config.pp, config.ep, config.cp) == []
+    assert context_parallel_problems(model, config.cp, seq_length(path, config), config.tp, config.cp_algo) == []
+    assert (config.cp > 1) == path.stem.endswith(LONG) == (seq_length(path, config) == 32768)
     assert batch_problems(config.global_batch_size, config.micro_batch_size, dp) == []
     assert pipeline_problems(config, dp, model.num_hidden_layers) == []
     ep = config.ep
@@ -170,3 +190,9 @@ def test_readme_table_is_the_plan():
     readme = (EXAMPLES / "README.md").read_text().splitlines()
     start = readme.index(table()[0])
     assert readme[start:start + len(CONFIGS) + 2] == table()
+
+
+def test_readme_shows_the_plan_each_long_sequence_example_prints():
+    readme = (EXAMPLES / "README.md").read_text()
+    for path in [p for p in CONFIGS if p.stem.endswith(LONG)]:
+        assert f"```text\n{printed_plan(path)}\n```" in readme, printed_plan(path)

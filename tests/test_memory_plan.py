@@ -1,13 +1,15 @@
 """The per-device memory plan (llmflow/train/memory.py): parameter counts against the real
-modules, the activation term against the bytes a real decoder layer keeps, the sharding
-arithmetic of tp, dp and pp, the refusal line and its computed fixes, the generation plan's
-KV cache against the real cache, and the whole plan against the measured peak memory of a
-real training step of a ~20M and a ~120M parameter model in one process and of each of two
-FSDP2 ranks training a model whose tied 151,936-token embedding is most of its parameters.
+modules, the activation term against the bytes a real decoder layer keeps (in one process and
+on each of two context-parallel ranks), the sharding arithmetic of tp, dp, cp and pp, the
+refusal line and its computed fixes, the generation plan's KV cache against the real cache,
+and the whole plan against the measured peak memory of a real training step of a ~20M and a
+~120M parameter model in one process and of each of two FSDP2 ranks training a model whose
+tied 151,936-token embedding is most of its parameters.
 
-Measurements on CPU run in a subprocess with ``MALLOC_MMAP_THRESHOLD_`` fixed at 64 KiB, so
-glibc returns every freed tensor to the system and resident memory follows the live tensors
-(its default threshold grows up to 32 MiB and then keeps freed tensors in the heap)."""
+Measurements on CPU run in a subprocess with ``MALLOC_MMAP_THRESHOLD_`` fixed at 64 KiB (forked
+context-parallel ranks set the same threshold with ``mallopt``), so glibc returns every freed
+tensor to the system and resident memory follows the live tensors (its default threshold grows
+up to 32 MiB and then keeps freed tensors in the heap)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from llmflow.models import CausalLM, LoraConfig, ModelConfig, apply_lora
 from llmflow.models.kv_cache import KVCache
@@ -192,35 +195,47 @@ def _live_bytes() -> int:
     return info.hblkhd + info.uordblks
 
 
-LAYER_CONFIGS = {"qwen2": qwen2, "qwen3_moe": moe, "qwen2_moe": lambda **changes: moe("qwen2_moe", **changes),
+LAYER_CONFIGS = {"qwen2": qwen2, "qwen2_1kv": lambda **changes: qwen2(num_key_value_heads=1, **changes),
+                 "qwen3_moe": moe, "qwen2_moe": lambda **changes: moe("qwen2_moe", **changes),
                  "qwen3_5_linear": lambda **changes: qwen3_5(types="linear_attention", **changes),
                  "qwen3_5_attention": lambda **changes: qwen3_5(types="full_attention", **changes)}
 
 
-def measure_layer(dtype: str, mode: str, lora: bool, documents: bool, family: str = "qwen2", seq: int = 256) -> float:
+def measure_layer(dtype: str, mode: str, lora: bool, documents: bool, family: str = "qwen2", seq: int = 256,
+                  mesh: DeviceMesh | None = None, cp_algo: str = "ulysses") -> float:
     """Bytes per token one decoder layer keeps after its forward pass: the growth of live
     memory over the forward of 2 layers less that of 1 (batch 2 x ``seq`` tokens). The
-    per-token figures equal those of 4 layers less 2, halved, within 0.1%."""
+    per-token figures equal those of 4 layers less 2, halved, within 0.1%. ``mesh``: the
+    context-parallel ("cp") mesh this rank is one of (``apply_cp`` by ``cp_algo``); the
+    figure is then per token of its shard, 2 x ``seq`` / cp tokens, beside the whole
+    sequence's document ids."""
+    from llmflow.models.context_parallel import apply_cp, shard_sequence
+
     batch = 2
+    ranks, rank = (mesh.size(), mesh.get_local_rank()) if mesh is not None else (1, 0)
+    whole = torch.arange(seq).expand(batch, seq)
+    positions = shard_sequence(whole, None, whole, None, rank, ranks, cp_algo)["position_ids"]
     kept = {}
     for layers in (1, 1, 2):  # the first run warms up the kernels; the second 1-layer run counts
         model = CausalLM(LAYER_CONFIGS[family](num_hidden_layers=layers))
-        if family != "qwen2":  # the experts are allocated, not initialised, until init_weights
+        if family not in ("qwen2", "qwen2_1kv"):  # the experts are allocated, not initialised, until init_weights
             model.init_weights(generator=torch.Generator().manual_seed(0))
         model = model.to(getattr(torch, dtype))
         if lora:
             apply_lora(model, LoraConfig(rank=8))
+        if mesh is not None:
+            apply_cp(model, mesh, cp_algo)
         if mode != "none":
             apply_ac(model, mode)
-        hidden = torch.randn(batch, seq, 512, dtype=model.lm_head.weight.dtype, requires_grad=True)
+        hidden = torch.randn(*positions.shape, 512, dtype=model.lm_head.weight.dtype, requires_grad=True)
         docs = torch.arange(seq).div(100, rounding_mode="floor").expand(batch, seq) if documents else None
         gc.collect()
         before = _live_bytes()
-        out = model.model(hidden, position_ids=torch.arange(seq).expand(batch, seq), document_ids=docs)
+        out = model.model(hidden, position_ids=positions, document_ids=docs)
         gc.collect()
         kept[layers] = _live_bytes() - before - out.numel() * out.element_size()
         del out, model
-    return (kept[2] - kept[1]) / (batch * seq)
+    return (kept[2] - kept[1]) / positions.numel()
 
 
 @pytest.mark.slow
@@ -282,6 +297,84 @@ def test_hybrid_activation_term_equals_what_a_real_layer_keeps():
         print(f"{family} {dtype} {mode}{' LoRA' if lora else ''}: planned {planned:.0f}, measured {got:.0f} bytes/token")
         # As test_activation_term_equals_what_a_real_layer_keeps: 2% plus 64 KiB per layer.
         assert abs(planned - got) <= 0.02 * got + 128, (family, dtype, mode, lora, planned, got)
+
+
+M_MMAP_THRESHOLD = -3
+"""mallopt's parameter that MALLOC_MMAP_THRESHOLD_ sets (glibc's malloc.h)."""
+CP_SEQ = 512
+CP_CASES = [("qwen2", False, 2, "ulysses"), ("qwen2", True, 2, "ulysses"), ("qwen2_1kv", False, 2, "ulysses"),
+            ("qwen2", False, 2, "ring"), ("qwen2", True, 2, "ring"), ("qwen2", False, 1, ""), ("qwen2", True, 1, "")]
+"""(family, document ids, cp, cp_algo) of the layers measured on two context-parallel ranks,
+fp32, no checkpointing, 2 x 512 tokens: qwen2's 2 KV heads split over the ranks by Ulysses,
+one KV head repeated to the query heads, ring attention; the cp=1 cases last, one on each rank."""
+
+
+def cp_layer_worker(argv: list[str]) -> None:
+    """One of two context-parallel ranks (``forked_workers.run_forked``): ``measure_layer`` of
+    each of ``CP_CASES`` at cp=2 and of every other one at cp=1, written to
+    ``{argv[0]}.rank{rank}.json`` (None where it measured nothing)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # A forked worker's malloc started with the server's settings: fix the threshold as MEASURE_ENV does.
+    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 65536)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
+    gc.freeze()
+    kept = [measure_layer("float32", "none", False, documents, family, CP_SEQ, mesh, algo) if cp > 1
+            else measure_layer("float32", "none", False, documents, family, CP_SEQ) if i % 2 == rank else None
+            for i, (family, documents, cp, algo) in enumerate(CP_CASES)]
+    Path(f"{argv[0]}.rank{rank}.json").write_text(json.dumps(kept))
+
+
+@pytest.fixture(scope="module")
+def cp_kept(tmp_path_factory) -> list[dict[tuple[str, bool, int, str], float]]:
+    """Each cp rank's measured bytes per token of its shard (at cp=1 of the whole sequence), by
+    case of ``CP_CASES``."""
+    from forked_workers import run_forked
+
+    root = tmp_path_factory.mktemp("cp")
+    run_forked(f"{Path(__file__).stem}:cp_layer_worker", [str(root / "kept")], 2, root / "cp", {"OMP_NUM_THREADS": "1"})
+    measured = [json.loads((root / f"kept.rank{rank}.json").read_text()) for rank in (0, 1)]
+    return [{case: got for case, got in zip(CP_CASES, rank, strict=True) if got is not None} for rank in measured]
+
+
+@pytest.mark.slow
+def test_activation_term_per_rank_at_cp_2_equals_what_a_real_layer_keeps(cp_kept):
+    """Each of two context-parallel ranks (gloo) keeps per token of its half what the plan
+    says. Ulysses: as one process but for the document mask, built over the whole sequence
+    ([2, 1, 512, 512] fp32, 4096 bytes a token of its 512), and a single KV head, repeated to
+    the 8 query heads before the all-to-all (k and v kept as wide as q). Ring: both ranks'
+    keys and values, and for its two chunks of 128 queries masks over the keys up to their
+    ends (rank 0's first chunk, attending to itself alone, needs none without documents)."""
+    for rank, kept in enumerate(cp_kept):
+        for (family, documents, cp, algo), got in kept.items():
+            planned = layer_activation_bytes(LAYER_CONFIGS[family](), 4, "none", 1, None, CP_SEQ, documents, cp=cp,
+                                             cp_algo=algo, batch=2)
+            print(f"rank {rank} {family} cp={cp} {algo}{' documents' if documents else ''}: planned {planned:.0f}, "
+                  f"measured {got:.0f} bytes/token")
+            # As test_activation_term_equals_what_a_real_layer_keeps: 2% plus 64 KiB a layer of 512 tokens.
+            assert abs(planned - got) <= 0.02 * got + 128, (rank, family, documents, cp, algo, planned, got)
+
+
+@pytest.mark.slow
+def test_activation_term_per_rank_falls_to_about_1_over_cp(cp_kept):
+    """What a layer keeps on a cp=2 rank is about half what it keeps in one process, as
+    planned: exactly half by Ulysses but for the document mask, whole on every rank (0.525
+    planned with it, 512 tokens); ring keeps every rank's keys and values and its chunks'
+    masks."""
+    whole = {case[:2]: got for kept in cp_kept for case, got in kept.items() if case[2] == 1}
+    expected = {("ulysses", False): 0.5, ("ulysses", True): 0.525, ("ring", False): 0.522, ("ring", True): 0.503}
+    for (algo, documents), ratio in expected.items():
+        plans = [train_plan(qwen2(), shape(cp=cp, cp_algo=algo, micro_batch_size=2, seq_length=CP_SEQ, dtype_bytes=4,
+                                           accumulation=1, documents=documents)) for cp in (1, 2)]
+        planned = term(plans[1], "activations") / term(plans[0], "activations")
+        assert planned == pytest.approx(ratio, abs=1e-3), (algo, documents, planned)
+        for rank, kept in enumerate(cp_kept):  # bytes per token x 2 x 256 tokens at cp=2, 2 x 512 at cp=1
+            measured = kept[("qwen2", documents, 2, algo)] / (2 * whole[("qwen2", documents)])
+            print(f"rank {rank}, {algo}, documents={documents}: planned ratio {planned:.4f}, measured {measured:.4f}")
+            assert abs(measured - planned) <= 0.02 * planned, (rank, algo, documents, planned, measured)
 
 
 def test_tensor_parallel_gated_deltanet_counts_its_gathered_weights():
@@ -468,10 +561,11 @@ def test_a_larger_ep_is_proposed_when_it_fits():
 
     def plan_of(change):
         if set(change) - {"ep", "activation_checkpointing", "micro_batch_size", "lora"}:
-            return None  # tp (a mixture of experts is not split) and pp are left out here
+            return None  # tp (a mixture of experts is not split), pp and cp are left out here
         return train_plan(config, replace(base, **change), device)
 
-    current = {"tp": 1, "pp": 1, "micro_batch_size": 2, "activation_checkpointing": "selective", "lora": None, "ep": 1}
+    current = {"tp": 1, "pp": 1, "cp": 1, "micro_batch_size": 2, "activation_checkpointing": "selective", "lora": None,
+               "ep": 1}
     found = suggestions(plan_of, current, config, 8)
     assert found[0].startswith("ep=8 (")  # ep=2 and ep=4 hold more experts than FSDP2's 1/8 shards
     assert not [f for f in suggestions(plan_of, {k: v for k, v in current.items() if k != "ep"}, config, 8)
@@ -517,6 +611,92 @@ def test_train_shape_reads_ep():
     assert train_shape(config.model_copy(update={"ep": 8}), 16, 2048, "cuda").ep == 8
 
 
+# --- context parallelism -----------------------------------------------------------------
+
+
+def test_train_shape_reads_cp():
+    sh = train_shape(train_config(cp=4, global_batch_size=16), 8, 32768, "cuda")
+    assert (sh.dp, sh.cp, sh.accumulation, sh.tokens, sh.fsdp_ranks) == (2, 4, 8, 8192, 8)
+    # fp32 at dp=1: FSDP2 still shards over the cp ranks.
+    assert train_shape(train_config(cp=2), 2, 4096, "cpu").sharded and not train_shape(train_config(), 1, 4096, "cpu").sharded
+
+
+def test_context_parallelism_shards_the_state_over_dp_cp_and_the_tokens_over_the_sequence():
+    """Qwen2.5-7B at 32768 tokens of packed documents, cp=4 x dp=2 against dp=8: FSDP2 shards
+    over the same 8 ranks; a rank computes a quarter of each sequence, but builds the document
+    mask over the whole of it ([1, 1, 32768, 32768], 2 GiB in bf16 a layer)."""
+    from dataclasses import replace
+
+    base = shape(seq_length=32768, accumulation=4, documents=True)
+    dp8, cp4 = train_plan(QWEN25_7B, replace(base, dp=8)), train_plan(QWEN25_7B, replace(base, dp=2, cp=4))
+    for prefix in ("weights: fp32", "optimizer", "gradients: fp32", "gradients of the layers", "weights gathered",
+                   "root unit's reduce-scatter"):
+        assert term(cp4, prefix) == term(dp8, prefix), prefix
+    assert "pp=1 dp=2 cp=4 tp=1, micro batch 1 x 32768 tokens" in cp4.title
+    assert "sharded over dp*cp=2*4=8" in next(t.name for t in cp4.terms if t.name.startswith("weights: fp32"))
+    assert "x 8192 tokens (1/4 of 32768)" in next(t.name for t in cp4.terms if t.name.startswith("activations"))
+    mask = 2 * 32768 * 32768
+    per_token = {cp: layer_activation_bytes(QWEN25_7B, 2, "none", 1, None, 32768, True, cp=cp) for cp in (1, 4)}
+    assert per_token[4] * 8192 == (per_token[1] - 2 * 32768) * 8192 + mask
+    assert term(cp4, "backward working set") == int(per_token[4] * 8192 + (2 + 4 + 4 / 8) * layer_params(QWEN25_7B))
+    # Checkpointed layers and the loss's hidden-state gradient: a quarter of the tokens.
+    for mode in ("selective", "full"):
+        plans = [train_plan(QWEN25_7B, replace(base, activation_checkpointing=mode, **layout))
+                 for layout in ({"dp": 8}, {"dp": 2, "cp": 4})]
+        assert abs(term(plans[1], "activations") - term(plans[0], "activations") / 4) <= 1
+    assert term(dp8, "loss") - term(cp4, "loss") == 2 * (32768 - 8192) * 3584
+
+
+def test_key_value_heads_repeated_for_context_parallelism_are_kept_as_wide_as_the_queries():
+    """qwen2(): 8 query heads of 64, 2 key/value heads; cp=4 (or tp=2 x cp=2, one KV head per tp
+    rank) repeats them to one per query head before the all-to-all."""
+    config = qwen2()
+    one = layer_activation_bytes(config, 2)
+    assert layer_activation_bytes(config, 2, cp=2) == one  # 2 KV heads split over 2 ranks
+    assert layer_activation_bytes(config, 2, cp=4) - one == 2 * 2 * (512 - 128)
+    assert layer_activation_bytes(config, 2, tp=2, cp=2) - layer_activation_bytes(config, 2, tp=2) == 2 * 2 * (512 - 128) / 2
+    for mode in ("selective", "full"):
+        assert layer_activation_bytes(config, 2, mode, cp=4) == layer_activation_bytes(config, 2, mode)
+
+
+def test_ring_attention_keeps_every_ranks_keys_and_values_and_its_chunks_masks():
+    """qwen2() at cp=4 by ring, 4096 tokens in 8 chunks of 512: a rank keeps the whole
+    sequence's keys and values (2 KV heads of 64) and masks for its two query chunks over the
+    keys up to their ends, 9 x 512 keys in all on the busiest rank ([B, 1, ...] with documents,
+    one causal [1, 1, ...] without)."""
+    config = qwen2()
+    one = layer_activation_bytes(config, 2, seq_length=4096)
+    kv = 2 * 2 * 128 * 3
+    assert layer_activation_bytes(config, 2, seq_length=4096, cp=4, cp_algo="ring") - one == kv + 2 * 512 * 9 / 2
+    assert layer_activation_bytes(config, 2, seq_length=4096, cp=4, cp_algo="ring", batch=4) - one == \
+        kv + 2 * 512 * 9 / 2 / 4
+    assert layer_activation_bytes(config, 2, seq_length=4096, documents=True, cp=4, cp_algo="ring", batch=4) == \
+        layer_activation_bytes(config, 2, seq_length=4096, documents=True) - 2 * 4096 + kv + 2 * 512 * 9 / 2
+    sh = train_shape(train_config(cp=4, cp_algo="ring", global_batch_size=16), 8, 4096, "cuda")
+    assert (sh.cp, sh.cp_algo) == (4, "ring") and "dp=2 cp=4 (ring) tp=1" in train_plan(config, sh).title
+
+
+def test_a_larger_cp_is_proposed_when_it_fits():
+    """Qwen2.5-7B, full finetuning of 32768-token packed documents on 8 ranks at dp=8, full
+    checkpointing: the smallest cp that fits at the same world size (fewer dp ranks), and none
+    the sequence cannot be split by; cp=8 never (28 heads)."""
+    def refused(gb: float, seq: int) -> str:
+        config = train_config(device_memory_gb=gb, seq_length=seq, dtype="bf16", activation_checkpointing="full",
+                              data={"kind": "sft", "paths": ["d"]}, global_batch_size=16)
+        plan, problems = memory_check(config, QWEN25_7B, 8, 8, "cuda", seq)
+        assert not plan.fits
+        return problems[0]
+
+    assert "or cp=2 (55.01 GiB)" in refused(64, 32768)
+    assert "or cp=4 (51.94 GiB)" in refused(57, 32768)  # cp=2 needs 55.01 of its 53.09 GiB
+    assert "cp=" not in refused(57, 32766)  # 32766 tokens split 2 ways, not 4
+    # cp=8 would need 50.45 GiB of 51.22, but it cannot split the 28 heads.
+    assert "cp=" not in refused(55, 32768)
+    cp4 = train_config(device_memory_gb=57, seq_length=32768, dtype="bf16", activation_checkpointing="full",
+                       data={"kind": "sft", "paths": ["d"]}, global_batch_size=16, cp=4)
+    assert memory_check(cp4, QWEN25_7B, 8, 8, "cuda", 32768)[0].fits
+
+
 def test_generation_counts_every_expert_and_a_moe_layers_rows():
     config = moe(num_hidden_layers=2)
     with torch.device("meta"):
@@ -546,14 +726,15 @@ def test_a_plan_that_does_not_fit_is_refused_with_the_changes_that_fit():
     assert line.startswith("memory: the plan needs ") and "largest term: " in line and "fits with tp=" in line
     assert "\n" not in line
     # Every change it names fits, and checkpointing alone (not named) does not.
-    fixes = re.findall(r"(tp=\d+|pp=\d+|activation_checkpointing=\w+|micro_batch_size=\d+|LoRA)", line.split("fits with")[1])
+    fixes = re.findall(r"(tp=\d+|pp=\d+|cp=\d+|activation_checkpointing=\w+|micro_batch_size=\d+|LoRA)",
+                       line.split("fits with")[1])
     assert fixes
     for fix in fixes:
         change = {"lora": {"rank": 8}} if fix == "LoRA" else {fix.split("=")[0]: fix.split("=")[1]}
         fixed = train_config(device_memory_gb=64, **change)
         assert memory_check(fixed, QWEN25_7B, 8, 8, "cuda", 4096)[0].fits, fix
     # Each is the smallest change of its setting that fits.
-    smaller = {"tp=4": {"tp": 2}, "tp=8": {"tp": 4}, "pp=4": {"pp": 2}, "activation_checkpointing=full":
+    smaller = {"tp=4": {"tp": 2}, "tp=8": {"tp": 4}, "pp=4": {"pp": 2}, "cp=4": {"cp": 2}, "activation_checkpointing=full":
                {"activation_checkpointing": "selective"}}
     for fix in fixes:
         if fix in smaller:

@@ -12,16 +12,17 @@ It counts what llmflow really keeps, term by term, on the busiest device:
   and data parallelism shard it, as a one-process generation does.
 - Weights: fp32 (the master weights; the optimizer updates them). Tensor parallelism splits
   the decoder layers' matrices ``tp`` ways; the embedding and output projection stay whole
-  on every rank of the group. FSDP2 shards everything over ``dp``. Pipeline stages hold
-  their layers (``num_layer_list``); stage 0 the embedding, the last the norm and output
-  projection, and with tied embeddings the tied matrix as well.
+  on every rank of the group. FSDP2 shards everything over ``dp`` (over dp * cp ranks under
+  context parallelism). Pipeline stages hold their layers (``num_layer_list``); stage 0 the
+  embedding, the last the norm and output projection, and with tied embeddings the tied
+  matrix as well.
 - Mixtures of experts: a MoE layer holds its router and every routed expert (and Qwen2-MoE's
   shared expert); the title gives the total and the active parameters (those one token
   computes with: its top-k experts of each layer). With expert parallelism (``ep > 1``, ranks
   carved out of dp) each rank holds num_experts / ep experts of every MoE layer whole, with
   their fp32 gradients and AdamW state, outside FSDP2; everything else is sharded over dp as
   in a dense model. At ``ep = 1`` the experts are FSDP2-sharded with the rest of their layer.
-- FSDP2 (``dp > 1`` or a compute dtype other than fp32) all-gathers each layer in the
+- FSDP2 (``dp * cp > 1`` or a compute dtype other than fp32) all-gathers each layer in the
   compute dtype for its forward and backward: the root unit (embedding, norm, output
   projection) for the whole step, about two layers at a time, and, under pipeline stages
   (resharded only after the step's last backward), the whole stage. Under ``ep > 1`` a MoE
@@ -34,6 +35,11 @@ It counts what llmflow really keeps, term by term, on the busiest device:
   kernels, see ``layer_activation_bytes``; a MoE layer's for its k routed rows per token),
   summed over the layers, times the micro-batches a pipeline schedule keeps in flight (1F1B:
   ``pp - stage``; GPipe: all; Interleaved1F1B: torch's warm-up count).
+- Context parallelism (``cp > 1``): a rank computes seq_length / cp of every sample's tokens,
+  and its activations, backward working set, expert dispatch and the loss's hidden-state
+  gradient count those, except what attention holds of the whole sequence
+  (``layer_activation_bytes``: Ulysses' document mask [B, 1, S, S]; ring's every rank's keys
+  and values and the masks of its two chunks).
 - Expert dispatch (``ep > 1``): the all-to-all's send and receive buffers, each a micro-batch's
   tokens x top-k rows of hidden in the compute dtype, planned for balanced routing (a rank
   receives as many rows as it sends; a step that favours its experts receives more).
@@ -316,10 +322,11 @@ def active_params(model: ModelConfig) -> int:
 
 def layer_activation_bytes(model: ModelConfig, dtype_bytes: int, checkpointing: str = "none", tp: int = 1,
                            lora: LoraConfig | None = None, seq_length: int = 0, documents: bool = False,
-                           layer: int = 0) -> float:
+                           layer: int = 0, cp: int = 1, cp_algo: str = "ulysses", batch: int = 1) -> float:
     """Bytes autograd keeps per token of decoder layer ``layer`` after its forward pass, on one
     tensor-parallel rank (sequence parallel: norms and the residual stream hold 1/tp of the
-    tokens; the all-gathered inputs of q/k/v and gate/up, whole).
+    tokens; the all-gathered inputs of q/k/v and gate/up, whole), per token of the rank's
+    sequence shard under context parallelism (``cp``).
 
     none: the fp32 input of each RMSNorm (4 h) and its normalised output (d h, when the norm
     trains), the inputs of q/k/v and gate/up (d h each), rotated q, k, v, attention output
@@ -339,6 +346,23 @@ def layer_activation_bytes(model: ModelConfig, dtype_bytes: int, checkpointing: 
     they train); a gated attention also keeps the sigmoid of its gate and the attention
     output it scales (2 d q); a Gated DeltaNet layer keeps ``_deltanet_bytes`` in place of
     attention's terms.
+
+    Context parallelism (``models/context_parallel.py``), per token of the rank's S/cp
+    (``batch`` rows of S = ``seq_length``), without checkpointing:
+
+    - ulysses: attention keeps q, k, v and its output as [B, H/cp, S, D] after the all-to-all,
+      as many elements as [B, H, S/cp, D], so the same bytes per token; but when cp does not
+      divide the key/value heads (of a tp rank) they are repeated to one per query head first,
+      and k and v are kept as wide as q. The document mask is built over the whole sequence,
+      [B, 1, S, S] on every cp rank: d s cp per token.
+    - ring: attention keeps every rank's keys and values, the whole sequence's (2 d kv cp per
+      token), and each of the rank's two query chunks of L = S/2cp positions attends over the
+      keys up to its end with an explicit mask, [B, 1, L, end] with documents, [1, 1, L, end]
+      causal alone (a first chunk attending to itself alone takes none): the two ends add up
+      to (2 cp + 1) L on the busiest rank.
+
+    Selective and full checkpointing keep the same per token as at cp = 1 (attention's output
+    and log-sum-exp are as many elements either way).
     """
     d, h, f = dtype_bytes, model.hidden_size, model.intermediate_size
     heads = model.num_attention_heads
@@ -373,14 +397,23 @@ def layer_activation_bytes(model: ModelConfig, dtype_bytes: int, checkpointing: 
         kept += _deltanet_bytes(model, d, tp, norm_trains, trains)
     else:
         kept += d * h * any(trains(f"self_attn.{p}_proj") for p in "qkv")
-        kept += d * (2 * q + 2 * kv) / tp + 4 * heads / tp  # rotated q, k; v; attention output; lse
+        ring = cp > 1 and cp_algo == "ring"
+        if ring:  # every rank's keys and values
+            attended = kv * cp
+        elif model.num_key_value_heads // tp % cp:  # repeated to the query heads before Ulysses' all-to-all
+            attended = q
+        else:
+            attended = kv
+        kept += d * (2 * q + 2 * attended) / tp + 4 * heads / tp  # rotated q, k; v; attention output; lse
         kept += d * q / tp * trains("self_attn.o_proj")
         kept += 2 * d * q / tp * gated  # the gate's sigmoid and the output it scales
         # In fp32 the q norm's input is a view of q_proj's output, which keeps the gate's half too.
         kept += d * q / tp * (gated and model.qk_norm and d == 4)
         kept += ((4 + normalised * norm_trains) * (q + kv) + 4 * (heads + model.num_key_value_heads)) / tp * model.qk_norm
-        if documents:
-            kept += d * seq_length
+        if ring:  # masks of (2 cp + 1) L x L elements, one row of them without documents, over the B 2L tokens
+            kept += d * seq_length / (2 * cp) * (2 * cp + 1) / 2 / (1 if documents else batch)
+        elif documents:
+            kept += d * seq_length * cp
     if moe:
         kept += _moe_bytes(model, d, lora, trains)
     else:
@@ -490,12 +523,32 @@ class TrainShape:
     """What ``config.model`` is: "checkpoint" (a full-weight training checkpoint) or "hf" (a
     Hugging Face directory), whose shards each rank loads alone; "lora" (a LoRA checkpoint),
     whose base every rank loads whole before sharding."""
+    cp: int = 1
+    """Context-parallel degree: each rank holds seq_length / cp of every sample's tokens; FSDP2
+    shards over dp * cp ranks."""
+    cp_algo: str = "ulysses"
+    """How attention reaches the other cp ranks' positions: "ulysses" or "ring" (TrainConfig's)."""
 
     @property
     def sharded(self) -> bool:
         """Whether FSDP2 wraps the model (as ``llmflow.train.loop.setup`` decides for a torchrun
         launch, which ``llmflow train`` always is)."""
-        return self.dp > 1 or self.dtype_bytes != 4
+        return self.dp * self.cp > 1 or self.dtype_bytes != 4
+
+    @property
+    def fsdp_ranks(self) -> int:
+        """The ranks FSDP2 shards the weights, gradients and optimizer state over: dp * cp."""
+        return self.dp * self.cp
+
+    @property
+    def fsdp_label(self) -> str:
+        """``fsdp_ranks`` as the plan names it."""
+        return f"dp={self.dp}" if self.cp == 1 else f"dp*cp={self.dp}*{self.cp}={self.fsdp_ranks}"
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of a micro-batch on one rank: its 1/cp of every sample's."""
+        return self.micro_batch_size * self.seq_length // self.cp
 
 
 def in_flight(shape: TrainShape, pp_rank: int) -> int:
@@ -514,7 +567,7 @@ def in_flight(shape: TrainShape, pp_rank: int) -> int:
 
 
 def _stage_plan(model: ModelConfig, shape: TrainShape, pp_rank: int) -> tuple[list[Term], str]:
-    d, tp, dp, ep = shape.dtype_bytes, shape.tp, shape.dp, shape.ep
+    d, tp, ep = shape.dtype_bytes, shape.tp, shape.ep
     h, vh = model.hidden_size, model.vocab_size * model.hidden_size
     stages = shape.pp * (shape.virtual_stages or 1)
     split = layer_split(model.num_hidden_layers, stages, shape.num_layer_list)
@@ -525,19 +578,19 @@ def _stage_plan(model: ModelConfig, shape: TrainShape, pp_rank: int) -> tuple[li
     tied = model.tie_word_embeddings
     root = vh * (first or (last and tied)) + (h + vh * (not tied)) * last
     sharded = shape.sharded
-    shard = dp if sharded else 1
+    shard = shape.fsdp_ranks if sharded else 1
     lora = shape.lora
     # Under expert parallelism (ep > 1) each rank holds 1/ep of every MoE layer's experts whole,
-    # outside FSDP2; everything else (and at ep = 1 the experts too) is sharded over dp.
+    # outside FSDP2; everything else (and at ep = 1 the experts too) is sharded over dp * cp.
     experts = [layer_experts(model, i) if ep > 1 else 0 for i in indices]
     local = [e // ep for e in experts]
     adapters = [lora_layer_params(model, lora, tp, i) if lora is not None else 0 for i in indices]
     unit = [layer_params(model, tp, i) - e + a for i, e, a in zip(indices, experts, adapters, strict=True)]
-    params = sum(unit) + root  # sharded over dp
+    params = sum(unit) + root  # sharded over dp * cp
     trainable = params if lora is None else sum(adapters)
     local_trainable = sum(local) if lora is None else 0
     all_adapters = sum(lora_layer_params(model, lora, 1, i) for i in range(model.num_hidden_layers)) if lora else 0
-    over = f"sharded over dp={dp}" if sharded else "whole"
+    over = f"sharded over {shape.fsdp_label}" if sharded else "whole"
     if sum(local):
         over += f"; this rank's {model.num_experts // ep} of {model.num_experts} experts whole (ep={ep})"
     weights = 4 * params // shard + 4 * sum(local)
@@ -572,10 +625,11 @@ def _stage_plan(model: ModelConfig, shape: TrainShape, pp_rank: int) -> tuple[li
     elif shape.accumulation > 1:
         terms.append(Term("gradients accumulated across micro-batches, fp32", 4 * trainable, FORWARD))
     flight = in_flight(shape, pp_rank)
-    tokens = shape.micro_batch_size * shape.seq_length
+    tokens = shape.tokens
 
     def activation(mode: str, layer: int) -> float:
-        return layer_activation_bytes(model, d, mode, tp, lora, shape.seq_length, shape.documents, layer)
+        return layer_activation_bytes(model, d, mode, tp, lora, shape.seq_length, shape.documents, layer, shape.cp,
+                                      shape.cp_algo, shape.micro_batch_size)
 
     # A pipeline rank's in-flight chunks each hold one stage's layers.
     chunk_layers = layers / len(held)
@@ -583,15 +637,22 @@ def _stage_plan(model: ModelConfig, shape: TrainShape, pp_rank: int) -> tuple[li
     rotary = 2 * d * model.head_dim * tokens * flight
     boundaries = d * h * tokens / tp * flight * ((not first) + (not last)) if shape.pp > 1 else 0
     ac = shape.activation_checkpointing
-    terms.append(Term(f"activations: {chunk_layers:g} layers x {flight} micro-batch(es) x {tokens} tokens, AC {ac}",
-                      int(activations + rotary + boundaries), FORWARD))
+    part = f" (1/{shape.cp} of {shape.micro_batch_size * shape.seq_length})" if shape.cp > 1 else ""
+    terms.append(Term(f"activations: {chunk_layers:g} layers x {flight} micro-batch(es) x {tokens} tokens{part}, "
+                      f"AC {ac}", int(activations + rotary + boundaries), FORWARD))
     working = 0.0
     for i, u, e in zip(indices, unit, local, strict=True):
         layer_working = activation("none", i) * tokens
         if sharded:  # a layer's gradient, its fp32 reduce-scatter in and out; the local experts' in d and fp32
-            layer_working += (d + 4 + 4 / dp) * u + (cast + 4) * e * (lora is None)
+            layer_working += (d + 4 + 4 / shard) * u + (cast + 4) * e * (lora is None)
         working = max(working, layer_working)
-    terms.append(Term("backward working set: one layer recomputed / its gradients", int(working), FORWARD))
+    if shape.cp > 1 and shape.cp_algo == "ring":
+        whole = ", every cp rank's keys and values"
+    elif shape.cp > 1 and shape.documents:
+        whole = f", the document mask over all {shape.seq_length} positions"
+    else:
+        whole = ""
+    terms.append(Term(f"backward working set: one layer recomputed / its gradients{whole}", int(working), FORWARD))
     linear = sum(model.is_linear_layer(i) for i in indices)
     if tp > 1 and linear:
         # Under tp a Gated DeltaNet gathers in_proj_qkv and conv1d whole and computes with this
@@ -636,14 +697,14 @@ def _backward_end(model: ModelConfig, shape: TrainShape, body: int, local: int, 
     buffer, and the embedding's dense gradient) or, when larger, FSDP2's reduce-scatter of the
     root unit (its gradients in the compute dtype, gathered weights freed, an fp32 input and
     output). ``body``: the parameters of the layers FSDP2 shards."""
-    d, dp, vh = shape.dtype_bytes, shape.dp, model.vocab_size * model.hidden_size
+    d, shards, vh = shape.dtype_bytes, shape.fsdp_ranks, model.vocab_size * model.hidden_size
     dtype = "bf16" if d == 2 else "fp32"
     held = shape.accumulation > 1 or shape.pp > 1
     terms = []
     if shape.sharded:
         experts = ", this rank's experts whole" if local else ""
-        terms.append(Term(f"gradients of the layers: fp32, sharded over dp={dp} (reduce-scattered by then){experts}",
-                          4 * body // dp + 4 * local, BACKWARD))
+        terms.append(Term(f"gradients of the layers: fp32, sharded over {shape.fsdp_label} (reduce-scattered by then)"
+                          f"{experts}", 4 * body // shards + 4 * local, BACKWARD))
         if held:
             terms.append(Term("root unit's gradients held unsharded across micro-batches, fp32", 4 * root, BACKWARD))
     elif held:
@@ -652,7 +713,7 @@ def _backward_end(model: ModelConfig, shape: TrainShape, body: int, local: int, 
         terms.append(Term("gradients of the layers, fp32", 4 * body, BACKWARD))
     head = d * vh if last and (not held or (model.tie_word_embeddings and shape.pp == 1)) else 0
     gathered = d * root if shape.sharded else 0
-    reduce = (0 if held else d * root) + 4 * root + 4 * root // dp
+    reduce = (0 if held else d * root) + 4 * root + 4 * root // shards
     if shape.sharded and reduce > gathered + head + d * vh:
         terms.append(Term("root unit's reduce-scatter: its gradients, the fp32 input and output", reduce, BACKWARD))
         return terms
@@ -668,7 +729,7 @@ def _backward_end(model: ModelConfig, shape: TrainShape, body: int, local: int, 
 def _largest_trainable(model: ModelConfig, shape: TrainShape, indices: list[int], holds_vocab: bool) -> int:
     """Bytes of AdamW's two fp32 temporaries for the largest trainable parameter on this rank
     (its shard under FSDP2; a local expert projection under ep > 1 is whole)."""
-    shard = shape.dp if shape.sharded else 1
+    shard = shape.fsdp_ranks if shape.sharded else 1
     if shape.lora is not None:
         sizes = [shape.lora.rank * max(_linear_shapes(model, i)[name]) for i in indices
                  for name in _targets(shape.lora, model, i)]
@@ -700,13 +761,14 @@ def train_plan(model: ModelConfig, shape: TrainShape, device_bytes: int | None =
     dtype = {2: "bf16", 4: "fp32"}[shape.dtype_bytes]
     mode = "LoRA" if shape.lora is not None else "full"
     count = f"{_count(model_params(model))} parameters"
-    layout = f"pp={shape.pp} dp={shape.dp} tp={shape.tp}"
+    context = f" cp={shape.cp}{' (ring)' if shape.cp_algo == 'ring' else ''}" if shape.cp > 1 else ""
+    layout = f"pp={shape.pp} dp={shape.dp}{context} tp={shape.tp}"
     if model.num_experts:
         count += f", {_count(active_params(model))} active"
         layout += f" ep={shape.ep}"
         if shape.ep > 1:
             plan.notes.append(f"expert dispatch planned for balanced routing: each rank receives as many (token, expert) "
-                              f"rows as it sends ({shape.micro_batch_size * shape.seq_length} tokens x top-"
+                              f"rows as it sends ({shape.tokens} tokens x top-"
                               f"{model.num_experts_per_tok}); a step whose routing favours this rank's experts "
                               f"receives more")
     plan.title = (
@@ -814,17 +876,22 @@ def device_memory(device_type: str, local_ranks: int = 1, override_gb: float | N
 def suggestions(plan_of: Callable[[dict], MemoryPlan | None], current: dict, model: ModelConfig,
                 world_size: int) -> list[str]:
     """The smallest change of each setting that makes the plan fit (a larger tp, a larger pp, a
-    larger ep for a mixture of experts when ``current`` has one, activation checkpointing, a
-    smaller micro batch, LoRA), each with its peak: ``plan_of(settings)`` plans ``current``
-    updated with the settings (None where the layout cannot run)."""
+    larger cp at the same world size (fewer dp ranks), a larger ep for a mixture of experts
+    when ``current`` has one, activation checkpointing, a smaller micro batch, LoRA), each
+    with its peak: ``plan_of(settings)`` plans ``current`` updated with the settings (None
+    where the layout cannot run: ``plan_of`` refuses the cp that the heads or the sequence
+    length do not allow)."""
     modes = ("none", "selective", "full")
+    tp, pp, cp = current["tp"], current["pp"], current["cp"]
     groups: list[list[tuple[str, dict]]] = [
         [(f"ep={ep}", {"ep": ep}) for ep in (2, 4, 8, 16, 32, 64, 128, 256)
          if "ep" in current and ep > current["ep"] and model.num_experts % ep == 0 and world_size % ep == 0],
-        [(f"tp={tp}", {"tp": tp}) for tp in (2, 4, 8, 16, 32, 64)
-         if tp > current["tp"] and world_size % (tp * current["pp"]) == 0],
-        [(f"pp={pp}", {"pp": pp, "num_layer_list": None}) for pp in (2, 4, 8, 16)
-         if pp > current["pp"] and world_size % (pp * current["tp"]) == 0 and pp <= model.num_hidden_layers],
+        [(f"tp={more}", {"tp": more}) for more in (2, 4, 8, 16, 32, 64)
+         if more > tp and world_size % (more * pp * cp) == 0],
+        [(f"pp={more}", {"pp": more, "num_layer_list": None}) for more in (2, 4, 8, 16)
+         if more > pp and world_size % (more * tp * cp) == 0 and more <= model.num_hidden_layers],
+        [(f"cp={more}", {"cp": more}) for more in range(cp + 1, world_size // (pp * tp) + 1)
+         if world_size % (more * pp * tp) == 0],
         [(f"activation_checkpointing={mode}", {"activation_checkpointing": mode}) for mode in modes
          if modes.index(mode) > modes.index(current["activation_checkpointing"])],
         [(f"micro_batch_size={micro}", {"micro_batch_size": micro})
@@ -885,7 +952,7 @@ def train_shape(config: TrainConfig, world_size: int, seq_length: int, device_ty
     from llmflow import runtime
     from llmflow.mesh import ParallelLayout
 
-    layout = ParallelLayout.of_world(world_size, config.pp, config.tp, config.dp)
+    layout = ParallelLayout.of_world(world_size, config.pp, config.tp, config.dp, cp=config.cp)
     dtype = runtime.resolve_dtype(config.dtype, device_type)
     return TrainShape(
         pp=layout.pp, dp=layout.dp, tp=layout.tp, micro_batch_size=config.micro_batch_size, seq_length=seq_length,
@@ -893,7 +960,8 @@ def train_shape(config: TrainConfig, world_size: int, seq_length: int, device_ty
         activation_checkpointing=config.activation_checkpointing, lora=config.lora, pp_schedule=config.pp_schedule,
         virtual_stages=config.virtual_stages, num_layer_list=config.num_layer_list,
         documents=config.data.kind == "sft" or config.data.document_attention,
-        fused_optimizer=device_type in ("cuda", "npu"), ep=config.ep, source=model_source(config.model),
+        fused_optimizer=device_type in ("cuda", "npu"), ep=config.ep, source=model_source(config.model), cp=layout.cp,
+        cp_algo=config.cp_algo,
     )
 
 

@@ -35,7 +35,7 @@ from llmflow.data.tokenize_instruction import STAGE as INSTRUCTION_STAGE
 from llmflow.data.tokenize_pretrain import STAGE as PRETRAIN_STAGE
 from llmflow.mesh import ParallelLayout, layout_problems
 from llmflow.models import ModelConfig
-from llmflow.models.context_parallel import sequence_split_problems
+from llmflow.models.context_parallel import context_parallel_problems, sequence_split_problems
 from llmflow.train.config import TrainConfig
 from llmflow.train.data import pretrain_prefix
 from llmflow.train.memory import (
@@ -370,8 +370,10 @@ def settings_problems(config: TrainConfig, world: int, model: ModelConfig | None
     problems = parallel_problems(world, config.tp, config.dp, model, config.pp, config.ep, config.cp)
     dp = ParallelLayout.of_world(world, config.pp, config.tp, config.dp, cp=config.cp).dp
     seq_length = training_seq_length(config)
-    if seq_length is not None:
-        problems += sequence_split_problems(seq_length, config.cp)
+    if model is not None:
+        problems += context_parallel_problems(model, config.cp, seq_length, config.tp, config.cp_algo)
+    elif seq_length is not None:
+        problems += sequence_split_problems(seq_length, config.cp, config.cp_algo)
     problems += batch_problems(config.global_batch_size, config.micro_batch_size, dp)
     problems += moe_problems(config, model)
     return problems + pipeline_problems(config, dp, model.num_hidden_layers if model is not None else None)
@@ -422,7 +424,7 @@ def memory_check(config: TrainConfig, model: ModelConfig, world: int, nproc: int
     plan = plan_of({})
     if plan is None or plan.fits:
         return plan, []
-    current = {"tp": config.tp, "pp": config.pp, "micro_batch_size": config.micro_batch_size,
+    current = {"tp": config.tp, "pp": config.pp, "cp": config.cp, "micro_batch_size": config.micro_batch_size,
                "activation_checkpointing": config.activation_checkpointing, "lora": config.lora}
     if model.num_experts:
         current["ep"] = config.ep
