@@ -40,7 +40,7 @@ import types
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.distributed._functional_collectives import all_gather_tensor_autograd, all_to_all_single_autograd
+from torch.distributed._functional_collectives import all_gather_single_autograd, all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
 from llmflow import kernels
@@ -132,7 +132,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     [B, S] are the whole sequence's. Returns this rank's positions of the output."""
     chunk = q.shape[2] // 2
     # [ranks * 2 (k, v), B, Hkv, 2L, D], rank s holding chunks s and 2 ranks - 1 - s.
-    gathered = all_gather_tensor_autograd(torch.stack([k, v]), 0, group).unflatten(0, (ranks, 2))
+    gathered = all_gather_single_autograd(torch.stack([k, v]), 0, group).unflatten(0, (ranks, 2))
     pieces: list[torch.Tensor | None] = [None] * (2 * ranks)
     for source in range(ranks):
         first, second = ring_chunks(source, ranks)
