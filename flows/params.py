@@ -359,8 +359,11 @@ class RunSide(Params):
     checkpoint, or "sample"."""
     tp: int = Field(default=1, ge=1)
     """Tensor-parallel degree."""
+    cp: int = Field(default=1, ge=1)
+    """Context-parallel degree (Ulysses: each rank a contiguous 1/cp of every sequence;
+    seq_length must divide by it)."""
     pp: int = Field(default=1, ge=1)
-    """Pipeline stages (1F1B schedule; the run uses pp * tp workers)."""
+    """Pipeline stages (1F1B schedule; the run uses pp * cp * tp workers)."""
     dtype: Literal["bf16", "fp16", "fp32"] = "fp32"
     """Compute dtype."""
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
@@ -409,4 +412,7 @@ class PrecisionParams(Params):
                 f"batch_size={self.batch_size} must be a multiple of the larger pp of the two runs ({self.micro_batches}): "
                 "both runs cut their step into that many micro-batches"
             )
+        for label, side in (("target", self.target), ("bench", self.bench)):
+            if problems := sequence_split_problems(self.seq_length, side.cp):
+                raise ValueError(f"{label}.cp: {problems[0]}")
         return self

@@ -1,8 +1,8 @@
-"""The precision flow: the same few training steps in two configurations (tp=2 or pp=2
+"""The precision flow: the same few training steps in two configurations (tp=2, cp=2 or pp=2
 against one process, bf16 against fp32, one device against the CPU, one checkpoint against
 another), both dumped in msprobe's format in deterministic mode, then compared (runs of
-different layouts whole: tensor-parallel shards and pipeline stages merged); the advisor's
-verdict and the worst rows go to MLflow and to Prefect artifacts."""
+different layouts whole: tensor-parallel and context-parallel shards and pipeline stages
+merged); the advisor's verdict and the worst rows go to MLflow and to Prefect artifacts."""
 
 from __future__ import annotations
 
@@ -34,11 +34,11 @@ def dump_run(run: stages.FlowRun, params: PrecisionParams, side: RunSide, label:
     config = TrainConfig(
         model=Path(checkpoint.path), out=folder / "run", data=DataConfig(kind="pretrain", paths=[data]),
         steps=params.steps, seq_length=params.seq_length, micro_batch_size=params.batch_size // params.micro_batches,
-        global_batch_size=params.batch_size, optim=OptimConfig(lr=1e-4, decay="constant"), tp=side.tp, pp=side.pp,
-        dtype=side.dtype, deterministic=True, probe=str(probe_file), save_interval=None,
+        global_batch_size=params.batch_size, optim=OptimConfig(lr=1e-4, decay="constant"), tp=side.tp, cp=side.cp,
+        pp=side.pp, dtype=side.dtype, deterministic=True, probe=str(probe_file), save_interval=None,
     )
     device = None if side.device == "auto" else side.device
-    stages.run(train_task, config, nproc=side.tp * side.pp, device=device, refresh=run.refresh)
+    stages.run(train_task, config, nproc=side.pp * side.cp * side.tp, device=device, refresh=run.refresh)
     return folder / "dump" / f"step{min(params.dump_steps)}"
 
 
@@ -54,7 +54,7 @@ def precision(params: PrecisionParams) -> dict[str, Any]:
         target = dump_run(run, params, params.target, "target", tokenized.path)
         bench = dump_run(run, params, params.bench, "bench", tokenized.path)
         out = run.workspace / "precision" / f"compare-{stages.settings_tag(str(target), str(bench))}"
-        layouts = {(side.tp, side.pp) for side in (params.target, params.bench)}
+        layouts = {(side.tp, side.cp, side.pp) for side in (params.target, params.bench)}
         noise_floor = CROSS_LAYOUT_NOISE_FLOOR if len(layouts) > 1 else 0.0  # float32 rounding
         compared = stages.run(compare_task, CompareConfig(target=target, bench=bench, out=out, norm_noise_floor=noise_floor),
                               refresh=run.refresh)

@@ -36,6 +36,7 @@ which a sequence shard cannot start from: ``context_parallel_problems`` refuses 
 from __future__ import annotations
 
 import types
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -119,6 +120,16 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return _heads_to_seq(out, group, ranks)
 
 
+class ContextParallelPlace(NamedTuple):
+    """Where an attention layer ``apply_cp`` changed sits (its ``context_parallel`` attribute)."""
+
+    group: ProcessGroup
+    rank: int
+    ranks: int
+    algo: str
+    """One of ``CP_ALGOS``."""
+
+
 def ring_chunks(rank: int, ranks: int) -> tuple[int, int]:
     """The two of the sequence's 2 ``ranks`` chunks ring attention gives ``rank``."""
     return rank, 2 * ranks - 1 - rank
@@ -149,14 +160,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
 def _ulysses_core_attention(self: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             document_ids: torch.Tensor | None) -> torch.Tensor:
-    group, _, ranks = self.context_parallel
-    return ulysses_attention(q, k, v, self.scale, document_ids, self.sliding_window, group, ranks)
+    place = self.context_parallel
+    return ulysses_attention(q, k, v, self.scale, document_ids, self.sliding_window, place.group, place.ranks)
 
 
 def _ring_core_attention(self: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          document_ids: torch.Tensor | None) -> torch.Tensor:
-    group, rank, ranks = self.context_parallel
-    return ring_attention(q, k, v, self.scale, document_ids, self.sliding_window, group, rank, ranks)
+    place = self.context_parallel
+    return ring_attention(q, k, v, self.scale, document_ids, self.sliding_window, place.group, place.rank,
+                          place.ranks)
 
 
 def apply_cp(model: nn.Module, mesh: DeviceMesh, algo: str = "ulysses") -> None:
@@ -165,7 +177,7 @@ def apply_cp(model: nn.Module, mesh: DeviceMesh, algo: str = "ulysses") -> None:
     core = {"ulysses": _ulysses_core_attention, "ring": _ring_core_attention}[algo]
     for module in model.modules():
         if isinstance(module, Attention):
-            module.context_parallel = (mesh.get_group(), mesh.get_local_rank(), mesh.size())
+            module.context_parallel = ContextParallelPlace(mesh.get_group(), mesh.get_local_rank(), mesh.size(), algo)
             module.core_attention = types.MethodType(core, module)
 
 

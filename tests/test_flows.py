@@ -399,6 +399,14 @@ def test_precision_flow_dumps_both_runs_and_compares_them(prefect_env, tmp_path)
     assert (Path(result["comparison"]) / "advisor.txt").read_text() == result["advice"]
 
 
+def test_precision_runs_take_a_cp_degree_that_splits_their_sequences():
+    from llmflow.flows.params import PrecisionParams
+
+    assert PrecisionParams(target={"cp": 2}, seq_length=64).target.cp == 2
+    with pytest.raises(ValueError, match="bench.cp: seq_length=64 is not divisible by cp=3"):
+        PrecisionParams(bench={"cp": 3}, seq_length=64)
+
+
 def test_a_retried_flow_run_reopens_its_mlflow_parent_run(prefect_env, tmp_path):
     """A retry keeps the Prefect flow-run id; its stages nest under the first attempt's run."""
     from llmflow import tracking

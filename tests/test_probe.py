@@ -1,6 +1,6 @@
 """Precision debugging: the probe config, dumps in msprobe's schema at every level and task,
-deterministic runs that compare equal, the advisor naming a perturbed module, and a dump
-made by the real training worker."""
+deterministic runs that compare equal, the advisor naming a perturbed module, dumps made by
+the real training worker, and runs of other layouts (tp=2, cp=2) compared with one process."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import contextlib
 import csv
 import functools
 import json
-from collections.abc import Iterator
+import shutil
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
@@ -20,8 +23,16 @@ from llmflow.cli import main as cli_main
 from llmflow.models import CausalLM, ModelConfig
 from llmflow.probe import Dumper, ProbeConfig, load_probe_config, seed_all
 from llmflow.probe.compare.advisor import first_divergence
-from llmflow.probe.compare.merge import merge_ranks
-from llmflow.probe.compare.reading import Leaf, RankDump
+from llmflow.probe.compare.merge import (
+    CP_GRADIENT_PARTS,
+    CP_LOCAL,
+    CP_OUTSIDE,
+    CP_REDUCTION,
+    CP_SIZE,
+    merge_context_parallel,
+    merge_ranks,
+)
+from llmflow.probe.compare.reading import Leaf, RankDump, load_tensor
 from llmflow.probe.compare.tables import CROSS_LAYOUT_NOISE_FLOOR, CompareConfig, compare_dumps
 from llmflow.probe.dump.config import expand_ranges
 
@@ -331,12 +342,12 @@ def pretraining_data(sample_assets, tmp_path_factory) -> tuple[Path, Path]:
     return sample / "model", root / "wiki"
 
 
-def probed_config(tmp_path: Path, name: str, model: Path, data: Path, step: list[int], **train):
+def probed_config(tmp_path: Path, name: str, model: Path, data: Path, step: list[int], task: str = "statistics", **train):
     """A deterministic training run of ``name`` dumping ``step`` at level mix into tmp_path/name."""
     from llmflow.train.config import TrainConfig
 
     probe = tmp_path / f"{name}.json"
-    probe.write_text(json.dumps({"task": "statistics", "dump_path": str(tmp_path / name), "step": step, "level": "mix"}))
+    probe.write_text(json.dumps({"task": task, "dump_path": str(tmp_path / name), "step": step, "level": "mix"}))
     return TrainConfig.model_validate({
         "model": str(model), "out": str(tmp_path / f"run-{name}"), "data": {"paths": [str(data)]}, "seq_length": 32,
         "micro_batch_size": 2, "deterministic": True, "probe": str(probe), "save_interval": None, **train,
@@ -344,6 +355,46 @@ def probed_config(tmp_path: Path, name: str, model: Path, data: Path, step: list
 
 
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "LLMFLOW_DEVICE": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def layout_runs(pretraining_data, tmp_path_factory) -> Callable[..., Path]:
+    """``layout_runs(name, nproc, task="statistics", **train)``: the step folder of the first
+    training step of the sample model dumped at level mix, from one checkpoint for every
+    layout, each name launched once in the module."""
+    from llmflow.weights.convert import ConvertConfig, convert
+
+    model, data = pretraining_data
+    root = tmp_path_factory.mktemp("layouts")
+    checkpoint = root / "ckpt"
+    convert(ConvertConfig(hf=model, out=checkpoint))
+    steps: dict[str, Path] = {}
+
+    def run(name: str, nproc: int, task: str = "statistics", **train) -> Path:
+        if name not in steps:
+            config = probed_config(root, name, model=checkpoint, data=data, step=[0], task=task, steps=1, **train)
+            with process_state_restored():
+                train_forked(config, nproc, env=WORKER_ENV, process_group=True)
+            steps[name] = root / name / "step0"
+        return steps[name]
+
+    return run
+
+
+def as_statistics(step: Path, out: Path) -> Path:
+    """A task tensor dump as task statistics writes it: the same records, without their files."""
+
+    def without_files(value):
+        if isinstance(value, dict):
+            return {k: without_files(v) for k, v in value.items() if k != "data_name"}
+        return [without_files(v) for v in value] if isinstance(value, list) else value
+
+    for rank in sorted(step.glob("rank*")):
+        shutil.copytree(rank, out / rank.name, ignore=shutil.ignore_patterns("dump_tensor_data"))
+        dump = json.loads((rank / "dump.json").read_text())
+        dump.update(task="statistics", dump_data_dir=None, data=without_files(dump["data"]))
+        (out / rank.name / "dump.json").write_text(json.dumps(dump))
+    return out
 
 
 @pytest.mark.slow
@@ -371,18 +422,13 @@ def test_training_worker_dumps_the_listed_steps(pretraining_data, tmp_path, dete
 
 
 @pytest.mark.slow
-def test_tp2_against_tp1_compares_the_merged_shards_and_fsdp2_records_parameter_gradients(
-        pretraining_data, tmp_path, deterministic):
-    from llmflow.weights.convert import ConvertConfig, convert
-
-    model, data = pretraining_data
-    checkpoint = tmp_path / "ckpt"
-    convert(ConvertConfig(hf=model, out=checkpoint))  # one checkpoint for every layout
-    config = functools.partial(probed_config, tmp_path, model=checkpoint, data=data, step=[0], steps=1)
-    for name, nproc, train in (("tp2", 2, {"tp": 2}), ("tp1", 1, {}), ("dp2", 2, {})):
-        batch = 4 if name == "dp2" else 2  # one micro-batch per rank in every run
-        train_forked(config(name, global_batch_size=batch, **train), nproc, env=WORKER_ENV, process_group=True)
-    dumps = {name: validate_dump(tmp_path / name / "step0" / "rank0")["data"] for name in ("tp2", "tp1", "dp2")}
+def test_tp2_against_tp1_compares_the_merged_shards_and_fsdp2_records_parameter_gradients(layout_runs, tmp_path):
+    steps = {  # one micro-batch per rank in every run; the one-process run is shared with the cp=2 test
+        "tp2": layout_runs("tp2", 2, tp=2, global_batch_size=2),
+        "tp1": as_statistics(layout_runs("one", 1, task="tensor", global_batch_size=2), tmp_path / "tp1"),
+        "dp2": layout_runs("dp2", 2, global_batch_size=4),
+    }
+    dumps = {name: validate_dump(step / "rank0")["data"] for name, step in steps.items()}
     # The calls torch.distributed makes itself (DTensor redistribution, FSDP2's all-gathers) are
     # not recorded: every layout dumps the same entries.
     assert list(dumps["tp2"]) == list(dumps["tp1"]) and sorted(dumps["dp2"]) == sorted(dumps["tp1"])
@@ -395,7 +441,7 @@ def test_tp2_against_tp1_compares_the_merged_shards_and_fsdp2_records_parameter_
 
     # msprobe's own rules flag float32 rounding between the layouts (an output's norm error of
     # ~1e-7 against inputs' ~1e-8); the noise floor for cross-layout comparisons clears it.
-    pair = {"target": tmp_path / "tp2" / "step0", "bench": tmp_path / "tp1" / "step0"}
+    pair = {"target": steps["tp2"], "bench": steps["tp1"]}
     strict = compare_dumps(CompareConfig(**pair, out=tmp_path / "strict"))
     assert any(row.result == "warning" for row in strict.ranks[0].rows) and "Noise floor" not in strict.advice
     report = compare_dumps(CompareConfig(**pair, out=tmp_path / "cmp", norm_noise_floor=CROSS_LAYOUT_NOISE_FLOOR))
@@ -407,6 +453,48 @@ def test_tp2_against_tp1_compares_the_merged_shards_and_fsdp2_records_parameter_
     assert uncompared and all(row.result == "N/A" and "Partial(sum)" in row.messages[0] for row in uncompared)
     assert report.advice.startswith("[rank0-1] compare_result_rank0-1.csv\nEvery compared value meets the accuracy rules.\n")
     assert "Noise floor on: norm relative errors below 1e-05 count as agreement" in report.advice
+
+
+@pytest.mark.slow
+def test_cp2_against_one_process_compares_the_merged_sequence_shards(layout_runs, tmp_path):
+    """cp=2 (Ulysses on two gloo ranks) against the one-process run of the same step, fp32:
+    each value the model computes is put together from the two ranks (sequence shards, the
+    attention kernel's head shards, gradients unscaled, weight gradients summed) and agrees
+    with the one process's as the tp=2 comparison does; what cannot be put together is left
+    uncompared, with its reason."""
+    cp2 = layout_runs("cp2", 2, task="tensor", cp=2, global_batch_size=2)
+    one = layout_runs("one", 1, task="tensor", global_batch_size=2)
+    layout = json.loads((cp2 / "rank1" / "layout.json").read_text())
+    # FSDP2 shards over dp and cp flattened: only layout.json names the cp group.
+    assert layout["meshes"] == [{"dims": ["dp_cp"], "ranks": [0, 1]}]
+    assert (layout["cp_group"], layout["cp_algo"], layout["calls"][0]["tokens"]) == ([0, 1], "ulysses", [2, 16])
+    # Context parallelism's own calls are not recorded: both runs dump the same calls, numbered alike.
+    assert list(validate_dump(cp2 / "rank0")["data"]) == list(validate_dump(one / "rank0")["data"])
+    one_layout = json.loads((one / "rank0" / "layout.json").read_text())
+    assert [c["counts"] for c in layout["calls"]] == [c["counts"] for c in one_layout["calls"]]
+
+    sizes = {CP_SIZE.format(value=16, ranks=2, other=32): 16, CP_SIZE.format(value=32, ranks=2, other=64): 4}
+    uncompared = {CP_OUTSIDE: 22, CP_LOCAL: 9, CP_REDUCTION: 7, **sizes}
+    rows = {}
+    for mode, target, bench, compared in (
+        ("tensor", cp2, one, 1789),
+        ("statistics", as_statistics(cp2, tmp_path / "cp2"), as_statistics(one, tmp_path / "one"), 1698),
+    ):
+        report = compare_dumps(CompareConfig(target=target, bench=bench, out=tmp_path / mode,
+                                             norm_noise_floor=CROSS_LAYOUT_NOISE_FLOOR))
+        (rank,) = report.ranks
+        rows[mode] = rank.rows
+        assert rank.rank == "rank0-1"
+        assert Counter(row.result for row in rank.rows) == {"pass": compared, "N/A": 58 + (91 if mode == "statistics" else 0)}
+        reasons = Counter("; ".join(row.messages) for row in rank.rows if row.result == "N/A")
+        assert reasons == uncompared | ({CP_GRADIENT_PARTS: 91} if mode == "statistics" else {})
+    # In tensor mode the values themselves agree, whichever way they were put together.
+    passed = [row for row in rows["tensor"] if row.result == "pass"]
+    assert max(row.metrics["MaxAbsErr"] for row in passed if "MaxAbsErr" in row.metrics) < 1e-6
+    assert {(row.leaf.join or (None,))[0] for row in passed if row.leaf.is_tensor} == {"cat", "cat_samples", "avg", None}
+    sdpa = next(row.leaf for row in passed if row.leaf.name == "Functional.scaled_dot_product_attention.0.forward.input.0")
+    assert sdpa.join == ("cat", 1) and sdpa.record["shape"] == [2, 4, 32, 32]  # the ranks' heads over the whole sequence
+    assert sum(row.leaf.scale == 0.5 for row in passed) > 200  # gradients, each cp rank's twice a run's without cp
 
 
 def _tensor_leaf(name: str, values: torch.Tensor, **record) -> Leaf:
@@ -428,9 +516,60 @@ def test_merging_ranks_combines_shards_and_flags_replicas_that_differ():
     assert replica.problem == ("warning", "a replica whose copy on rank 1 of the group differs from rank 0's")
 
 
-def test_runs_of_different_ranks_without_a_tensor_parallel_layout_are_refused(clean_runs, tmp_path):
-    import shutil
+def test_merging_a_context_parallel_group_rebuilds_the_whole_sequence(tmp_path):
+    """Two Ulysses cp ranks, each holding half of every sequence, against one process, in
+    tensor mode: sequence shards (also flattened with the batch) concatenated in order,
+    gradients unscaled, a weight's gradient parts summed, and what is no shard left uncompared."""
+    hidden = torch.randn(2, 4, 3, generator=torch.Generator().manual_seed(0))  # [batch, positions, hidden]
+    parts = torch.randn(2, 3, 3, generator=torch.Generator().manual_seed(1))
+    values = {  # name: (the one process's value, each cp rank's)
+        "x.0.forward.output.0": (hidden, [hidden[:, :2], hidden[:, 2:]]),
+        "x.0.forward.output.1": (hidden.reshape(8, 3), [hidden[:, :2].reshape(4, 3), hidden[:, 2:].reshape(4, 3)]),
+        "x.0.backward.input.0": (hidden, [2 * hidden[:, :2], 2 * hidden[:, 2:]]),  # each rank's loss scaled by cp
+        "m.parameters_grad.0.weight": (parts.sum(0), [2 * parts[0], 2 * parts[1]]),
+        "i.0.forward.output.0": (torch.arange(8.0), [torch.arange(4.0)] * 2),  # each rank's own row numbers
+        "loss.0.forward.output.0": (torch.tensor(5.0), [torch.tensor(2.0), torch.tensor(3.0)]),
+        "loop.0.forward.output.0": (torch.tensor(1.0), [torch.tensor(1.0)] * 2),
+    }
 
+    def dump(rank: str, index: int | None, size: int) -> RankDump:
+        leaves = [Leaf("x.0.forward.input.1", "x.0.forward", "input", {"type": "int", "value": size})]
+        for name, (one, shards) in values.items():
+            tensor = one if index is None else shards[index]
+            torch.save(tensor, tmp_path / f"{rank}-{name}.pt")
+            leaves.append(replace(_tensor_leaf(name, tensor), files=(tmp_path / f"{rank}-{name}.pt",)))
+        return RankDump(rank, "tensor", leaves, {})
+
+    merged = merge_context_parallel([dump("rank0", 0, 2), dump("rank1", 1, 2)], dump("bench", None, 4),
+                                    {"loop.0.forward"}, (2, 2))
+    merged = {leaf.name: leaf for leaf in merged.leaves}
+    for name in ("x.0.forward.output.0", "x.0.forward.output.1", "x.0.backward.input.0", "m.parameters_grad.0.weight"):
+        whole = values[name][0]
+        assert merged[name].problem is None and torch.allclose(load_tensor(merged[name]), whole), name
+        assert merged[name].record["Norm"] == pytest.approx(whole.norm().item(), rel=1e-6)
+    problems = {name: leaf.problem[1] for name, leaf in merged.items() if leaf.problem is not None}
+    assert problems == {"x.0.forward.input.1": CP_SIZE.format(value=2, ranks=2, other=4), "i.0.forward.output.0": CP_LOCAL,
+                        "loss.0.forward.output.0": CP_REDUCTION, "loop.0.forward.output.0": CP_OUTSIDE}
+
+
+@pytest.mark.parametrize("layout, refusal", [
+    ({"cp_algo": "ring"}, r"rank0's context-parallel group \[0, 1\] runs cp_algo ring: only Ulysses' contiguous"),
+    ({"meshes": [{"dims": ["dp_cp", "tp"], "ranks": [[0, 1], [2, 3]]}], "cp_group": [0, 2]},
+     r"rank0 holds a context-parallel group \[0, 2\] and a tensor-parallel group \[0, 1\]"),
+    ({"num_stages": 2, "pipeline_group": [0, 1]}, r"target: rank0 holds a context-parallel group \[0, 1\] beside pipeline"),
+], ids=["ring", "cp-x-tp", "cp-x-pp"])
+def test_context_parallel_runs_that_are_not_put_together_are_refused(clean_runs, tmp_path, layout, refusal):
+    dump = clean_runs["statistics"][0] / "rank"
+    for rank in (0, 1):
+        shutil.copytree(dump, tmp_path / "cp2" / f"rank{rank}")
+        written = {**json.loads((dump / "layout.json").read_text()), "rank": rank, "cp_group": [0, 1],
+                   "cp_algo": "ulysses", **layout}
+        (tmp_path / "cp2" / f"rank{rank}" / "layout.json").write_text(json.dumps(written))
+    with pytest.raises(ValueError, match=refusal):
+        compare_dumps(CompareConfig(target=tmp_path / "cp2", bench=clean_runs["statistics"][1], out=tmp_path / "cmp"))
+
+
+def test_runs_of_different_ranks_without_a_tensor_parallel_layout_are_refused(clean_runs, tmp_path):
     dump = clean_runs["statistics"][0] / "rank"
     for rank in ("rank0", "rank1"):  # two data-parallel ranks: no DTensor tells a group
         shutil.copytree(dump, tmp_path / "dp2" / rank)

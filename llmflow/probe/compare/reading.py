@@ -14,7 +14,7 @@ import torch
 from llmflow.probe.dump.dumper import LAYOUT, TENSOR_DIR
 from llmflow.probe.dump.records import DTENSOR_TYPE, TENSOR_TYPE
 
-Join = tuple[Literal["cat"], int] | tuple[Literal["sum", "avg"], None]
+Join = tuple[Literal["cat"], int] | tuple[Literal["cat_samples"], tuple[int, int]] | tuple[Literal["sum", "avg"], None]
 
 PASS, WARNING, ERROR, UNMATCHED = "pass", "warning", "error", "N/A"
 """The results of a compared value, msprobe's."""
@@ -34,8 +34,12 @@ class Leaf:
     files: tuple[Path, ...] = ()
     """The saved tensor (tensor mode): one file, or one per rank when ranks were merged."""
     join: Join | None = None
-    """How the files of merged ranks make the whole tensor: concatenated along a dimension,
-    or summed (averaged) partial results."""
+    """How the files of merged ranks make the whole tensor: concatenated along a dimension
+    (``("cat_samples", (dim, n))``: ``dim`` holds n samples' positions one after the other,
+    and each sample's parts are concatenated), or summed (averaged) partial results."""
+    scale: float = 1.0
+    """What the whole tensor is multiplied by: a context-parallel group's gradients (see
+    ``merge.merge_context_parallel``)."""
     problem: tuple[str, str] | None = None
     """(result, message) the comparison gives this value whatever its numbers: set when the
     ranks' values could not be put together."""
@@ -130,6 +134,10 @@ class RankLayout:
     """Device meshes of the DTensor parameters: {"dims": [...], "ranks": nested lists}."""
     calls: list[dict[str, Any]]
     """Each forward call of a stage, in order: {"stage": s, "counts": {key: [first, end)}}."""
+    cp_group: list[int] | None = None
+    """Global ranks of the rank's context-parallel group, in cp-rank order; None without context parallelism."""
+    cp_algo: str | None = None
+    """How the cp ranks share the sequence: "ulysses" (contiguous shards in cp-rank order) or "ring"."""
 
     @property
     def tp_group(self) -> list[int] | None:
@@ -149,7 +157,7 @@ class RankLayout:
     @property
     def placement(self) -> tuple:
         """What two runs must share to be compared rank by rank."""
-        return tuple(self.stages), self.num_stages, self.pipeline_group, self.tp_group
+        return tuple(self.stages), self.num_stages, self.pipeline_group, self.tp_group, self.cp_group, self.cp_algo
 
 
 def read_layout(rank_dir: Path) -> RankLayout | None:
@@ -159,7 +167,7 @@ def read_layout(rank_dir: Path) -> RankLayout | None:
         return None
     tree = json.loads(path.read_text(encoding="utf-8"))
     return RankLayout(tree.get("rank"), tree["stages"], tree["num_stages"], tree.get("pipeline_group"),
-                      tree.get("meshes", []), tree.get("calls", []))
+                      tree.get("meshes", []), tree.get("calls", []), tree.get("cp_group"), tree.get("cp_algo"))
 
 
 def rank_dirs(path: Path) -> dict[str, Path]:
@@ -180,11 +188,19 @@ def _rank_number(name: str) -> int:
 def load_tensor(leaf: Leaf) -> torch.Tensor:
     """The saved tensor of ``leaf``, the merged ranks' files put together."""
     parts = [torch.load(path, map_location="cpu", weights_only=True) for path in leaf.files]
-    if leaf.join is None:
+    whole = _joined(parts, leaf.join)
+    return whole * leaf.scale if leaf.scale != 1 else whole
+
+
+def _joined(parts: list[torch.Tensor], join: Join | None) -> torch.Tensor:
+    if join is None:
         return parts[0]
-    how, dim = leaf.join
+    how, where = join
     if how == "cat":
-        return torch.cat(parts, dim=dim)
+        return torch.cat(parts, dim=where)
+    if how == "cat_samples":
+        dim, samples = where
+        return torch.cat([part.unflatten(dim, (samples, -1)) for part in parts], dim=dim + 1).flatten(dim, dim + 1)
     total = torch.stack(parts).sum(dim=0)
     return total / len(parts) if how == "avg" else total
 

@@ -146,6 +146,9 @@ def place(label: str, dirs: dict[str, Path]) -> Side:
     if first is None:
         raise ValueError(f"{label}: {dirs[names[0]]} has no layout.json, which says how a pipeline run's ranks are laid "
                          "out: dump both runs with this llmflow")
+    if first.cp_group is not None and len(first.cp_group) > 1:
+        raise ValueError(f"{label}: {names[0]} holds a context-parallel group {first.cp_group} beside pipeline stages: the "
+                         "stages of a run with cp are not put together; compare it rank by rank with a run of the same layout")
     pipeline = first.pipeline_group or ([first.rank] if first.rank is not None else [None])
     ranks = []
     for rank in pipeline:
@@ -223,6 +226,12 @@ def _entries(dump: RankDump, layout: RankLayout) -> list[Entry]:
         entries.append(Entry(name, kind, key, number, backward, stage, entry_micro, order,
                              site(dump.stacks.get(name)) if kind == "api" and not backward else None))
     return entries
+
+
+def outside_calls(dump: RankDump, layout: RankLayout) -> set[str]:
+    """The entries of the API calls a rank made outside the forward of the modules it dumped
+    (the training loop's own work), forward and backward."""
+    return {entry.name for entry in _entries(dump, layout) if entry.kind == "api" and entry.micro is None}
 
 
 def _anchor(side: Side) -> None:

@@ -2,11 +2,11 @@
 
 Inputs are step folders (``{dump_path}/step{N}``, ranks matched by folder name when both
 runs have the same layout) or rank folders. Runs of different layouts are compared whole:
-each side's tensor-parallel group is merged into one dump first (``merge.py``: tp=2 against
-tp=1), and a pipeline run's stages into one dump of the whole model (``stages.py``: pp=2
-against pp=1, also with tensor parallelism in each stage), which the dumps' layout.json
-lets the compare lay out. Every tensor (and non-tensor argument) of the target dump is
-matched by name with the benchmark's, e.g. ``Functional.linear.0.forward.input.0`` or
+each side's tensor-parallel or context-parallel group is merged into one dump first
+(``merge.py``: tp=2 against tp=1, cp=2 against cp=1), and a pipeline run's stages into one
+dump of the whole model (``stages.py``: pp=2 against pp=1, also with tensor parallelism in
+each stage), which the dumps' layout.json lets the compare lay out. Every tensor (and
+non-tensor argument) of the target dump is matched by name with the benchmark's, e.g. ``Functional.linear.0.forward.input.0`` or
 ``Module.model.norm.RMSNorm.forward.0.parameters.weight``, and gets msprobe's metrics and
 result (Ascend/mstt, ``debug/accuracy_tools/msprobe/docs/zh/accuracy_compare/pytorch_accuracy_compare_instruct.md``,
 "指标说明", "比对指标计算公式" and "比对结果（Result）"; column names from msprobe's
@@ -44,20 +44,21 @@ from pydantic_settings import CliPositionalArg
 
 from llmflow.artifacts import MANIFEST, atomic_directory, file_record, manifest_payload, write_json_atomic
 from llmflow.probe.compare.advisor import advise
-from llmflow.probe.compare.merge import merge_ranks
+from llmflow.probe.compare.merge import merge_context_parallel, merge_ranks
 from llmflow.probe.compare.reading import (
     ERROR,
     UNMATCHED,
     WARNING,
     Leaf,
     RankDump,
+    RankLayout,
     load_array,
     rank_dirs,
     read_layout,
     read_rank,
 )
 from llmflow.probe.compare.rows import RankComparison, Row
-from llmflow.probe.compare.stages import is_pipelined, pipeline_pair
+from llmflow.probe.compare.stages import is_pipelined, outside_calls, pipeline_pair
 
 STAGE = "probe-compare"
 MERGED_NAMES = "merged_names.json"
@@ -124,9 +125,9 @@ class CompareConfig(BaseModel):
 
     target: CliPositionalArg[Path]
     """The dump under test: a step folder ({dump_path}/step{N}) or one rank folder. With
-    another layout than the benchmark's (another tensor-parallel degree, other pipeline
-    stages), the ranks of rank 0's tensor-parallel group, or of its pipeline group and their
-    tensor-parallel groups, are merged into one dump."""
+    another layout than the benchmark's (another tensor- or context-parallel degree, other
+    pipeline stages), the ranks of rank 0's tensor-parallel or context-parallel group, or of
+    its pipeline group and their tensor-parallel groups, are merged into one dump."""
     bench: CliPositionalArg[Path]
     """The benchmark dump, at the same level."""
     out: Path
@@ -151,35 +152,93 @@ class CompareReport:
 
 def rank_pairs(target: Path, bench: Path) -> tuple[list[tuple[str, RankDump, RankDump]], dict[str, Any] | None]:
     """(name, target dump, bench dump) of each rank, and where merged entries came from (None
-    when nothing was merged across pipeline stages). Ranks pair up by folder name (pipeline
-    runs: when their layout.json files give both the same layout); a single rank on each side
-    pairs up whatever its name ("rank" outside torchrun, "rank0" under it). Runs of different
-    layouts are compared whole: a run's
-    tensor-parallel group is merged into one dump (tp=2 against tp=1), and a pipeline run's
-    stages into one dump of the whole model (``stages.py``)."""
+    when nothing was merged across pipeline stages). Ranks pair up by folder name when their
+    layout.json files give both the same layout (pipeline runs: only then; dumps without
+    layout.json: by name alone); a single rank on each side pairs up whatever its name
+    ("rank" outside torchrun, "rank0" under it). Runs of different layouts are compared
+    whole: a run's tensor-parallel or context-parallel group is merged into one dump (tp=2
+    against tp=1, cp=2 against cp=1), and a pipeline run's stages into one dump of the whole
+    model (``stages.py``)."""
     targets, benches = rank_dirs(Path(target)), rank_dirs(Path(bench))
     target_layouts = [read_layout(path) for path in targets.values()]
     bench_layouts = [read_layout(path) for path in benches.values()]
+    placed = None not in target_layouts + bench_layouts
+    same_placement = placed and [t.placement for t in target_layouts] == [b.placement for b in bench_layouts]
     if is_pipelined(target_layouts + bench_layouts):
-        same = list(targets) == list(benches) and None not in target_layouts + bench_layouts and (
-            [t.placement for t in target_layouts] == [b.placement for b in bench_layouts])
+        same = list(targets) == list(benches) and same_placement
     else:
-        same = len(targets) == 1 and len(benches) == 1 or list(targets) == list(benches)
+        same = len(targets) == 1 and len(benches) == 1 or list(targets) == list(benches) and (same_placement or not placed)
     if same:
         pairs = [(read_rank(t), read_rank(b)) for t, b in zip(targets.values(), benches.values(), strict=True)]
         return [(t.name, t, b) for t, b in pairs], None
     if is_pipelined(target_layouts + bench_layouts):
         whole_target, whole_bench, origins = pipeline_pair(targets, benches)
         return [(whole_target.name, whole_target, whole_bench)], origins
-    target_group, bench_group = _tensor_parallel_group(targets), _tensor_parallel_group(benches)
+    target_group, bench_group = _rank_group(targets), _rank_group(benches)
+    for group, other in ((target_group, bench_group), (bench_group, target_group)):
+        if group.context_parallel is not None and other.context_parallel is None and len(other.dumps) > 1:
+            raise ValueError(
+                f"{group.dumps[0].name}'s context-parallel group against {other.dumps[0].name}'s tensor-parallel group: "
+                "their shards split different dimensions, which the shapes of two shards do not tell apart; compare "
+                "each run with a run without tensor or context parallelism"
+            )
     whole_target = _whole(target_group, bench_group)
     return [(whole_target.name, whole_target, _whole(bench_group, target_group))], None
 
 
-def _whole(group: list[RankDump], other: list[RankDump]) -> RankDump:
-    if len(group) == 1:
-        return group[0]
-    return merge_ranks(group, replace(other[0], ranks=len(other)))  # other[0]: shapes of a shard of len(other) ranks
+@dataclass
+class _Group:
+    """The ranks of a run merged into one dump: rank 0's tensor-parallel or context-parallel group."""
+
+    dumps: list[RankDump]
+    context_parallel: tuple[set[str], tuple[int, int]] | None = None
+    """Of a context-parallel group: the entries its ranks made outside the model's forward, and
+    the batch size and each rank's positions of the model's input."""
+
+
+def _whole(group: _Group, other: _Group) -> RankDump:
+    if len(group.dumps) == 1:
+        return group.dumps[0]
+    reference = replace(other.dumps[0], ranks=len(other.dumps))  # shapes of a shard of len(other) ranks
+    if group.context_parallel is not None:
+        return merge_context_parallel(group.dumps, reference, *group.context_parallel)
+    return merge_ranks(group.dumps, reference)
+
+
+def _rank_group(dirs: dict[str, Path]) -> _Group:
+    """Rank 0's context-parallel group (its layout.json names it), else its tensor-parallel group."""
+    first = next(iter(dirs.values()))
+    layout = read_layout(first)
+    if layout is None or layout.cp_group is None or len(layout.cp_group) == 1:
+        return _Group(_tensor_parallel_group(dirs))
+    dumps = _context_parallel_group(dirs, layout)
+    tokens = layout.calls[0].get("tokens") if layout.calls else None
+    if tokens is None:
+        raise ValueError(f"{first}: layout.json does not say the size of the model's input (an older llmflow's): dump the "
+                         "run again to compare it with another layout")
+    # The ranks of the group make the same calls: rank 0's layout tells them.
+    return _Group(dumps, (outside_calls(next(d for d in dumps if d.name == first.name), layout), tuple(tokens)))
+
+
+def _context_parallel_group(dirs: dict[str, Path], layout: RankLayout) -> list[RankDump]:
+    """The dumps of the context-parallel group of the rank of ``layout``, in cp-rank order."""
+    name = f"rank{layout.rank}"
+    if layout.tp_group is not None and len(layout.tp_group) > 1:
+        raise ValueError(
+            f"{name} holds a context-parallel group {layout.cp_group} and a tensor-parallel group {layout.tp_group}: "
+            "the shapes of their shards do not tell which dimensions each split and in which order (under cp x tp the "
+            "sequence and the heads are each split by both); compare such a run rank by rank with a run of the same layout"
+        )
+    if layout.cp_algo != "ulysses":
+        raise ValueError(
+            f"{name}'s context-parallel group {layout.cp_group} runs cp_algo {layout.cp_algo}: only Ulysses' contiguous "
+            "sequence shards are put together; compare such a run rank by rank with a run of the same layout"
+        )
+    names = [f"rank{r}" for r in layout.cp_group]
+    missing = [n for n in names if n not in dirs]
+    if missing:
+        raise ValueError(f"{name}'s context-parallel group {layout.cp_group} needs the dumps of {missing}")
+    return [read_rank(dirs[n]) for n in names]
 
 
 def _tensor_parallel_group(dirs: dict[str, Path]) -> list[RankDump]:

@@ -37,8 +37,12 @@ that gets a gradient while no module holding it ran in the step (an output proje
 weight, which the loss uses without calling the module; on the last pipeline stage, the
 tied embedding) is recorded under the first module holding it. API calls made by
 torch.distributed itself (DTensor redistribution, parallel styles, FSDP2's all-gathers) are
-not recorded: they differ between parallel layouts. Nor are the calls of the metadata
-inference of ``torch.distributed.pipelining`` (the first step of a schedule runs each stage
+not recorded: they differ between parallel layouts. Neither are those of context
+parallelism's own code (``models/context_parallel.py``: cutting the inputs into each rank's
+part of the sequence, Ulysses' reshaping around its all-to-alls), so a Ulysses cp run
+records the calls of a run without it; the attention kernel Ulysses calls is recorded, on
+its head shards of the whole sequence. Nor are the calls of the metadata inference of
+``torch.distributed.pipelining`` (the first step of a schedule runs each stage
 once more, on the first micro-batch, on uninitialised tensors after the first stage, to
 learn the shapes it sends), so a stage's modules are numbered as in a run without pipeline.
 Steps run with torch.compile are not supported.
@@ -51,11 +55,18 @@ sits, so that ``llmflow probe compare`` can put the ranks of a run together::
      "num_stages": 2,
      "pipeline_group": [0, 2],           # global ranks of this rank's pipeline group, by group rank
      "meshes": [{"dims": ["tp"], "ranks": [2, 3]}],   # device meshes of the DTensor parameters
-     "calls": [{"stage": 1, "counts": {"Functional.linear": [0, 14], "Module.model.DecoderModel.": [0, 1]}}]}
+     "cp_group": null,                   # global ranks of its context-parallel group, by cp rank
+     "cp_algo": null,                    # under cp: "ulysses" or "ring"
+     "calls": [{"stage": 1, "counts": {"Functional.linear": [0, 14], "Module.model.DecoderModel.": [0, 1]},
+                "tokens": [2, 32]}]}
 
 ``calls`` lists each forward call of a given module (a pipeline stage: one per micro-batch),
-in order, with the numbers its calls took: ``[first, end)`` per API and per module. Outside
-pipelining ``stages`` numbers the given modules by position, ``pipeline_group`` is null.
+in order, with the numbers its calls took: ``[first, end)`` per API and per module, and the
+batch size and positions of its first tensor input (token ids or hidden states; under cp the
+rank's part of the sequence). Outside pipelining ``stages`` numbers the given modules by
+position, ``pipeline_group`` is null.
+``cp_group`` and ``cp_algo`` come from the attention layers ``apply_cp`` changed: FSDP2
+shards over dp and cp flattened ("dp_cp"), so no DTensor's mesh names the cp group.
 """
 
 from __future__ import annotations
@@ -81,6 +92,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import BackwardHook
 
 from llmflow.artifacts import atomic_directory
+from llmflow.models import context_parallel
 from llmflow.probe.dump.apis import SKIPPED, api_name, is_inplace
 from llmflow.probe.dump.config import ProbeConfig
 from llmflow.probe.dump.records import RecordBuilder, cpu_threads
@@ -90,8 +102,9 @@ TENSOR_DIR = "dump_tensor_data"
 _TORCH = str(Path(torch.__file__).resolve().parent) + "/"
 _DISTRIBUTED = _TORCH + "distributed/"
 _PIPELINING = _DISTRIBUTED + "pipelining/"
+_CONTEXT_PARALLEL = context_parallel.shard_sequence.__code__.co_filename
 LAYOUT = "layout.json"
-"""llmflow's record of where a rank sits (pipeline stages, meshes, stage calls); not msprobe's."""
+"""llmflow's record of where a rank sits (pipeline stages, meshes, cp group, stage calls); not msprobe's."""
 _METADATA_INFERENCE = frozenset({"_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference"})
 """The functions of torch.distributed.pipelining that run a stage to learn its shapes."""
 # Frames of torch itself (module call machinery, the function mode) and of the probe tell
@@ -99,15 +112,15 @@ _METADATA_INFERENCE = frozenset({"_forward_metadata_inference", "_backward_metad
 _HIDDEN_FRAMES = (_TORCH, str(Path(__file__).resolve().parent) + "/")
 
 
-def _called_by_distributed(frame: Any) -> bool:
-    """Whether the API call seen from ``frame`` was made for torch.distributed (DTensor,
-    parallel styles, FSDP2) rather than by the model: the nearest frame outside torch's
-    other code is in torch.distributed. That bookkeeping differs between parallel layouts
-    and would shift every later call count."""
+def _called_for_layout(frame: Any) -> bool:
+    """Whether the API call seen from ``frame`` was made for the parallel layout rather than
+    by the model: the nearest frame outside torch's other code is in torch.distributed
+    (DTensor, parallel styles, FSDP2) or in context parallelism's own code. That bookkeeping
+    differs between parallel layouts and would shift every later call count."""
     while frame is not None:
         filename = frame.f_code.co_filename
         if not filename.startswith(_TORCH):
-            return False
+            return filename == _CONTEXT_PARALLEL
         if filename.startswith(_DISTRIBUTED):
             return True
         frame = frame.f_back
@@ -143,6 +156,17 @@ def _meshes(model: list[nn.Module]) -> list[dict[str, Any]]:
     return found
 
 
+def _context_parallel(model: list[nn.Module]) -> tuple[list[int], str] | None:
+    """The global ranks of the context-parallel group of ``model``'s attention layers (in
+    cp-rank order) and its algorithm, as ``apply_cp`` left them; None without context parallelism."""
+    for root in model:
+        for module in root.modules():
+            place = getattr(module, "context_parallel", None)
+            if place is not None:
+                return _group_ranks(place.group), place.algo
+    return None
+
+
 def call_stack() -> tuple[str, ...]:
     """The caller's stack, innermost frame first, in msprobe's stack.json line format,
     without torch's and the probe's own frames."""
@@ -174,6 +198,15 @@ def _as_tuple(value: Any) -> tuple:
     if isinstance(value, tuple):
         return value
     return tuple(value) if isinstance(value, list) else (value,)
+
+
+def _tokens(args: tuple, kwargs: dict[str, Any]) -> list[int] | None:
+    """[batch, positions]: the first two sizes of a stage's first tensor input (token ids
+    [B, S] or hidden states [B, S, hidden]); None without one."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.ndim >= 2:
+            return list(value.shape[:2])
+    return None
 
 
 def _has_tensor(value: Any) -> bool:
@@ -259,7 +292,7 @@ class _ApiMode(TorchFunctionMode):
         kwargs = kwargs or {}
         name = api_name(func)
         session = self.session
-        if name is None or name in SKIPPED or session.skipping or _called_by_distributed(sys._getframe(1)):
+        if name is None or name in SKIPPED or session.skipping or _called_for_layout(sys._getframe(1)):
             return func(*args, **kwargs)
         if not session.open_roots and _in_metadata_inference(sys._getframe(1)):
             return func(*args, **kwargs)  # pipelining's metadata inference (its loss function)
@@ -297,8 +330,8 @@ class _Session:
         self.unused_hooked: set[int] = set()
         self.skipping = 0
         """Depth of the given modules' calls that record nothing (pipelining's metadata inference)."""
-        self.open_roots: list[tuple[int, dict[str, int]]] = []
-        """The given modules' calls under way: (index, counts when the call started)."""
+        self.open_roots: list[tuple[int, dict[str, int], list[int] | None]] = []
+        """The given modules' calls under way: (index, counts when the call started, ``_tokens``)."""
         self.root_calls: list[dict[str, Any]] = []
         self.started_roots: set[int] = set()
         """The given modules called in the step so far (by index)."""
@@ -331,12 +364,14 @@ class _Session:
         _write_json(self.work / LAYOUT, self._layout())
 
     def _layout(self) -> dict[str, Any]:
-        """layout.json: the pipeline stages, meshes and stage calls of this rank (see the module doc)."""
+        """layout.json: the pipeline stages, meshes, context-parallel group and stage calls of
+        this rank (see the module doc)."""
         pipeline = self.pipeline
+        cp_group, cp_algo = _context_parallel(self.model) or (None, None)
         return {"rank": self.rank, "stages": self.stages,
                 "num_stages": pipeline.num_stages if pipeline is not None else len(self.model),
                 "pipeline_group": _group_ranks(pipeline.group) if pipeline is not None else None,
-                "meshes": _meshes(self.model), "calls": self.root_calls}
+                "meshes": _meshes(self.model), "cp_group": cp_group, "cp_algo": cp_algo, "calls": self.root_calls}
 
     # --- recording ----------------------------------------------------------------------------------
 
@@ -407,15 +442,15 @@ class _Session:
             self.started_roots.add(index)
             if self.config.level != "L1":
                 self._hook_unused_parameters(module)
-        self.open_roots.append((index, dict(self.counts)))
+        self.open_roots.append((index, dict(self.counts), _tokens(args, kwargs)))
 
     def _root_post(self, index: int, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         if self.skipping:
             self.skipping -= 1
             return
-        _, before = self.open_roots.pop()
+        _, before, tokens = self.open_roots.pop()
         counts = {key: [before.get(key, 0), n] for key, n in self.counts.items() if n != before.get(key, 0)}
-        self.root_calls.append({"stage": self.stages[index], "counts": counts})
+        self.root_calls.append({"stage": self.stages[index], "counts": counts, "tokens": tokens})
 
     # --- modules (L0, mix) ---------------------------------------------------------------------------
 

@@ -91,6 +91,11 @@ def _identity(t: torch.Tensor, any_order: bool) -> tuple | None:
     return t.device, t.dtype, t.data_ptr(), layout, version
 
 
+def _data_ptr(tensor: torch.Tensor) -> int:
+    """Where a tensor's (a DTensor's local shard's) elements start; 0 once its memory is freed."""
+    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).data_ptr()
+
+
 def _placement(placement: Placement) -> dict[str, Any]:
     """msprobe's record of a DTensor placement: {"Shard": {"dim": d}}, {"Replicate": {}} or
     {"Partial": {"reduce_op": "sum"}}."""
@@ -135,8 +140,9 @@ class RecordBuilder:
         self._pending: list[tuple[dict[str, Any], tuple[torch.Tensor, ...]]] = []
         # The output of one call is the input of the next, and a module's inputs and outputs
         # are its APIs': each tensor's statistics are computed once. An entry stays valid
-        # while the tensor it was computed on lives (its memory cannot be reused before).
-        self._seen: dict[tuple, tuple[weakref.ref, tuple[torch.Tensor, ...], str | None]] = {}
+        # while the tensor it was computed on lives and keeps its memory (FSDP2 frees an
+        # unsharded parameter's memory after its module ran, and another parameter may get it).
+        self._seen: dict[tuple, tuple[weakref.ref, int, tuple[torch.Tensor, ...], str | None]] = {}
 
     def build(self, value: Any, data_name: str) -> Any:
         """The record of ``value``; ``data_name`` ("Functional.linear.0.forward.input") names its
@@ -199,8 +205,8 @@ class RecordBuilder:
         gap_free = _gap_free(t)
         key = _identity(t, any_order=gap_free and not self.md5)  # a CRC-32 depends on the order
         seen = self._seen.get(key) if key is not None else None
-        if seen is not None and seen[0]() is not None:
-            return seen[1], seen[2]
+        if seen is not None and (holder := seen[0]()) is not None and _data_ptr(holder) == seen[1]:
+            return seen[2], seen[3]
         if not gap_free:
             t = t.contiguous()  # reductions over a strided slice run slower than a copy and a pass
         parallel = t.device.type == "cpu" and t.numel() >= PARALLEL_STATISTICS_MIN and self.threads > 1
@@ -208,7 +214,7 @@ class RecordBuilder:
             stats = _statistics(t)
         summary = stats, crc32(t) if self.md5 else None
         if key is not None:
-            self._seen[key] = (weakref.ref(owner), *summary)
+            self._seen[key] = (weakref.ref(owner), _data_ptr(owner), *summary)
         return summary
 
     def finish(self) -> None:
