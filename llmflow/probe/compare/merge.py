@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -74,6 +75,14 @@ CP_GRADIENT_PARTS = ("each cp rank's part of the gradient of a value they all ho
                      "cannot be combined into their sum's")
 
 
+def _same_entries(ranks: list[RankDump]) -> Iterator[tuple[Leaf, list[Leaf | None]]]:
+    """Each value of the first rank's dump with the same-named value of every rank (None
+    where a rank has none), in rank order."""
+    by_name = [{leaf.name: leaf for leaf in rank.leaves} for rank in ranks[1:]]
+    for leaf in ranks[0].leaves:
+        yield leaf, [leaf, *(names.get(leaf.name) for names in by_name)]
+
+
 def merge_ranks(ranks: list[RankDump], other: RankDump, hints: dict[str, Leaf] | None = None) -> RankDump:
     """The dumps of ``ranks`` (one tensor-parallel group, in rank order) as one dump, laid out
     to compare with ``other`` (a run with ``other.ranks`` ranks). ``hints`` gives, by name,
@@ -81,11 +90,9 @@ def merge_ranks(ranks: list[RankDump], other: RankDump, hints: dict[str, Leaf] |
     value a previous pipeline stage sent, for the one a stage received)."""
     hints = hints or {}
     first = ranks[0]
-    by_name = [{leaf.name: leaf for leaf in rank.leaves} for rank in ranks[1:]]
     reference = {leaf.name: leaf for leaf in other.leaves}
     merged = []
-    for leaf in first.leaves:
-        shards = [leaf, *(names.get(leaf.name) for names in by_name)]
+    for leaf, shards in _same_entries(ranks):
         if any(shard is None for shard in shards):
             merged.append(replace(leaf, problem=(UNMATCHED, "not dumped by every rank of the group")))
         elif not leaf.is_tensor:
@@ -105,11 +112,9 @@ def merge_context_parallel(ranks: list[RankDump], other: RankDump, outside: set[
     uncompared; ``tokens``: the batch size and each rank's positions of the model's input.
     See the module's docstring for what is put together and how."""
     first = ranks[0]
-    by_name = [{leaf.name: leaf for leaf in rank.leaves} for rank in ranks[1:]]
     reference = {leaf.name: leaf for leaf in other.leaves}
     merged = []
-    for leaf in first.leaves:
-        shards = [leaf, *(names.get(leaf.name) for names in by_name)]
+    for leaf, shards in _same_entries(ranks):
         if leaf.entry in outside:
             merged.append(_uncompared(leaf, CP_OUTSIDE))
         elif any(shard is None for shard in shards):
