@@ -82,7 +82,7 @@ def parallel_problems(nproc: int, tp: int, dp: int | None = None, model: ModelCo
     layout = ParallelLayout.of_world(nproc, pp, tp, dp, ep, cp)
     if dp is None and nproc % (pp * cp * tp):
         # The layout's own world-size complaint would say the same thing again.
-        factors = [(name, value) for name, value in (("pp", pp), ("cp", cp), ("tp", tp)) if value > 1] or [("tp", tp)]
+        factors = [(name, value) for name, value in (("pp", pp), ("cp", cp), ("tp", tp)) if value > 1 or name == "tp"]
         names, values = zip(*factors, strict=True)
         product = (f"{names[0]}={values[0]}" if len(factors) == 1 else
                    f"{'*'.join(names)} = {'*'.join(map(str, values))} = {pp * cp * tp}")
