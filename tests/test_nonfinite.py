@@ -223,13 +223,14 @@ def test_cli_train_reports_the_non_finite_step_in_one_line(poisoned_model, tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}, {"cp": 2}], ids=["tp2", "pp2", "cp2"])
 def test_parallel_ranks_agree_on_the_first_non_finite_gradient(poisoned_model, tmp_path, layout):
     config = train_config(poisoned_model, write_corpus(tmp_path / "corpus", poisoned=True), tmp_path / "run", **layout)
     with pytest.raises(WorkerError) as error:
         launch_training(config, 2, on_line=lambda line: None, env=WORKER_ENV)
     # One line, from rank 0, naming what both ranks found (tp: DTensor gradients, local shards;
-    # pp: each stage its own parameters, the first in the whole model's order).
+    # pp: each stage its own parameters, the first in the whole model's order; cp: the poisoned
+    # token in one rank's half of its sequence, the loss and gradients summed over both).
     assert str(error.value).startswith("workers exited with code 1; last output: NonFiniteError: step 4: loss ")
     assert "\n" not in str(error.value)
     assert "(first non-finite gradient: model.embed_tokens.weight)" in str(error.value)

@@ -169,11 +169,12 @@ def odd_checkpoint(assets) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["pretrain", "sft"])
-@pytest.mark.parametrize("layout", [{"dp": 2}, {"tp": 2}, {"cp": 2}], ids=["dp2", "tp2", "cp2"])
+@pytest.mark.parametrize("layout", [{"dp": 2}, {"tp": 2}, {"cp": 2}, {"cp": 2, "cp_algo": "ring"}],
+                         ids=["dp2", "tp2", "cp2", "cp2-ring"])
 def test_loss_matches_one_process(assets, reference, odd_checkpoint, tmp_path, kind, layout):
-    """dp=2, tp=2 and cp=2 give the single process's losses (cp on packed SFT rows: documents
-    cross the ranks' shards); the tensor-parallel runs train the converted checkpoint, whose
-    padding does not depend on tp (one checkpoint, any layout)."""
+    """dp=2, tp=2 and cp=2 (Ulysses and ring) give the single process's losses (cp on packed
+    SFT rows: documents cross the ranks' shards); the tensor-parallel runs train the converted
+    checkpoint, whose padding does not depend on tp (one checkpoint, any layout)."""
     model = {"model": str(odd_checkpoint)} if "tp" in layout else {}
     cfg = config(assets, tmp_path / "run", kind=kind, seq_length=64 if kind == "pretrain" else None, **layout, **model)
     got = run(cfg, nproc=2)
@@ -182,14 +183,11 @@ def test_loss_matches_one_process(assets, reference, odd_checkpoint, tmp_path, k
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [{"cp": 2, "cp_algo": "ring"}, {"cp": 2, "tp": 2}, {"cp": 2, "pp": 2}],
-                         ids=["cp2-ring", "cp2xtp2", "cp2xpp2"])
-def test_context_parallel_by_ring_and_with_tp_and_pp(assets, reference, tmp_path, layout):
-    """Ring attention at cp=2 (each rank two of four chunks of every packed row), and on four
-    ranks Ulysses at cp=2 with tp=2 (each tensor-parallel rank's 2 heads split again over cp,
-    its one key/value head repeated) and with pp=2, give the single process's packed-SFT losses."""
-    nproc = 2 * layout.get("tp", 1) * layout.get("pp", 1)
-    got = run(config(assets, tmp_path / "run", kind="sft", seq_length=None, **layout), nproc=nproc)
+@pytest.mark.parametrize("layout", [{"cp": 2, "tp": 2}, {"cp": 2, "pp": 2}], ids=["cp2xtp2", "cp2xpp2"])
+def test_context_parallel_composes_with_tp_and_pp(assets, reference, tmp_path, layout):
+    """Four ranks: cp=2 with tp=2 (each tensor-parallel rank's 2 heads split again over cp,
+    its one key/value head repeated) and with pp=2 give the single process's packed-SFT losses."""
+    got = run(config(assets, tmp_path / "run", kind="sft", seq_length=None, **layout), nproc=4)
     assert sorted(got) == list(range(1, 11))
     assert_close(got, reference["sft"])
 
