@@ -1,5 +1,5 @@
 """Context parallelism: ``llmflow train`` with cp=2 on 2 ranks against cp=1 on one rank, the same
-long sequences; tokens/s, and memory per rank against the 1/cp that Ulysses promises.
+long sequences; tokens/s, and memory per rank against the 1/cp context parallelism promises.
 
 Both sides are the real training worker (``torchrun -m llmflow.train``, CPU, gloo, fp32, one
 thread per rank) training a random Llama-shaped model (untied embeddings, the sample
@@ -9,10 +9,12 @@ the packed documents), with the same global batch (``--batch`` samples, one micr
 the same optimizer:
 
 - ``cp=1``: one rank runs every token of every sample; no FSDP (fp32, dp=1);
-- ``cp=2``: two ranks each hold a contiguous half of every sample's tokens; each attention
-  layer all-to-alls its queries, keys and values to half the heads over the whole sequence
-  and the output back (``models/context_parallel.py``); FSDP2 shards the weights over the
-  two ranks (dp*cp), all-gathering each layer for its forward and backward.
+- ``cp=2``: two ranks each hold half of every sample's tokens and attention reaches the other
+  half by ``--cp-algo`` (``models/context_parallel.py``): ``ulysses`` (each rank a contiguous
+  half; each attention layer all-to-alls its queries, keys and values to half the heads over
+  the whole sequence and the output back) or ``ring`` (each rank two of four chunks; each
+  layer all-gathers the keys and values); FSDP2 shards the weights over the two ranks
+  (dp*cp), all-gathering each layer for its forward and backward.
 
 The sequence length: the issue asks for the longest that fits cp=1 on this machine, but that
 is far beyond what two shared cores run in minutes. The CPU attention kernel here
@@ -38,7 +40,8 @@ the loss's hidden-state gradient and logits, and under cp=2 the all-to-all buffe
 ratio cp2 / cp1 of it is the figure to hold against 1/cp. RSS counts what the allocator
 holds, not only live tensors: glibc serves large blocks from its heap once it has raised its
 mmap threshold and keeps what is freed there, which adds more to cp=2's figure than to
-cp=1's (bench/RESULTS.md, History, has a run with the threshold fixed). The training
+cp=1's; ``--mmap-threshold`` sets the workers' ``MALLOC_MMAP_THRESHOLD_``, which fixes the
+threshold so that glibc returns every larger freed block to the system. The training
 memory plan (``llmflow/train/memory.py``: ``train_plan`` of ``train_shape`` for each side's
 config on its ranks) is printed beside it: its per-rank activation term and its peak.
 
@@ -61,7 +64,7 @@ medians and spreads take every round.
 ``--record`` appends the result to bench/RESULTS.md: a row in the Current table (replacing
 this benchmark's earlier row) and the full table under History.
 
-    python -m bench.context_parallel [--layers 4] [--hidden 256] [--heads 4] [--seq 12288] [--short 512] [--batch 1] [--steps 2] [--warmup 1] [--rounds 3] [--max-wait 120] [--record]
+    python -m bench.context_parallel [--layers 4] [--hidden 256] [--heads 4] [--seq 12288] [--short 512] [--batch 1] [--steps 2] [--warmup 1] [--rounds 3] [--cp-algo ulysses] [--mmap-threshold 65536] [--max-wait 120] [--record]
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ def run_side(model: Path, data: Path, work: Path, cp: int, seq: int, args: argpa
     from llmflow.launch import run_workers
 
     path = training_config(model, data, work / f"cp{cp}", args.warmup + args.steps, seq, args.batch, args.batch,
-                           args.lr, cp=cp)
+                           args.lr, cp=cp, cp_algo=args.cp_algo)
     lines: list[str] = []
     peaks: dict[int, list[float]] = {}
     stop = threading.Event()
@@ -112,7 +115,8 @@ def run_side(model: Path, data: Path, work: Path, cp: int, seq: int, args: argpa
     meter = CpuMeter()
     watcher.start()
     try:
-        run_workers(torchrun_command("llmflow.train", [str(path)], cp), on_line=lines.append, cwd=REPO, env=WORKER_ENV)
+        run_workers(torchrun_command("llmflow.train", [str(path)], cp), on_line=lines.append, cwd=REPO,
+                    env=worker_env(args))
     finally:
         stop.set()
         watcher.join()
@@ -121,6 +125,19 @@ def run_side(model: Path, data: Path, work: Path, cp: int, seq: int, args: argpa
         raise SystemExit(f"cp={cp}: found the peak RSS of ranks {sorted(peaks)} only, of {cp}")
     return {**parse_steps(lines, args.warmup, args.steps, args.batch * seq), "other_cores": other,
             "rss_mib": [peaks[rank][0] for rank in range(cp)]}
+
+
+def worker_env(args: argparse.Namespace) -> dict[str, str]:
+    """The workers' environment: one thread, the CPU, and glibc's mmap threshold when given."""
+    if args.mmap_threshold is None:
+        return WORKER_ENV
+    return {**WORKER_ENV, "MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)}
+
+
+def variant(args: argparse.Namespace) -> str:
+    """The run's algorithm and allocator setting, as its row names them."""
+    allocator = f", MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold is not None else ""
+    return f"{args.cp_algo}{allocator}"
 
 
 def activation_mib(long: dict, short: dict, args: argparse.Namespace) -> float:
@@ -138,7 +155,7 @@ def planned(model: Path, data: Path, work: Path, cp: int, args: argparse.Namespa
     from llmflow.weights import hf_config_of
 
     path = training_config(model, data, work / f"plan{cp}", args.warmup + args.steps, args.seq, args.batch, args.batch,
-                           args.lr, cp=cp)
+                           args.lr, cp=cp, cp_algo=args.cp_algo)
     config = TrainConfig.model_validate_json(path.read_text())
     plan = train_plan(ModelConfig.from_hf(hf_config_of(model)), train_shape(config, cp, args.seq, "cpu"))
     activations = next(term.bytes for term in plan.terms if term.name.startswith("activations"))
@@ -201,11 +218,15 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--max-wait", type=float, default=120.0,
                         help="seconds in all to wait, before launches, for other jobs to leave the CPUs idle")
+    parser.add_argument("--cp-algo", choices=["ulysses", "ring"], default="ulysses")
+    parser.add_argument("--mmap-threshold", type=int, default=None,
+                        help="the workers' MALLOC_MMAP_THRESHOLD_ (bytes): glibc then returns freed blocks above it")
     parser.add_argument("--record", action="store_true", help="append the result to bench/RESULTS.md")
     args = parser.parse_args()
-    if args.seq % 2 or args.short % 2 or not 0 < args.short < args.seq:
-        parser.error("--seq and --short must be even (cp=2 halves them) and --short below --seq")
-    if args.heads % 2:
+    if args.seq % 4 or args.short % 4 or not 0 < args.short < args.seq:
+        parser.error("--seq and --short must be multiples of 4 (ring at cp=2 cuts them in 4 chunks) and --short "
+                     "below --seq")
+    if args.cp_algo == "ulysses" and args.heads % 2:
         parser.error("--heads must be even: Ulysses gives each cp=2 rank half of them")
     load_before = os.getloadavg()
     started = time.perf_counter()
@@ -241,8 +262,6 @@ def main() -> None:
 
     row = summarize(rounds, plans, args)
     print(json.dumps(row), flush=True)
-    if row["cp1_plan_activation_mib"] == row["cp2_plan_activation_mib"]:
-        print("the memory plan's activation term does not depend on cp", flush=True)
     load_after = os.getloadavg()
     print(f"model {params / 1e6:.1f}M parameters; {time.perf_counter() - started:.0f} s in all; "
           f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after", flush=True)
@@ -256,26 +275,26 @@ def record(row: dict, plans: dict[int, dict], args: argparse.Namespace, params: 
     load = ", ".join(f"{x:.1f}" for x in load_before)
     command = (f"python -m bench.context_parallel --layers {args.layers} --hidden {args.hidden} --heads {args.heads} "
                f"--seq {args.seq} --short {args.short} --batch {args.batch} --steps {args.steps} "
-               f"--warmup {args.warmup} --rounds {args.rounds}")
+               f"--warmup {args.warmup} --rounds {args.rounds} --cp-algo {args.cp_algo}"
+               + (f" --mmap-threshold {args.mmap_threshold}" if args.mmap_threshold is not None else ""))
     rounds = (f"the {row['rounds_used']} quiet rounds of {row['rounds']}" if row["quiet"]
               else f"{row['rounds']} rounds, none quiet")
-    plan_note = ("the plan's activation term does not depend on cp yet" if row["plan_activation_ratio"] == 1
-                 else f"the plan's activation term {row['plan_activation_ratio']:.2f}x")
     peaks = {cp: ", ".join(map(str, row[f"cp{cp}_peak_mib"])) for cp in SIDES}
     current = [(
-        f"| `bench.context_parallel` | cp=1 on one rank, same model, global batch {args.batch} x {args.seq} tokens and "
+        f"| `bench.context_parallel` {variant(args)} | cp=1 on one rank, same model, global batch {args.batch} x {args.seq} tokens and "
         f"losses (fp32) | cp=2: {row['ratio_median']:.2f}x tokens/s; activation memory per rank "
-        f"{row['activation_ratio_median']:.2f}x (1/cp = 0.50; {plan_note}); peak RSS per rank {peaks[2]} against "
+        f"{row['activation_ratio_median']:.2f}x (1/cp = 0.50; the plan's activation term "
+        f"{row['plan_activation_ratio']:.2f}x); peak RSS per rank {peaks[2]} against "
         f"{peaks[1]} MiB | tokens/s {row['ratio_min']:.2f}x-{row['ratio_max']:.2f}x over {rounds}; activations "
         f"{row['activation_ratio_min']:.2f}x-{row['activation_ratio_max']:.2f}x over {row['rounds']} rounds | 1 per rank "
         f"| {load} before; other jobs {row['other_cores']:.2f} cores | {day} |"
     )]
     entry = [
-        (f"### Context parallelism, cp=2 against cp=1 ({day}, {cpu_model()}, {os.cpu_count()} cores, "
+        (f"### Context parallelism, cp=2 ({variant(args)}) against cp=1 ({day}, {cpu_model()}, {os.cpu_count()} cores, "
          f"torch {torch.__version__}, 1 thread per rank, cpu, gloo, load average {load} before the run, "
          f"{load_after[0]:.1f} after)"),
         "",
-        (f"`{command}`: `llmflow train`, cp=2 on 2 ranks (Ulysses, FSDP2 over dp*cp=2) against cp=1 on one rank, "
+        (f"`{command}`: `llmflow train`, cp=2 on 2 ranks ({args.cp_algo}, FSDP2 over dp*cp=2) against cp=1 on one rank, "
          f"random Llama-shaped model ({params / 1e6:.1f}M parameters: {args.layers} layers, hidden {args.hidden}, FFN "
          f"{args.intermediate}, {args.heads} heads, untied, vocab 896), fp32, global batch {args.batch} x seq "
          f"{args.seq} (packed sample corpus, plain causal attention: the CPU flash kernel, memory linear in the "
