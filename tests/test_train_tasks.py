@@ -218,7 +218,7 @@ def test_train_task_streams_worker_lines_and_tracks_rank0_metrics(prefect_env, a
     meta = read_meta(tmp_path / "run" / "step_00000003")
     assert artifact.manifest == {"step_dir": "step_00000003", **meta.model_dump(mode="json")}
     assert meta.step == 3 and meta.consumed_samples == 12
-    assert artifact.manifest["layout"] == {"pp": 1, "dp": 2, "tp": 1, "ep": 1}
+    assert artifact.manifest["layout"] == {"pp": 1, "dp": 2, "cp": 1, "tp": 1, "ep": 1}
 
     # Each worker line is one Prefect log record, as printed (rank 0 prints the steps).
     losses = step_losses(logs)
