@@ -75,21 +75,6 @@ def test_two_data_parallel_ranks_train_the_auxiliary_loss_of_one_process(assets,
     assert plain[1]["loss"] == one[1]["loss"] and abs(plain[4]["loss"] - one[4]["loss"]) > 1e-6
 
 
-@pytest.mark.slow
-def test_context_parallel_ranks_route_and_train_what_one_process_does(assets, tmp_path):
-    """cp=2 (each rank routing half of every sequence's tokens to every expert) and dp=2 x
-    ep=2 x cp=2 (four ranks, the experts' tokens exchanged within each context-parallel
-    shard's ep group): losses, gradient norms, the auxiliary loss and the experts' load equal
-    one process's."""
-    one = train(assets, tmp_path / "one", micro_batch_size=4)
-    cp = train(assets, tmp_path / "cp", nproc=2, cp=2, micro_batch_size=4)
-    assert sorted(cp) == [1, 2, 3, 4]
-    assert_same(cp, one)
-    experts = train(assets, tmp_path / "ep-cp", nproc=4, dp=2, ep=2, cp=2, micro_batch_size=2)
-    assert sorted(experts) == [1, 2, 3, 4]
-    assert_same(experts, one)
-
-
 def resume_from(out: Path, step: int) -> None:
     """Make ``out`` a run directory whose latest checkpoint is the one of ``step``."""
     for later in out.glob("step_*"):
@@ -163,17 +148,19 @@ def test_a_hybrid_linear_attention_moe_trains_at_ep2_like_one_process_and_resume
 
 
 @pytest.mark.slow
-def test_tensor_parallel_ranks_route_their_own_tokens_and_train_what_one_process_does(assets, tmp_path):
-    """tp=2: attention split by heads, each rank routing its own half of the sequence through
-    whole experts; and tp=2 x ep=2 on four ranks, the experts also split. Losses, gradient
-    norms and routing equal one process's."""
+@pytest.mark.parametrize("parallel", ["tp", "cp"])
+def test_sequence_shards_route_their_own_tokens_and_train_what_one_process_does(assets, tmp_path, parallel):
+    """tp=2 (attention split by heads) and cp=2 (each rank half of every sequence), each rank
+    routing its own half of the sequence through whole experts; and the same with dp=2 x ep=2
+    on four ranks, the experts also split (their tokens exchanged within each shard's ep
+    group). Losses, gradient norms, the auxiliary loss and the experts' load equal one process's."""
     one = train(assets, tmp_path / "one", micro_batch_size=4)
-    tp = train(assets, tmp_path / "tp", nproc=2, tp=2, micro_batch_size=4)
-    assert sorted(tp) == [1, 2, 3, 4]
-    assert_same(tp, one)
-    tp_ep = train(assets, tmp_path / "tp-ep", nproc=4, tp=2, dp=2, ep=2, micro_batch_size=2)
-    assert sorted(tp_ep) == [1, 2, 3, 4]
-    assert_same(tp_ep, one)
+    two = train(assets, tmp_path / "two", nproc=2, micro_batch_size=4, **{parallel: 2})
+    assert sorted(two) == [1, 2, 3, 4]
+    assert_same(two, one)
+    experts = train(assets, tmp_path / "experts", nproc=4, dp=2, ep=2, micro_batch_size=2, **{parallel: 2})
+    assert sorted(experts) == [1, 2, 3, 4]
+    assert_same(experts, one)
 
 
 @pytest.mark.slow
