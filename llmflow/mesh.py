@@ -3,6 +3,7 @@ out of dp) against the world and the model, and building the device mesh for it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,8 +31,8 @@ class ParallelLayout:
     tp: int = 1
     """Tensor-parallel degree: attention heads and FFN columns are split this many ways."""
     cp: int = 1
-    """Context-parallel degree: every sequence is split into cp contiguous shards on
-    different ranks, which trade sequence shards for head shards around attention (Ulysses)."""
+    """Context-parallel degree: every sequence's positions are split over cp ranks, which
+    reach each other's around attention (``models/context_parallel.py``)."""
     ep: int = 1
     """Expert-parallel degree (a mixture-of-experts model): each group of ep data-parallel
     ranks splits every MoE layer's experts among themselves and sends each token to the ranks
@@ -48,9 +49,13 @@ class ParallelLayout:
         is what remains (world_size / (pp * cp * tp), at least 1) unless given."""
         return cls(pp=pp, dp=dp or max(world_size // (pp * cp * tp), 1), cp=cp, tp=tp, ep=ep)
 
-    def as_dict(self) -> dict[str, int]:
-        """The degrees by name, as checkpoints record them."""
-        return {name: getattr(self, name) for name in LAYOUT_FIELDS}
+
+def product(factors: list[tuple[str, int]]) -> str:
+    """Named degrees and what they multiply to: "pp*tp = 2*1 = 2", or "tp=3" for one alone."""
+    if len(factors) == 1:
+        return f"{factors[0][0]}={factors[0][1]}"
+    names, values = zip(*factors, strict=True)
+    return f"{'*'.join(names)} = {'*'.join(map(str, values))} = {math.prod(values)}"
 
 
 def layout_problems(layout: ParallelLayout, world_size: int, config: ModelConfig | None = None) -> list[str]:
@@ -63,12 +68,8 @@ def layout_problems(layout: ParallelLayout, world_size: int, config: ModelConfig
     if problems:
         return problems
     if layout.world_size != world_size:
-        names, values = zip(*((name, getattr(layout, name)) for name in MESH_DIMS
-                              if name != "cp" or layout.cp > 1), strict=True)
-        problems.append(
-            f"{'*'.join(names)} = {'*'.join(map(str, values))} = {layout.world_size} "
-            f"but the job has {world_size} ranks; they must be equal"
-        )
+        factors = [(name, getattr(layout, name)) for name in MESH_DIMS if name != "cp" or layout.cp > 1]
+        problems.append(f"{product(factors)} but the job has {world_size} ranks; they must be equal")
     if config is not None:
         tp = layout.tp
         for field, value in (
@@ -122,4 +123,3 @@ def build_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
     if layout.cp > 1:
         mesh[(*data_names, "cp")]._flatten("dp_cp")
     return mesh
-

@@ -33,7 +33,7 @@ from llmflow import runtime
 from llmflow.artifacts import MANIFEST, read_manifest, write_json_atomic
 from llmflow.data.tokenize_instruction import STAGE as INSTRUCTION_STAGE
 from llmflow.data.tokenize_pretrain import STAGE as PRETRAIN_STAGE
-from llmflow.mesh import ParallelLayout, layout_problems
+from llmflow.mesh import ParallelLayout, layout_problems, product
 from llmflow.models import ModelConfig
 from llmflow.models.context_parallel import context_parallel_problems, sequence_split_problems
 from llmflow.train.config import TrainConfig
@@ -83,10 +83,7 @@ def parallel_problems(nproc: int, tp: int, dp: int | None = None, model: ModelCo
     if dp is None and nproc % (pp * cp * tp):
         # The layout's own world-size complaint would say the same thing again.
         factors = [(name, value) for name, value in (("pp", pp), ("cp", cp), ("tp", tp)) if value > 1 or name == "tp"]
-        names, values = zip(*factors, strict=True)
-        product = (f"{names[0]}={values[0]}" if len(factors) == 1 else
-                   f"{'*'.join(names)} = {'*'.join(map(str, values))} = {pp * cp * tp}")
-        return [f"nproc={nproc} is not a multiple of {product}", *layout_problems(layout, layout.world_size, model)]
+        return [f"nproc={nproc} is not a multiple of {product(factors)}", *layout_problems(layout, layout.world_size, model)]
     return layout_problems(layout, nproc, model)
 
 
