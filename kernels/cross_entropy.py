@@ -9,6 +9,8 @@ during the forward pass, so the backward pass only scales what is already there.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 # Elements of one chunk's fp32 logits (2**26 floats = 256 MiB): ~440 tokens per chunk at
 # Qwen's vocabulary, large enough for efficient matmuls (measured fastest on CPU).
@@ -115,17 +117,41 @@ def linear_cross_entropy(
     hidden: [tokens, hidden_size]; weight: [vocab, hidden_size]; labels: [tokens].
     reduction "mean" averages over non-ignored tokens (NaN when there are none, as
     F.cross_entropy); "sum" adds them up (0 when there are none), for callers that
-    normalise by a token count across micro-batches or ranks.
+    normalise by a token count across micro-batches or ranks; "none" gives every token's
+    loss (0 where ignored), for objectives over sequences such as preference losses.
     """
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction={reduction!r}: expected 'mean' or 'sum'")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction={reduction!r}: expected 'mean', 'sum' or 'none'")
     if hidden.ndim != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(
             f"expected hidden [tokens, hidden] and labels [tokens], got {tuple(hidden.shape)} and {tuple(labels.shape)}"
         )
     rows = chunk_rows or _chunk_rows(weight.shape[0])
+    if reduction == "none":
+        return _token_cross_entropy(hidden, weight, labels, ignore_index, rows)
     grad_on = torch.is_grad_enabled()
     return _LinearCrossEntropy.apply(
         hidden, weight, labels, ignore_index, reduction, rows,
         grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
     )
+
+
+def _chunk_token_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    logits = torch.matmul(h, weight.t()).float()
+    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="none")
+
+
+def _token_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+                         chunk_rows: int) -> torch.Tensor:
+    """Every token's cross-entropy [tokens]. The gradient of each token's loss differs (the
+    caller's objective weighs sequences), so the fused forward-time gradient above cannot
+    serve: each chunk is recomputed in backward instead (activation checkpointing), which
+    keeps one chunk's logits alive at a time in either pass."""
+    track = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    losses = []
+    for start in range(0, hidden.shape[0], chunk_rows):
+        end = min(start + chunk_rows, hidden.shape[0])
+        args = (hidden[start:end], weight, labels[start:end], ignore_index)
+        losses.append(checkpoint(_chunk_token_cross_entropy, *args, use_reentrant=False) if track
+                      else _chunk_token_cross_entropy(*args))
+    return torch.cat(losses)

@@ -181,6 +181,17 @@ def apply_cp(model: nn.Module, mesh: DeviceMesh, algo: str = "ulysses") -> None:
             module.core_attention = types.MethodType(core, module)
 
 
+def held_positions(seq: int, rank: int, ranks: int, algo: str = "ulysses",
+                   device: torch.device | str | None = None) -> torch.Tensor:
+    """The positions of a ``seq``-token sequence that context-parallel ``rank`` of ``ranks``
+    holds: a contiguous 1/ranks for ulysses, its two ``ring_chunks`` for ring."""
+    if algo == "ring":
+        chunk = seq // (2 * ranks)
+        return torch.cat([torch.arange(i * chunk, (i + 1) * chunk, device=device) for i in ring_chunks(rank, ranks)])
+    local = seq // ranks
+    return torch.arange(rank * local, (rank + 1) * local, device=device)
+
+
 def shard_sequence(input_ids: torch.Tensor, labels: torch.Tensor | None, position_ids: torch.Tensor | None,
                    document_ids: torch.Tensor | None, rank: int, ranks: int,
                    algo: str = "ulysses") -> dict[str, torch.Tensor | None]:
@@ -195,12 +206,6 @@ def shard_sequence(input_ids: torch.Tensor, labels: torch.Tensor | None, positio
                         else torch.arange(seq, device=input_ids.device).expand_as(input_ids))
     if ranks == 1:
         return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "document_ids": document_ids}
-    if algo == "ring":
-        chunk = seq // (2 * ranks)
-        held = torch.cat([torch.arange(i * chunk, (i + 1) * chunk) for i in ring_chunks(rank, ranks)])
-        held = held.to(input_ids.device)
-    else:
-        local = seq // ranks
-        held = torch.arange(rank * local, (rank + 1) * local, device=input_ids.device)
+    held = held_positions(seq, rank, ranks, algo, input_ids.device)
     return {"input_ids": input_ids[:, held], "labels": labels[:, held] if labels is not None else None,
             "position_ids": position_ids[:, held], "document_ids": document_ids}

@@ -102,7 +102,9 @@ class CausalLM(nn.Module):
         loss_reduction: str = "mean",
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """Logits [B, S, vocab], or the cross-entropy loss when ``labels`` is given.
+        """Logits [B, S, vocab], or the cross-entropy loss when ``labels`` is given: the mean
+        or sum over target tokens (``loss_reduction``), or with "none" every token's [B, S]
+        (0 where no loss is taken).
 
         ``labels`` [B, S] are the targets of each position (already shifted: labels[:, i]
         is the token after input_ids[:, i]), -100 where no loss is taken. The loss path
@@ -118,7 +120,10 @@ class CausalLM(nn.Module):
             logits = self.lm_head(h)
             return logits if real is None else logits[..., :real]
         weight = self.lm_head.weight if real is None else self.lm_head.weight[:real]
-        return kernels.linear_cross_entropy(h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1), reduction=loss_reduction)
+        loss = kernels.linear_cross_entropy(h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1), reduction=loss_reduction)
+        if loss_reduction == "none":  # a fresh tensor, not a view: FSDP2 hooks its module's output for backward
+            return loss.view(labels.shape).clone()
+        return loss
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:

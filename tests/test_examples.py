@@ -51,7 +51,7 @@ BOTH = ONE_NODE | {(kind, 2) for kind in KINDS}
 EXAMPLE_SETS = {  # (kind, nodes) of each model's configs
     "qwen1.5-0.5b": ONE_NODE,
     "qwen2.5-0.5b": ONE_NODE,
-    "qwen2.5-7b": ONE_NODE,
+    "qwen2.5-7b": ONE_NODE | {("dpo", 1)},
     "llama-3.1-8b": ONE_NODE,
     "qwen3-8b": BOTH,
     # Full training holds 16 bytes a parameter (fp32 weights, gradients, AdamW's two moments):
@@ -154,7 +154,7 @@ def test_every_model_has_its_examples_and_published_config():
         assert {(kind(p), nodes(p)) for p in CONFIGS if p.parent.name == name} == EXAMPLE_SETS[name]
         assert {kind(p) for p in CONFIGS if p.parent.name == name and p.stem.endswith(LONG)} == \
             LONG_EXAMPLES.get(name, set())
-    assert {p.stem for p in CONFIGS} <= {f"{k}{s}" for k in KINDS for s in ("", "-2nodes", LONG)}
+    assert {p.stem for p in CONFIGS} <= {f"{k}{s}" for k in (*KINDS, "dpo") for s in ("", "-2nodes", LONG)}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(EXAMPLES)))
@@ -175,6 +175,7 @@ def test_example_passes_the_checks_and_fits_64_gb(path):
         assert ep == 1
     assert (config.lora is not None) == (kind(path) == "lora")
     assert (config.data.kind == "pretrain") == (kind(path) == "pretrain")
+    assert (config.method == "dpo") == (config.data.kind == "preference") == (kind(path) == "dpo")
     _, p = plan(path)
     # Each rank loads its shards of the converted checkpoint: loading is never the peak.
     assert p.fits and p.peak_moment != LOAD, p.table()

@@ -365,6 +365,28 @@ def test_linear_cross_entropy_grads(chunk_rows, reduction):
     close(gw, egw)
 
 
+@pytest.mark.parametrize("chunk_rows", [None, 3])
+def test_linear_cross_entropy_per_token_values_and_grads(chunk_rows):
+    """reduction "none" (preference objectives): every token's loss, and the gradients of a
+    weighted sum of them (each token's weight its own, as a sequence-level objective gives)."""
+    hidden, weight, labels = _ce_inputs()
+    weights = torch.rand(labels.shape, generator=gen(1))
+
+    def weighted(fn, h, w, labels, **kw):
+        return (fn(h, w, labels, reduction="none", **kw) * weights).sum()
+
+    loss, gh, gw = _ce_loss_and_grads(lambda *a, **kw: weighted(linear_cross_entropy, *a, **kw), hidden, weight,
+                                      labels, chunk_rows=chunk_rows)
+    eloss, egh, egw = _ce_loss_and_grads(lambda *a: weighted(_torch_ce, *a), hidden, weight, labels)
+    close(loss, eloss)
+    close(gh, egh)
+    close(gw, egw)
+    with torch.no_grad():
+        per_token = linear_cross_entropy(hidden, weight, labels, reduction="none", chunk_rows=chunk_rows)
+    close(per_token, _torch_ce(hidden, weight, labels, "none"))
+    assert (per_token[labels == -100] == 0).all()
+
+
 def test_linear_cross_entropy_whole_sequences_ignored():
     batch, seq = 3, 5
     hidden, weight, labels = _ce_inputs(n=batch * seq, ignore_frac=0.2, seed=3)
@@ -479,8 +501,8 @@ def test_linear_cross_entropy_bf16_grads():
 
 def test_linear_cross_entropy_rejects_bad_arguments():
     hidden, weight, labels = _ce_inputs()
-    with pytest.raises(ValueError, match="reduction='none'"):
-        linear_cross_entropy(hidden, weight, labels, reduction="none")
+    with pytest.raises(ValueError, match="reduction='max'"):
+        linear_cross_entropy(hidden, weight, labels, reduction="max")
     with pytest.raises(ValueError, match="expected hidden"):
         linear_cross_entropy(hidden[None], weight, labels)
     with pytest.raises(ValueError, match="expected hidden"):

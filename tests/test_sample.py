@@ -65,7 +65,7 @@ def test_same_seed_same_bytes_other_seed_other_content(sample, tmp_path):
     assert manifest(again)["files"] == manifest(sample)["files"]
     assert manifest(sample)["seed"] == 0 and manifest(other)["seed"] == 1
     unchanged = {f["path"] for f in manifest(other)["files"] if f in manifest(sample)["files"]}
-    assert not unchanged & {"instruct/alpaca.jsonl", "pretrain/corpus.parquet", "model/model.safetensors"}
+    assert not unchanged & {"instruct/alpaca.jsonl", "preference/preference_train.jsonl", "pretrain/corpus.parquet", "model/model.safetensors"}
 
 
 def test_manifest_lists_every_file(sample):
@@ -88,6 +88,25 @@ def test_corpus_and_instruction_layouts(sample):
     lines = [json.loads(line) for line in (sample / "instruct" / "alpaca.jsonl").read_text().splitlines()]
     assert lines == alpaca.to_pylist()
     assert any(r["input"] == "" for r in lines) and any(r["input"] for r in lines)
+
+
+def test_preference_pairs_state_the_facts(sample):
+    """TRL's pairwise text layout; the true statement (the instruction set's) chosen, a false
+    one of the same form rejected; held-out pairs ask the training facts in other wordings."""
+    splits = {}
+    for split, count in (("train", 432), ("heldout", 96)):
+        table = pq.read_table(sample / "preference" / f"preference_{split}.parquet")
+        assert table.schema == pa.schema([(k, pa.string()) for k in ("prompt", "chosen", "rejected")])
+        lines = [json.loads(line) for line in (sample / "preference" / f"preference_{split}.jsonl").read_text().splitlines()]
+        assert lines == table.to_pylist() and len(lines) == count == manifest(sample)["counts"][f"preference_{split}"]
+        assert all(r["chosen"] != r["rejected"] and r["chosen"].rsplit(" ", 1)[0] == r["rejected"].rsplit(" ", 1)[0] for r in lines)
+        splits[split] = lines
+    outputs = {r["output"] for r in pq.read_table(sample / "instruct" / "alpaca.parquet").to_pylist()}
+    train, heldout = splits["train"], splits["heldout"]
+    assert {r["chosen"] for r in heldout} == {r["chosen"] for r in train} <= outputs
+    assert not {r["prompt"] for r in heldout} & {r["prompt"] for r in train}
+    assert not {r["chosen"] for r in train} & {r["rejected"] for r in train + heldout}
+    assert {(r["chosen"], r["rejected"]) for r in heldout} <= {(r["chosen"], r["rejected"]) for r in train}
 
 
 @pytest.mark.parametrize("subject", SUBJECTS)

@@ -1,4 +1,4 @@
-"""``llmflow tokenize``: the pretraining and instruction tokenizers as one command group."""
+"""``llmflow tokenize``: the pretraining, instruction and preference tokenizers as one command group."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from pydantic import BaseModel, ConfigDict
 from pydantic_settings import CliApp, CliSubCommand
 
 from llmflow.data.tokenize_instruction import InstructionCommand
+from llmflow.data.tokenize_preference import PreferenceCommand
 from llmflow.data.tokenize_pretrain import PretrainCommand
 
 
@@ -18,6 +19,8 @@ class TokenizeCommands(BaseModel):
     """Pretraining text -> Megatron indexed dataset ({out}_text_document.bin/.idx)."""
     instruction: CliSubCommand[InstructionCommand]
     """Instruction data -> input_ids/labels indexed datasets ({out}_packed_*_document)."""
+    preference: CliSubCommand[PreferenceCommand]
+    """Preference pairs (chosen/rejected) -> input_ids/labels indexed datasets ({out}_packed_*_document)."""
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)

@@ -1,8 +1,10 @@
 """Training rows of a tokenized instruction set, padded to its sequence length.
 
 A row is a document of the indexed datasets ``tokenize_instruction`` wrote: one sample,
-or (packed) several samples back to back. ``InstructionDataset[i]`` gives numpy arrays of
-``seq_length`` entries:
+or (packed) several samples back to back. The preference tokenizer writes the same layout
+(a row holds pairs of sequences; ``llmflow.data.preference_dataset``), which this class
+reads when the stage it expects (``stages``) says so. ``InstructionDataset[i]`` gives numpy
+arrays of ``seq_length`` entries:
 
 - ``input_ids``: the tokens, then the pad id;
 - ``labels``: aligned with the tokens (-100 on prompt tokens and padding);
@@ -36,10 +38,19 @@ class InstructionDataset:
     """Padded rows of ``{prefix}_packed_{input_ids,labels}_document``; ``prefix`` is the
     tokenize stage's ``out``, whose manifest gives the sequence length and pad id."""
 
-    def __init__(self, prefix: str | Path) -> None:
+    stages: tuple[str, ...] = (STAGE,)
+    """The tokenize stages whose output this reads (by default, the class's)."""
+    kind = "instruction"
+    """What the data is, in errors."""
+
+    def __init__(self, prefix: str | Path, stages: tuple[str, ...] | None = None) -> None:
+        stages = stages or self.stages
         manifest = read_manifest(prefix)
-        if manifest is None or manifest.get("stage") != STAGE:
-            raise IndexedDatasetError(f"{prefix}: no finished instruction dataset ({prefix}.manifest.json from {STAGE})")
+        if manifest is None or manifest.get("stage") not in stages:
+            raise IndexedDatasetError(
+                f"{prefix}: no finished {self.kind} dataset ({prefix}.manifest.json from {' or '.join(stages)})"
+            )
+        self.stage: str = manifest["stage"]
         paths = output_paths(prefix)
         self.input_ids = IndexedDataset(paths["input_ids"])
         self.labels = IndexedDataset(paths["labels"])

@@ -28,9 +28,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Self, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -45,6 +46,7 @@ from llmflow.data.readers import InputError, describe_row, iter_records, validat
 from llmflow.data.templates import ChatTemplate, load_template
 from llmflow.data.tokenizer import (
     TokenizeError,
+    TokenizerInfo,
     load_tokenizer,
     out_of_vocab_message,
     resolve_vocab_size,
@@ -57,6 +59,9 @@ STAGE = "tokenize-instruction"
 IGNORE_INDEX = -100
 LABEL_DTYPE = np.int32
 log = logging.getLogger("llmflow.tokenize")
+T = TypeVar("T")
+Sample = tuple[np.ndarray, np.ndarray]
+"""A tokenized sequence: (input_ids, labels)."""
 
 TemplateName = Literal["tokenizer", "alpaca", "chatml", "qwen", "llama2", "llama3"]
 
@@ -121,20 +126,23 @@ def dataset_files(out: str | Path) -> list[Path]:
 _worker: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer: tuple[str, bool], template: ChatTemplate, vocab_size: int, single_thread: bool) -> None:
+def init_worker(tokenizer: tuple[str, bool], template: ChatTemplate, vocab_size: int, single_thread: bool) -> None:
+    """Set up this process's encoder (``ordered_map``'s initializer)."""
     if single_thread:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker.update(tokenizer=tokenizer_from_state(tokenizer), template=template, vocab_size=vocab_size)
 
 
-def encode_conversations(
-    tokenizer, template: ChatTemplate, conversations: list[list[Message]]
-) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(input_ids, labels) of each conversation: the rendered conversation encoded whole, as
-    transformers' ``apply_chat_template`` encodes it (no special tokens added), labels -100 on
-    every token outside the trained segments (a token that overlaps one is trained, as in
-    transformers' assistant-token mask)."""
-    pieces = [template.segments(messages) for messages in conversations]
+def worker_encoder() -> tuple[Any, ChatTemplate, int]:
+    """(tokenizer, template, vocab_size) that ``init_worker`` set up in this process."""
+    return _worker["tokenizer"], _worker["template"], _worker["vocab_size"]
+
+
+def encode_segments(tokenizer, pieces: list[list[tuple[str, bool]]]) -> list[Sample]:
+    """(input_ids, labels) of each list of ``(text, trained)`` pieces: the concatenated text
+    encoded whole, as transformers' ``apply_chat_template`` encodes it (no special tokens
+    added), labels -100 on every token outside the trained pieces (a token that overlaps one
+    is trained, as in transformers' assistant-token mask)."""
     texts = ["".join(text for text, _ in segments) for segments in pieces]
     encoded = tokenizer.encode_batch(texts, add_special_tokens=False)  # with offsets
     samples = []
@@ -153,16 +161,26 @@ def encode_conversations(
     return samples
 
 
-def _encode_batch(conversations: list[list[Message]]) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+def encode_conversations(tokenizer, template: ChatTemplate, conversations: list[list[Message]]) -> list[Sample]:
+    """(input_ids, labels) of each conversation, trained on every assistant turn (the
+    template's ``segments``) and encoded by ``encode_segments``."""
+    return encode_segments(tokenizer, [template.segments(messages) for messages in conversations])
+
+
+def out_of_vocab(samples: list[Sample], vocab_size: int) -> int:
+    """Index of the first sample holding an id outside the model vocabulary (-1 when none does)."""
+    return next((i for i, (ids, _) in enumerate(samples) if ids.size and (ids.min() < 0 or ids.max() >= vocab_size)), -1)
+
+
+def _encode_batch(conversations: list[list[Message]]) -> tuple[list[Sample], int]:
     """Encoded conversations and the index of the first one holding an id outside the
     model vocabulary (-1 when none does)."""
-    samples = encode_conversations(_worker["tokenizer"], _worker["template"], conversations)
-    vocab = _worker["vocab_size"]
-    bad = next((i for i, (ids, _) in enumerate(samples) if ids.size and (ids.min() < 0 or ids.max() >= vocab)), -1)
-    return samples, bad
+    tokenizer, template, vocab_size = worker_encoder()
+    samples = encode_conversations(tokenizer, template, conversations)
+    return samples, out_of_vocab(samples, vocab_size)
 
 
-# --- the stage ------------------------------------------------------------------------------------
+# --- what the chat-data stages share ----------------------------------------------------------------
 
 
 def minimum_seq_length(tokenizer, template: ChatTemplate) -> int:
@@ -173,24 +191,68 @@ def minimum_seq_length(tokenizer, template: ChatTemplate) -> int:
     return int(ids.size) + 1
 
 
-def _batches(config: InstructionTokenizeConfig, keys: dict[str, str]) -> Iterator[tuple[Path, list[int], list[list[Message]]]]:
-    """(path, rows, conversations) batches; a batch never spans two inputs."""
-    required, optional = record_columns(config.format, keys)
-    for path in config.input:
+@dataclass
+class ChatEncoder:
+    """The tokenizer, template and vocabulary a chat-data stage encodes with, checked
+    before any output is touched."""
+
+    tokenizer: Any
+    template: ChatTemplate
+    info: TokenizerInfo
+    vocab_size: int
+    vocab_source: str
+
+    @classmethod
+    def load(cls, config: Any, sequences: int = 1) -> ChatEncoder:
+        """The encoder for ``config`` (its tokenizer, template, vocab_size); an error unless
+        ``config.seq_length`` fits ``sequences`` one-turn conversations and the tokenizer has
+        a pad token."""
+        info = tokenizer_info(config.tokenizer)
+        vocab_size, vocab_source = resolve_vocab_size(config.vocab_size, info)
+        template = load_template(config.tokenizer, config.template)
+        tokenizer = load_tokenizer(config.tokenizer)
+        minimum = sequences * minimum_seq_length(tokenizer, template)
+        if config.seq_length < minimum:
+            each = "" if sequences == 1 else f", and a row holds {sequences} of them"
+            raise TokenizeError(
+                f"seq_length {config.seq_length} is below the minimum of {minimum} tokens for chat template "
+                f"{template.name!r}: its one-turn conversation with empty messages alone takes "
+                f"{minimum // sequences - 1}{each}"
+            )
+        if info.pad_token_id is None:
+            raise TokenizeError(f"tokenizer {config.tokenizer}: no pad_token or eos_token to pad rows with")
+        return cls(tokenizer, template, info, vocab_size, vocab_source)
+
+    def worker_args(self, workers: int) -> tuple:
+        """``init_worker``'s arguments."""
+        return (tokenizer_state(self.tokenizer), self.template, self.vocab_size, workers > 1)
+
+    def check_vocab(self, ids: np.ndarray, where: str, tokenizer_dir: str | Path) -> None:
+        """A ``TokenizeError`` naming ``where`` when ``ids`` hold an id outside the vocabulary."""
+        token = next((int(t) for t in ids if not 0 <= t < self.vocab_size), None)
+        if token is not None:
+            raise TokenizeError(out_of_vocab_message(where, token, self.vocab_size, self.vocab_source, tokenizer_dir))
+
+
+def record_batches(
+    inputs: list[Path], required: list[str], optional: list[str], batch_size: int, convert: Callable[[dict[str, Any], str], T]
+) -> Iterator[tuple[Path, list[int], list[T]]]:
+    """(path, rows, items) batches, ``convert(record, where)`` of each record ("where" is
+    "data.jsonl: line 7"); a batch never spans two inputs."""
+    for path in inputs:
         rows: list[int] = []
-        conversations: list[list[Message]] = []
+        items: list[T] = []
         for row, record in iter_records(path, required, optional):
             rows.append(row)
-            conversations.append(to_messages(config.format, record, keys, f"{path}: {describe_row(path, row)}"))
-            if len(rows) == config.batch_size:
-                yield path, rows, conversations
-                rows, conversations = [], []
+            items.append(convert(record, f"{path}: {describe_row(path, row)}"))
+            if len(rows) == batch_size:
+                yield path, rows, items
+                rows, items = [], []
         if rows:
-            yield path, rows, conversations
+            yield path, rows, items
 
 
-class _Counts(BaseModel):
-    samples: int = 0
+class WriteCounts(BaseModel):
     written: int = 0
     truncated: int = 0
     dropped_overlong: int = 0
@@ -199,104 +261,134 @@ class _Counts(BaseModel):
     trained_tokens: int = 0
 
 
-def tokenize_instruction(config: InstructionTokenizeConfig) -> Path:
-    """Tokenize ``config.input`` into the input_ids/labels datasets + manifest; returns ``out``."""
-    started = time.perf_counter()
-    outputs = output_paths(config.out)
+class RowWriter:
+    """The input_ids and labels datasets of ``out``, written row by row: each ``add`` is one
+    item (a group of sequences that stays whole) in a row of its own, or packed with others
+    into rows of at most ``seq_length`` tokens. Used as a context manager: on success the
+    datasets are finalized; on an exception both are removed (with the manifest, which
+    entering already removed)."""
 
-    # Everything that can be checked is checked before any output is touched.
-    keys = resolve_keys(config.format, config.map_keys)
-    info = tokenizer_info(config.tokenizer)
-    vocab_size, vocab_source = resolve_vocab_size(config.vocab_size, info)
-    template = load_template(config.tokenizer, config.template)
-    tokenizer = load_tokenizer(config.tokenizer)
-    minimum = minimum_seq_length(tokenizer, template)
-    if config.seq_length < minimum:
-        raise TokenizeError(
-            f"seq_length {config.seq_length} is below the minimum of {minimum} tokens for chat template "
-            f"{template.name!r}: its one-turn conversation with empty messages alone takes {minimum - 1}"
-        )
-    if info.pad_token_id is None:
-        raise TokenizeError(f"tokenizer {config.tokenizer}: no pad_token or eos_token to pad rows with")
-    required, optional = record_columns(config.format, keys)
-    for path in config.input:
-        validate_input(path, required)
-        for row, record in iter_records(path, required, optional):
-            template.segments(to_messages(config.format, record, keys, f"{path}: {describe_row(path, row)}"))
-            break
+    def __init__(self, out: str | Path, vocab_size: int, seq_length: int, pack: bool, counts: WriteCounts) -> None:
+        self.out = out
+        self.paths = output_paths(out)
+        self.counts = counts
+        self.packer: Packer[list[Sample]] | None = Packer(seq_length) if pack else None
+        self.paths["manifest"].unlink(missing_ok=True)
+        self.ids = IndexedDatasetWriter(self.paths["input_ids"], optimal_token_dtype(vocab_size))
+        self.labels = IndexedDatasetWriter(self.paths["labels"], LABEL_DTYPE)
 
-    outputs["manifest"].unlink(missing_ok=True)
-    ids_writer = IndexedDatasetWriter(outputs["input_ids"], optimal_token_dtype(vocab_size))
-    labels_writer = IndexedDatasetWriter(outputs["labels"], LABEL_DTYPE)
-    counts = _Counts()
-    packer: Packer[tuple[np.ndarray, np.ndarray]] = Packer(config.seq_length)
+    def add(self, item: list[Sample]) -> None:
+        length = sum(ids.size for ids, _ in item)
+        self.counts.written += 1
+        self.counts.tokens += length
+        self.counts.trained_tokens += sum(int((labels != IGNORE_INDEX).sum()) for _, labels in item)
+        for row in self.packer.add(length, item) if self.packer else [[item]]:
+            self._write(row)
 
-    def write_row(samples: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        lengths = [ids.size for ids, _ in samples]
-        ids_writer.add_document(np.concatenate([ids for ids, _ in samples]), lengths)
-        labels_writer.add_document(np.concatenate([labels for _, labels in samples]), lengths)
-        counts.rows += 1
+    def _write(self, row: list[list[Sample]]) -> None:
+        sequences = [sample for item in row for sample in item]
+        lengths = [ids.size for ids, _ in sequences]
+        self.ids.add_document(np.concatenate([ids for ids, _ in sequences]), lengths)
+        self.labels.add_document(np.concatenate([labels for _, labels in sequences]), lengths)
+        self.counts.rows += 1
 
-    try:
-        init_args = (tokenizer_state(tokenizer), template, vocab_size, config.workers > 1)
-        encoded = ordered_map(_encode_batch, _batches(config, keys), config.workers, _init_worker, init_args, key=lambda b: b[2])
-        for (path, rows, _), (samples, bad) in encoded:
-            if bad >= 0:
-                token = next(int(t) for t in samples[bad][0] if not 0 <= t < vocab_size)
-                where = f"{path}: {describe_row(path, rows[bad])}"
-                raise TokenizeError(out_of_vocab_message(where, token, vocab_size, vocab_source, config.tokenizer))
-            for ids, labels in samples:
-                counts.samples += 1
-                sample = _fit(ids, labels, config, counts)
-                if sample is None:
-                    continue
-                counts.written += 1
-                counts.tokens += sample[0].size
-                counts.trained_tokens += int((sample[1] != IGNORE_INDEX).sum())
-                for row in packer.add(sample[0].size, sample) if config.pack else [[sample]]:
-                    write_row(row)
-        for row in packer.flush():
-            write_row(row)
-        if counts.written == 0:
-            raise InputError(
-                f"no sample fits seq_length {config.seq_length}: all {counts.samples} are longer "
-                "(raise --seq-length, or pass --overlong truncate)"
-            )
-        ids_writer.finalize()
-        labels_writer.finalize()
-    except BaseException:
-        ids_writer.abort()
-        labels_writer.abort()
-        for f in dataset_files(config.out):
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                for row in self.packer.flush() if self.packer else []:
+                    self._write(row)
+                self.ids.finalize()
+                self.labels.finalize()
+                return
+        except BaseException:
+            self._remove()
+            raise
+        self._remove()
+
+    def _remove(self) -> None:
+        self.ids.abort()
+        self.labels.abort()
+        for f in dataset_files(self.out):
             f.unlink(missing_ok=True)
-        raise
 
+
+def finish_stage(config: Any, stage: str, encoder: ChatEncoder, counts: WriteCounts, started: float, unit: str, total: int) -> None:
+    """Write the manifest of a finished chat-data stage (its datasets written), last, and log
+    the counts: ``total`` items (``unit``: "samples", "pairs") read."""
     seconds = time.perf_counter() - started
     stats = {
         **counts.model_dump(),
         "packing_efficiency": counts.tokens / (counts.rows * config.seq_length),
         "seq_length": config.seq_length,
         "pack": config.pack,
-        "template": template.name,
-        "template_sha256": template.digest,
-        "pad_id": info.pad_token_id,
+        "template": encoder.template.name,
+        "template_sha256": encoder.template.digest,
+        "pad_id": encoder.info.pad_token_id,
         "ignore_index": IGNORE_INDEX,
-        "vocab_size": vocab_size,
-        "vocab_size_source": vocab_source,
+        "vocab_size": encoder.vocab_size,
+        "vocab_size_source": encoder.vocab_source,
         "seconds": round(seconds, 3),
         "data_prefix": str(config.out),
     }
-    write_prefix_manifest(outputs["manifest"], dataset_files(config.out), STAGE, config.model_dump(mode="json"), **stats)
+    write_prefix_manifest(output_paths(config.out)["manifest"], dataset_files(config.out), stage, config.model_dump(mode="json"), **stats)
     if counts.dropped_overlong or counts.truncated:
         log.warning(
-            "%d of %d samples were longer than seq_length %d: %d dropped, %d truncated",
-            counts.dropped_overlong + counts.truncated, counts.samples, config.seq_length,
+            "%d of %d %s were longer than seq_length %d: %d dropped, %d truncated",
+            counts.dropped_overlong + counts.truncated, total, unit, config.seq_length,
             counts.dropped_overlong, counts.truncated,
         )
     log.info(
-        "wrote %s: %d samples in %d rows, %d tokens (%d trained), %.1f s",
-        config.out, counts.written, counts.rows, counts.tokens, counts.trained_tokens, seconds,
+        "wrote %s: %d %s in %d rows, %d tokens (%d trained), %.1f s",
+        config.out, counts.written, unit, counts.rows, counts.tokens, counts.trained_tokens, seconds,
     )
+
+
+# --- the stage ------------------------------------------------------------------------------------
+
+
+class _Counts(WriteCounts):
+    samples: int = 0
+
+
+def tokenize_instruction(config: InstructionTokenizeConfig) -> Path:
+    """Tokenize ``config.input`` into the input_ids/labels datasets + manifest; returns ``out``."""
+    started = time.perf_counter()
+
+    # Everything that can be checked is checked before any output is touched.
+    keys = resolve_keys(config.format, config.map_keys)
+    encoder = ChatEncoder.load(config)
+    required, optional = record_columns(config.format, keys)
+
+    def convert(record: dict[str, Any], where: str) -> list[Message]:
+        return to_messages(config.format, record, keys, where)
+
+    for path in config.input:
+        validate_input(path, required)
+        _, _, (messages,) = next(record_batches([path], required, optional, 1, convert))
+        encoder.template.segments(messages)
+
+    counts = _Counts()
+    with RowWriter(config.out, encoder.vocab_size, config.seq_length, config.pack, counts) as writer:
+        batches = record_batches(config.input, required, optional, config.batch_size, convert)
+        encoded = ordered_map(_encode_batch, batches, config.workers, init_worker, encoder.worker_args(config.workers), key=lambda b: b[2])
+        for (path, rows, _), (samples, bad) in encoded:
+            if bad >= 0:
+                encoder.check_vocab(samples[bad][0], f"{path}: {describe_row(path, rows[bad])}", config.tokenizer)
+            for ids, labels in samples:
+                counts.samples += 1
+                sample = _fit(ids, labels, config, counts)
+                if sample is not None:
+                    writer.add([sample])
+        if counts.written == 0:
+            raise InputError(
+                f"no sample fits seq_length {config.seq_length}: all {counts.samples} are longer "
+                "(raise --seq-length, or pass --overlong truncate)"
+            )
+
+    finish_stage(config, STAGE, encoder, counts, started, "samples", counts.samples)
     return Path(config.out)
 
 

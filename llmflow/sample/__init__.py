@@ -10,6 +10,10 @@ Everything the demo and the tests need, in the formats the real assets come in:
   (id, url, title, text);
 - ``instruct/alpaca.parquet`` and ``.jsonl``: an Alpaca-layout instruction set
   (instruction, input, output);
+- ``preference/preference_{train,heldout}.{parquet,jsonl}``: preference pairs in TRL's
+  pairwise text layout (prompt, chosen, rejected): questions about the facts, the true
+  statement chosen, a false one of the same form rejected; the held-out pairs ask the same
+  facts in other wordings (``preferences.py``);
 - ``mmlu/hf/{subject}/{dev,test}-00000-of-00001.parquet`` (the ``cais/mmlu`` layout) and
   ``mmlu/csv/data/{dev,test}/{subject}_{split}.csv`` (the original MMLU CSV layout);
 - ``boolq/`` and ``agieval/``: BoolQ and two AGIEval tasks in their Hub layouts

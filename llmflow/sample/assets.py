@@ -16,6 +16,7 @@ from llmflow.sample.generative_tasks import write_generative_tasks
 from llmflow.sample.instructions import make_instructions, write_instructions
 from llmflow.sample.mmlu import make_mmlu, write_mmlu
 from llmflow.sample.model import write_model
+from llmflow.sample.preferences import write_preferences
 from llmflow.sample.tokenizer import TOKENIZER_FILES, check_tokenizer, tokenizer_texts, train_tokenizer, write_tokenizer
 from llmflow.sample.world import make_facts, make_world
 
@@ -23,8 +24,8 @@ STAGE = "sample"
 
 
 class SampleConfig(BaseModel):
-    """Write the built-in sample assets (tokenizer, tiny model, corpus, instruction set, MMLU,
-    BoolQ, AGIEval, GSM8K, BBH)."""
+    """Write the built-in sample assets (tokenizer, tiny model, corpus, instruction set,
+    preference set, MMLU, BoolQ, AGIEval, GSM8K, BBH)."""
 
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
@@ -65,6 +66,7 @@ def write_sample(config: SampleConfig) -> Path:
             shutil.copyfile(work / "tokenizer" / name, work / "model" / name)
         write_corpus(corpus, work / "pretrain" / "corpus.parquet")
         write_instructions(instructions, work / "instruct")
+        preferences = write_preferences(config.seed, world, facts, work / "preference")
         write_mmlu(mmlu, work / "mmlu")
         choice_tasks = write_choice_tasks(config.seed, world, facts, work)
         generative_tasks = write_generative_tasks(config.seed, world, work)
@@ -76,6 +78,7 @@ def write_sample(config: SampleConfig) -> Path:
             "instruct_rows": len(instructions),
             "mmlu": {s: {split: len(qs) for split, qs in splits.items()} for s, splits in mmlu.items()},
             "tokenizer_length": tokenizer.get_vocab_size(),
+            **preferences,
             **choice_tasks,
             **generative_tasks,
         }
@@ -85,8 +88,8 @@ def write_sample(config: SampleConfig) -> Path:
 
 
 class SampleCommand(SampleConfig):
-    """Write the built-in sample assets (tokenizer, tiny model, corpus, instructions, MMLU, BoolQ,
-    AGIEval, GSM8K, BBH) offline."""
+    """Write the built-in sample assets (tokenizer, tiny model, corpus, instructions, preference
+    pairs, MMLU, BoolQ, AGIEval, GSM8K, BBH) offline."""
 
     def cli_cmd(self) -> None:
         start = time.monotonic()

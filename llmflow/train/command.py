@@ -20,14 +20,17 @@ from llmflow.train.preflight import check_training, record_run
 
 
 def launch_training(config: TrainConfig, nproc: int, on_line=print, env: dict[str, str] | None = None,
-                    launch: LaunchSettings | None = None, nodes: NodeLayout | None = None) -> Path:
+                    launch: LaunchSettings | None = None, nodes: NodeLayout | None = None,
+                    module: str = "llmflow.train") -> Path:
     """Write the resolved config into the run directory and run it on ``nproc`` workers per
     node of ``nodes`` with ``launch``'s launcher (default: this machine alone); the workers'
-    environment adds ``env``. Returns the run (checkpoint) directory. Callers run
-    ``check_training`` first, before they open anything (an MLflow run, the run directory)."""
+    environment adds ``env``. ``module`` is the worker: the training loop, or
+    ``llmflow.train.reference`` for a DPO run's reference log-probs alone. Returns the run
+    (checkpoint) directory. Callers run ``check_training`` first, before they open anything
+    (an MLflow run, the run directory)."""
     config_path = record_run(config)
     out = Path(config.out)
-    job = WorkerJob(name=f"llmflow-train-{out.name}", module="llmflow.train", args=(str(config_path),),
+    job = WorkerJob(name=f"llmflow-{module.rsplit('.', 1)[-1]}-{out.name}", module=module, args=(str(config_path),),
                     nproc_per_node=nproc, workdir=out)
     run_job(job, launch or LaunchSettings(launcher="local"), nodes or NodeLayout(), on_line=on_line, env=env)
     return out

@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llmflow.models.lora import LoraConfig
+from llmflow.train.preference import PreferenceConfig
 from llmflow.validation import one_line
 
 
@@ -18,10 +19,12 @@ class DataConfig(BaseModel):
 
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
-    kind: Literal["pretrain", "sft"] = "pretrain"
+    kind: Literal["pretrain", "sft", "preference"] = "pretrain"
     """pretrain: Megatron indexed datasets ({prefix}_text_document), samples of seq_length+1
     tokens cut from the concatenated documents; sft: instruction datasets written by
-    ``llmflow tokenize instruction`` (their own seq_length, packed or padded rows)."""
+    ``llmflow tokenize instruction`` (their own seq_length, packed or padded rows);
+    preference: chosen/rejected pairs written by ``llmflow tokenize preference`` (for
+    method dpo, simpo or orpo)."""
     paths: list[str] = Field(min_length=1)
     """Dataset prefixes: for pretrain the {prefix} of {prefix}_text_document.bin/.idx (or the
     full ..._text_document path); for sft the --out of the tokenize stage."""
@@ -38,10 +41,10 @@ class DataConfig(BaseModel):
                 raise ValueError(f"data.weights has {len(self.weights)} entries for {len(self.paths)} data.paths")
             if any(w <= 0 for w in self.weights):
                 raise ValueError(f"data.weights must be positive, got {self.weights}")
-            if self.kind == "sft" and len(self.paths) > 1:
-                raise ValueError("data.weights blends pretraining datasets; sft takes one dataset")
-        if self.kind == "sft" and len(self.paths) != 1:
-            raise ValueError(f"sft trains on one instruction dataset, got {len(self.paths)} data.paths")
+            if self.kind != "pretrain" and len(self.paths) > 1:
+                raise ValueError(f"data.weights blends pretraining datasets; {self.kind} takes one dataset")
+        if self.kind != "pretrain" and len(self.paths) != 1:
+            raise ValueError(f"{self.kind} trains on one tokenized dataset, got {len(self.paths)} data.paths")
         return self
 
 
@@ -78,13 +81,22 @@ class TrainConfig(BaseModel):
     checkpoint written by ``llmflow convert`` / a previous run."""
     out: Path
     """Checkpoint directory of this run. When it holds a checkpoint, training resumes from it,
-    but only with the settings the weights depend on unchanged (model, data, optim, lora,
-    seed, seq_length, dtype, global_batch_size, router_aux_loss_coef; a launch that changes one is refused, naming
+    but only with the settings the weights depend on unchanged (model, data, method,
+    preference, optim, lora, seed, seq_length, dtype, global_batch_size, router_aux_loss_coef; a launch that changes one is refused, naming
     it). The parallel layout (nproc, pp, tp, dp, cp, ep, the pipeline schedule and split),
     micro_batch_size and the settings of recomputation, compilation, logging and saving may
     change between launches, and steps may grow."""
     data: DataConfig
     """Training data."""
+    method: Literal["next_token", "dpo", "simpo", "orpo"] = "next_token"
+    """Training objective. next_token: cross-entropy of every target token (pretraining and
+    instruction data); dpo: Direct Preference Optimization against the reference model (the
+    initial weights; their log-probs of the pairs are computed once and cached, see
+    preference.reference); simpo: SimPO, reference-free, on length-normalised log-probs;
+    orpo: ORPO, the chosen sequences' cross-entropy plus an odds-ratio term. dpo, simpo and
+    orpo train on data.kind preference."""
+    preference: PreferenceConfig = PreferenceConfig()
+    """Settings of the dpo, simpo and orpo objectives."""
     steps: int = Field(ge=1)
     """Optimizer steps to train for (in total, across resumes). A resume may raise it to
     continue a finished run (the decay then spans the new total); it cannot go below the
@@ -180,6 +192,13 @@ class TrainConfig(BaseModel):
     machine."""
     mlflow_run_id: str | None = None
     """MLflow run to log metrics to (rank 0); default: the LLMFLOW_MLFLOW_RUN_ID variable."""
+
+    @model_validator(mode="after")
+    def _objective_fits_data(self) -> TrainConfig:
+        if (self.method == "next_token") == (self.data.kind == "preference"):
+            expected = "pretrain or sft" if self.method == "next_token" else "preference"
+            raise ValueError(f"method={self.method} trains on data.kind {expected}, got data.kind={self.data.kind}")
+        return self
 
     @field_validator("activation_checkpointing", mode="before")
     @classmethod

@@ -33,6 +33,8 @@ class Sample:
     document_ids: np.ndarray | None
     source: str
     """Which dataset and sample this is, for error messages."""
+    row: int | None = None
+    """The dataset row (preference data: where its reference log-probs are kept)."""
 
 
 def _epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
@@ -92,19 +94,22 @@ class PretrainSamples:
 
 
 class SftSamples:
-    """Rows of an instruction dataset, shuffled per epoch."""
+    """Rows of an instruction dataset (or of a preference dataset: ``dataset``), shuffled per epoch."""
 
-    def __init__(self, path: str | Path, seed: int) -> None:
+    def __init__(self, path: str | Path, seed: int, dataset: type[InstructionDataset] = InstructionDataset) -> None:
         self.path = Path(path)
-        self.data = InstructionDataset(path)
+        self.data = dataset(path)
         self.seq_length = self.data.seq_length
         self.num_samples = len(self.data)
         self._order = _ShuffledEpochs(self.num_samples, seed)
 
     def __getitem__(self, g: int) -> Sample:
-        i = self._order.item(g)
+        return self.row(self._order.item(g))
+
+    def row(self, i: int) -> Sample:
+        """Row ``i`` of the dataset (in its stored order)."""
         row = self.data[i]
-        return Sample(row["input_ids"], row["targets"], row["document_ids"], f"{self.path} row {i}")
+        return Sample(row["input_ids"], row["targets"], row["document_ids"], f"{self.path} row {i}", i)
 
 
 def blend_assignments(weights: list[float], count: int) -> tuple[np.ndarray, np.ndarray]:
@@ -145,6 +150,8 @@ def collate(samples: list[Sample]) -> dict[str, torch.Tensor | None]:
         "document_ids": None,
         "position_ids": torch.arange(input_ids.shape[1]).expand_as(input_ids),
     }
+    if all(s.row is not None for s in samples):
+        batch["rows"] = torch.tensor([s.row for s in samples])
     if any(s.document_ids is not None for s in samples):
         documents = torch.from_numpy(
             np.stack([s.document_ids if s.document_ids is not None else np.zeros_like(s.input_ids) for s in samples])

@@ -31,16 +31,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.tensor import DTensor
 
 from llmflow import runtime
+from llmflow.data.preference_dataset import PreferenceDataset
 from llmflow.mesh import ParallelLayout, build_mesh, validate_layout
 from llmflow.models import CausalLM, ModelConfig, apply_lora, is_lora_param
 from llmflow.models.config import text_config
-from llmflow.models.context_parallel import context_parallel_problems, shard_sequence
+from llmflow.models.context_parallel import context_parallel_problems, held_positions, shard_sequence
 from llmflow.models.expert_parallel import expert_parameters, moe_parameters, sum_gradients
 from llmflow.models.parallelize import parallelize_decoder
 from llmflow.models.pipeline import ScaledLoss, pipeline_schedule, split_model
@@ -48,7 +50,19 @@ from llmflow.probe import Dumper, PipelinePlace, load_probe_config, seed_all
 from llmflow.train.config import TrainConfig
 from llmflow.train.data import BlendedSamples, PretrainSamples, SftSamples, check_token_ids, collate
 from llmflow.train.metrics import StepTimer, flops_per_token, memory_gib, peak_flops
+from llmflow.train.pairs import (
+    PairCounts,
+    PipelinePairLoss,
+    document_totals,
+    pair_batch,
+    pair_counts,
+    pair_objective,
+    reference_pairs,
+    sequence_targets,
+    step_metrics,
+)
 from llmflow.train.preflight import batch_problems, moe_problems, pipeline_problems
+from llmflow.train.reference import gather_rows, load_reference, reference_dir, save_reference, stack_rows
 from llmflow.train.routing import RoutingLog, aux_loss_coefficient
 from llmflow.weights import (
     CheckpointMeta,
@@ -176,6 +190,8 @@ def data_source(config: TrainConfig):
     d = config.data
     if d.kind == "sft":
         return SftSamples(d.paths[0], config.seed)
+    if d.kind == "preference":
+        return SftSamples(d.paths[0], config.seed, PreferenceDataset)
     if config.seq_length is None:
         raise ValueError("seq_length is required for pretraining")
     parts = [PretrainSamples(p, config.seq_length, config.seed + i, d.document_attention) for i, p in enumerate(d.paths)]
@@ -225,7 +241,15 @@ class Run:
     name the first non-finite gradient by it."""
     pipeline: Any = None
     """The torch.distributed.pipelining schedule of this rank's stages (pp > 1)."""
-    pipeline_loss: ScaledLoss | None = None
+    pipeline_loss: ScaledLoss | PipelinePairLoss | None = None
+    reference: np.ndarray | None = None
+    """dpo: the reference model's log-probs of every row's pairs [rows, pairs, 2]."""
+    pair_counts: PairCounts | None = None
+    """dpo, simpo, orpo: the current step's pairs and chosen tokens (the objective's normalisers)."""
+    pair_stats: list[torch.Tensor] = field(default_factory=list)
+    """dpo, simpo, orpo: the current step's metric sums, one per micro-batch (``pair_objective``)."""
+    pair_metrics: dict[str, float] = field(default_factory=dict)
+    """dpo, simpo, orpo: the last step's rewards, margins, accuracy and log-probs (``step_metrics``)."""
     experts: list[torch.nn.Parameter] = field(default_factory=list)
     """The experts expert parallelism split over the ep ranks (DTensors on the "ep" mesh)."""
     moe_replicated: list[torch.nn.Parameter] = field(default_factory=list)
@@ -327,14 +351,72 @@ def setup(config: TrainConfig) -> Run:
         run.routing = RoutingLog(parts, topo.routing_group)
         run.aux_loss_coef = aux_loss_coefficient(config.router_aux_loss_coef, hf_config)
     if pipeline is not None:
-        run.pipeline_loss = ScaledLoss()
+        run.pipeline_loss = (ScaledLoss() if config.method == "next_token"
+                             else PipelinePairLoss(config.method, config.preference, topo.cp_group))
         run.pipeline = pipeline_schedule(stages, pipeline.num_stages, config.pp_schedule,
                                          accumulation, run.pipeline_loss, env.device, topo.pp_group)
+        if isinstance(run.pipeline_loss, PipelinePairLoss):
+            run.pipeline_loss.schedule = run.pipeline
         held = pipeline.stages
         if model.config.tie_word_embeddings and pipeline.num_stages - 1 in held and 0 not in held:
             run.tied_copy = parts[-1].lm_head.weight
+    if config.method == "dpo":  # before resuming: the initial weights are the reference
+        run.reference = reference_logps(run, dtype)
     resume(run)
     return run
+
+
+def reference_logps(run: Run, dtype: torch.dtype) -> np.ndarray:
+    """The reference log-probs of the run's pairs: the cached ones when their inputs are
+    this run's, else computed now with the model's current (initial) weights and cached."""
+    cached = load_reference(run.config, dtype)
+    if cached is not None:
+        if run.env.is_main:
+            print(f"reference log-probs from {reference_dir(run.config)}", flush=True)
+        return cached
+    computed = compute_reference(run)
+    if run.env.is_main:
+        print(f"reference log-probs of {computed.shape[0]} rows saved in "
+              f"{save_reference(run.config, dtype, computed)}", flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+    return computed
+
+
+@torch.no_grad()
+def compute_reference(run: Run) -> np.ndarray:
+    """Every dataset row's (chosen, rejected) log-probs under the model as it is, the rows
+    split over the data-parallel ranks as training splits them (a global batch at a time)."""
+    config, samples = run.config, run.samples
+    rows: dict[int, np.ndarray] = {}
+    per_rank = config.micro_batch_size
+    for first in range(0, samples.num_samples, config.global_batch_size):
+        batches = []
+        for m in range(run.accumulation):
+            base = first + (m * run.topo.layout.dp + run.topo.dp_rank) * per_rank
+            batch_samples = [samples.row((base + j) % samples.num_samples) for j in range(per_rank)]
+            check_token_ids(batch_samples, run.vocab_size)
+            batches.append(preference_batch(collate(batch_samples)))
+        for batch, totals in zip(batches, forward_totals(run, batches), strict=True):
+            if totals is not None:
+                rows.update(zip(batch["rows"].tolist(), reference_pairs(totals), strict=True))
+    return stack_rows(gather_rows(rows), samples.num_samples)
+
+
+def forward_totals(run: Run, batches: list[dict[str, torch.Tensor | None]]) -> list[torch.Tensor | None]:
+    """Each micro-batch's ``document_totals`` (None on the ranks of earlier pipeline stages)."""
+    device = run.env.device
+    if run.pipeline is None:
+        totals = []
+        for batch in batches:
+            inputs = {k: (v.to(device) if v is not None else None) for k, v in sequence_shard(run, batch).items()}
+            nll = run.parts[0](**inputs, loss_reduction="none")
+            totals.append(document_totals(nll, pair_batch(batch, held(run, batch), None, device), run.topo.cp_group))
+        return totals
+    loss = run.pipeline_loss
+    loss.queue, loss.counts, loss.totals = [pair_batch(b, held(run, b), None, device) for b in batches], None, []
+    pipeline_run(run, batches, run.pipeline.eval)
+    return loss.totals or [None] * len(batches)
 
 
 def resume(run: Run) -> None:
@@ -384,8 +466,23 @@ def micro_batches(run: Run, step: int) -> list[dict[str, torch.Tensor | None]]:
         base = first + m * per_step + run.topo.dp_rank * config.micro_batch_size
         samples = [run.samples[base + j] for j in range(config.micro_batch_size)]
         check_token_ids(samples, run.vocab_size)
-        batches.append(collate(samples))
+        batch = collate(samples)
+        batches.append(batch if config.method == "next_token" else preference_batch(batch))
     return batches
+
+
+def preference_batch(batch: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+    """``batch`` with the next token of every position of each packed sequence as
+    ``sequence_targets``: what the model is given under a preference objective."""
+    return batch | {"sequence_targets": sequence_targets(batch["input_ids"], batch["document_ids"])}
+
+
+def held(run: Run, batch: dict[str, torch.Tensor | None]) -> torch.Tensor | None:
+    """The positions of ``batch``'s sequences this rank holds under cp (None: all)."""
+    layout = run.topo.layout
+    if layout.cp == 1:
+        return None
+    return held_positions(batch["input_ids"].shape[1], run.topo.cp_rank, layout.cp, run.config.cp_algo)
 
 
 def rank_sum_scale(run: Run) -> int:
@@ -398,7 +495,8 @@ def sequence_shard(run: Run, batch: dict[str, torch.Tensor | None]) -> dict[str,
     """The model's keyword arguments for ``batch`` on this rank: under cp its part of the
     tokens, targets and positions (``shard_sequence``), with the whole sequence's document ids."""
     layout = run.topo.layout
-    return shard_sequence(batch["input_ids"], batch["targets"], batch["position_ids"], batch["document_ids"],
+    targets = batch.get("sequence_targets", batch["targets"])
+    return shard_sequence(batch["input_ids"], targets, batch["position_ids"], batch["document_ids"],
                           run.topo.cp_rank, layout.cp, run.config.cp_algo)
 
 
@@ -410,7 +508,8 @@ def loss_scale(run: Run, total: float) -> float:
 
 def forward_backward(run: Run, batches: list[dict[str, torch.Tensor | None]], total: float) -> torch.Tensor:
     """Gradients of the mean loss over the global batch's ``total`` target tokens; returns
-    this rank's summed loss."""
+    this rank's summed loss. Under a preference objective: gradients of the step's objective
+    (``pair_objective``, normalised by ``run.pair_counts``); returns this rank's share of it."""
     if run.pipeline is not None:
         return pipeline_forward_backward(run, batches, total)
     device = run.env.device
@@ -420,8 +519,15 @@ def forward_backward(run: Run, batches: list[dict[str, torch.Tensor | None]], to
         if run.sharded:
             model.set_requires_gradient_sync(m == len(batches) - 1)
         inputs = {k: (v.to(device) if v is not None else None) for k, v in sequence_shard(run, batch).items()}
-        loss = model(**inputs, loss_reduction="sum")
-        objective = loss * loss_scale(run, total)
+        if run.pair_counts is not None:
+            nll = model(**inputs, loss_reduction="none")
+            loss, stats = pair_objective(nll, pair_batch(batch, held(run, batch), run.reference, device),
+                                         run.config.method, run.config.preference, run.pair_counts, run.topo.cp_group)
+            run.pair_stats.append(stats)
+            objective = loss * rank_sum_scale(run)
+        else:
+            loss = model(**inputs, loss_reduction="sum")
+            objective = loss * loss_scale(run, total)
         aux = run.routing.after_forward() if run.routing is not None else None
         if aux is not None and run.aux_loss_coef:
             # The mean over the step's micro-batches of each one's loss (of which this rank holds a share).
@@ -436,6 +542,22 @@ def pipeline_forward_backward(run: Run, batches: list[dict[str, torch.Tensor | N
     the schedule splits again; every stage gets the labels, positions and document ids as
     keyword arguments (the last stage's forward returns the summed loss). Returns the summed
     loss on the last stage's ranks, zero elsewhere."""
+    loss = run.pipeline_loss
+    if run.pair_counts is not None:
+        loss.queue = [pair_batch(b, held(run, b), run.reference, run.env.device) for b in batches]
+        loss.counts, loss.stats, loss.scale = run.pair_counts, run.pair_stats, rank_sum_scale(run)
+    else:
+        loss.scale = loss_scale(run, total)
+    scaled = pipeline_run(run, batches, run.pipeline.step)
+    if not scaled:
+        return torch.zeros((), device=run.env.device)
+    return torch.stack([loss.detach() for loss in scaled]).sum() / run.pipeline_loss.scale
+
+
+def pipeline_run(run: Run, batches: list[dict[str, torch.Tensor | None]], schedule_call) -> list[torch.Tensor]:
+    """``batches`` through the pipeline schedule's ``step`` or ``eval``: the micro-batches go
+    in as one batch the schedule splits again; every stage gets the labels, positions and
+    document ids as keyword arguments. Returns the loss function's values (last stage)."""
     device = run.env.device
     shards = [sequence_shard(run, batch) for batch in batches]
     input_ids, targets, positions = (torch.cat([b[key] for b in shards]).to(device)
@@ -446,13 +568,20 @@ def pipeline_forward_backward(run: Run, batches: list[dict[str, torch.Tensor | N
         extra["document_ids"] = torch.cat([b["document_ids"] if b["document_ids"] is not None
                                            else torch.zeros_like(batch["input_ids"])
                                            for b, batch in zip(shards, batches, strict=True)]).to(device)
-    run.pipeline_loss.scale = loss_scale(run, total)
-    scaled: list[torch.Tensor] = []
-    run.pipeline.step(input_ids, target=targets, losses=scaled, return_outputs=False, labels=targets,
-                      loss_reduction="sum", **extra)
-    if not scaled:
-        return torch.zeros((), device=device)
-    return torch.stack([loss.detach() for loss in scaled]).sum() / run.pipeline_loss.scale
+    losses: list[torch.Tensor] = []
+    reduction = "sum" if run.config.method == "next_token" else "none"
+    schedule_call(input_ids, target=targets, losses=losses, return_outputs=False, labels=targets,
+                  loss_reduction=reduction, **extra)
+    return losses
+
+
+def summed_pair_stats(run: Run) -> torch.Tensor:
+    """The step's ``pair_objective`` metric sums over its micro-batches and the pp and dp ranks."""
+    stats = torch.stack(run.pair_stats).sum(0) if run.pair_stats else torch.zeros(6, device=run.env.device)
+    for group in (run.topo.pp_group, run.topo.dp_group):
+        if group is not None:
+            dist.all_reduce(stats, group=group)
+    return stats
 
 
 def sync_tied_gradients(run: Run) -> None:
@@ -493,10 +622,17 @@ def train_step(run: Run, step: int) -> tuple[float, float, float]:
     batches = micro_batches(run, step)
     if run.routing is not None:
         run.routing.reset()
-    count = torch.tensor(float(sum(int((b["targets"] != -100).sum()) for b in batches)), device=run.env.device)
+    preference = config.method != "next_token"
+    if preference:
+        count = pair_counts(batches).to(run.env.device)
+    else:
+        count = torch.tensor(float(sum(int((b["targets"] != -100).sum()) for b in batches)), device=run.env.device)
     if run.topo.dp_group is not None:
         dist.all_reduce(count, group=run.topo.dp_group)
-    total = max(count.item(), 1.0)
+    if preference:  # the objective comes normalised by the step's pairs (and chosen tokens)
+        run.pair_counts, run.pair_stats, total = PairCounts(*count.tolist()), [], 1.0
+    else:
+        total = max(count.item(), 1.0)
     # msprobe counts steps from 0: probe step s is training step s + 1.
     with run.dumper.step(step - 1) if run.dumper else nullcontext():
         loss_sum = forward_backward(run, batches, total)
@@ -507,9 +643,13 @@ def train_step(run: Run, step: int) -> tuple[float, float, float]:
                       1 / rank_sum_scale(run))
     sync_tied_gradients(run)
     norm = total_grad_norm(run)
-    for group in (run.topo.pp_group, run.topo.dp_group, run.topo.cp_group):
-        if group is not None:  # the loss lives on the last stage; each dp and cp rank has its share
+    # The loss lives on the last stage; each dp rank has its share, and so has each cp rank of
+    # a summed loss (a preference objective is whole on every cp rank).
+    for group in (run.topo.pp_group, run.topo.dp_group, None if preference else run.topo.cp_group):
+        if group is not None:
             dist.all_reduce(loss_sum, group=group)
+    if preference:
+        run.pair_metrics = step_metrics(summed_pair_stats(run), run.pair_counts.pairs)
     loss_value, norm_value = finite_step(step, loss_sum / total, norm, run.parts, Path(config.out), run.parameter_order)
     if config.optim.clip_grad:
         for params in same_mesh_sets(run.trainable):
@@ -551,6 +691,7 @@ def train(config: TrainConfig) -> dict[str, float]:
                 metrics["mfu"] = flops_token * tokens / seconds / (peak * env.world_size)
             if run.routing is not None:
                 metrics |= run.routing.metrics()
+            metrics |= run.pair_metrics
             if env.is_main:
                 _report(step, config.steps, metrics, run_id)
                 timer.lap()  # logging time is not step time (the first MLflow call imports mlflow)
@@ -600,12 +741,15 @@ def _save(run: Run, step: int) -> None:
 
 def _report(step: int, steps: int, metrics: dict[str, float], run_id: str | None) -> None:
     mfu = f"{metrics['mfu']:.1%}" if "mfu" in metrics else "n/a"
-    experts = (f" | moe_aux_loss {metrics['moe_aux_loss']:.6f} | max_expert_load {metrics['moe_max_expert_load']:.2f}"
+    extra = (f" | moe_aux_loss {metrics['moe_aux_loss']:.6f} | max_expert_load {metrics['moe_max_expert_load']:.2f}"
                if "moe_aux_loss" in metrics else "")
+    if "rewards/accuracies" in metrics:
+        extra += (f" | reward_accuracy {metrics['rewards/accuracies']:.3f} | "
+                    f"reward_margin {metrics['rewards/margins']:.4f}")
     print(
         f"step {step}/{steps} | loss {metrics['loss']:.6f} | lr {metrics['lr']:.3e} | grad_norm {metrics['grad_norm']:.4f} | "
         f"{metrics['tokens_per_s']:.0f} tokens/s | {metrics['samples_per_s']:.2f} samples/s | mfu {mfu} | "
-        f"mem {metrics['memory_gib']:.2f} GiB{experts}",
+        f"mem {metrics['memory_gib']:.2f} GiB{extra}",
         flush=True,
     )
     if run_id:

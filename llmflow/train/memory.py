@@ -528,6 +528,9 @@ class TrainShape:
     shards over dp * cp ranks."""
     cp_algo: str = "ulysses"
     """How attention reaches the other cp ranks' positions: "ulysses" or "ring" (TrainConfig's)."""
+    per_token_loss: bool = False
+    """Whether the objective takes every token's cross-entropy (dpo, simpo, orpo), computed a
+    chunk of rows at a time and recomputed in backward, instead of the fused summed loss."""
 
     @property
     def sharded(self) -> bool:
@@ -669,7 +672,14 @@ def _stage_plan(model: ModelConfig, shape: TrainShape, pp_rank: int) -> tuple[li
         rows = tokens * model.num_experts_per_tok
         terms.append(Term(f"expert dispatch: all-to-all send and receive buffers, {rows} rows x hidden "
                           f"(balanced routing), {'bf16' if d == 2 else 'fp32'}", 2 * d * rows * h, FORWARD))
-    if last:
+    if last and shape.per_token_loss:
+        # One chunk's logits, fp32 copy, log-softmax and its gradient; the hidden states' and
+        # the output projection's gradients.
+        rows = min(max(1, CHUNK_LOGIT_ELEMENTS // model.vocab_size), tokens)
+        loss = rows * model.vocab_size * (d + 12) + d * tokens * h + d * vh * (lora is None)
+        terms.append(Term("loss: per-token cross-entropy of the preference objective, one chunk of logits "
+                          "recomputed in backward", int(loss), FORWARD))
+    elif last:
         head_trains = lora is None
         held_losses = shape.accumulation if shape.pp > 1 and shape.pp_schedule == "GPipe" else 1
         rows = min(max(1, CHUNK_LOGIT_ELEMENTS // model.vocab_size), tokens)
@@ -959,9 +969,9 @@ def train_shape(config: TrainConfig, world_size: int, seq_length: int, device_ty
         dtype_bytes=dtype.itemsize, accumulation=config.global_batch_size // (config.micro_batch_size * layout.dp),
         activation_checkpointing=config.activation_checkpointing, lora=config.lora, pp_schedule=config.pp_schedule,
         virtual_stages=config.virtual_stages, num_layer_list=config.num_layer_list,
-        documents=config.data.kind == "sft" or config.data.document_attention,
+        documents=config.data.kind != "pretrain" or config.data.document_attention,
         fused_optimizer=device_type in ("cuda", "npu"), ep=config.ep, source=model_source(config.model), cp=layout.cp,
-        cp_algo=config.cp_algo,
+        cp_algo=config.cp_algo, per_token_loss=config.method != "next_token",
     )
 
 

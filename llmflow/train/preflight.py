@@ -32,6 +32,7 @@ from pydantic import ValidationError
 from llmflow import runtime
 from llmflow.artifacts import MANIFEST, read_manifest, write_json_atomic
 from llmflow.data.tokenize_instruction import STAGE as INSTRUCTION_STAGE
+from llmflow.data.tokenize_preference import STAGE as PREFERENCE_STAGE
 from llmflow.data.tokenize_pretrain import STAGE as PRETRAIN_STAGE
 from llmflow.mesh import ParallelLayout, layout_problems, product
 from llmflow.models import ModelConfig
@@ -57,8 +58,8 @@ INPUTS_NAME = "train_inputs.json"
 """Fingerprints of the run's model and data content, in its run directory: a model or
 dataset rewritten in place is another input, though its path is the same."""
 
-WEIGHT_SETTINGS = ("model", "data", "optim", "lora", "seed", "seq_length", "dtype", "global_batch_size",
-                   "router_aux_loss_coef")
+WEIGHT_SETTINGS = ("model", "data", "method", "preference", "optim", "lora", "seed", "seq_length", "dtype",
+                   "global_batch_size", "router_aux_loss_coef")
 """Settings the trained weights depend on: a run directory holding checkpoints resumes
 only with the same values. Every other setting (pp, tp, dp, nproc, micro_batch_size, the
 pipeline schedule and split, activation_checkpointing, compile, logging and saving) may
@@ -174,10 +175,11 @@ def model_problems(model: Path) -> tuple[ModelConfig | None, list[str]]:
 
 def _data_manifest(path: str, kind: str) -> tuple[dict[str, Any] | None, str | None]:
     """The tokenize manifest of one data path, or why the data is not there."""
-    if kind == "sft":
+    if kind != "pretrain":
+        stage, what = (INSTRUCTION_STAGE, "instruction") if kind == "sft" else (PREFERENCE_STAGE, "preference")
         manifest = read_manifest(path)
-        if manifest is None or manifest.get("stage") != INSTRUCTION_STAGE:
-            return None, f"data {path}: no finished instruction dataset ({path}.manifest.json from {INSTRUCTION_STAGE})"
+        if manifest is None or manifest.get("stage") != stage:
+            return None, f"data {path}: no finished {what} dataset ({path}.manifest.json from {stage})"
         return manifest, None
     prefix = pretrain_prefix(path)
     missing = [f for f in (Path(f"{prefix}.bin"), Path(f"{prefix}.idx")) if not f.is_file()]
@@ -389,11 +391,11 @@ def moe_problems(config: TrainConfig, model: ModelConfig | None) -> list[str]:
 
 
 def training_seq_length(config: TrainConfig) -> int | None:
-    """Tokens per sample: ``seq_length`` for pretraining, the instruction dataset's (its
-    tokenize manifest) for sft; None when unknown."""
+    """Tokens per sample: ``seq_length`` for pretraining, the tokenized dataset's (its
+    tokenize manifest) for sft and preference data; None when unknown."""
     if config.data.kind == "pretrain":
         return config.seq_length
-    manifest, _ = _data_manifest(config.data.paths[0], "sft")
+    manifest, _ = _data_manifest(config.data.paths[0], config.data.kind)
     return (manifest or {}).get("seq_length") or config.seq_length
 
 
