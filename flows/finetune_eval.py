@@ -3,6 +3,11 @@ on prompts, and scored before and after on a list of benchmarks (MMLU by default
 result registered in MLflow when the gate benchmark's score passes the gate (by default: no
 worse than the base model's).
 
+With ``method`` dpo, simpo or orpo the finetuned model is then aligned on preference pairs
+(DPO's reference log-probs computed by a stage of their own), its implicit reward's accuracy
+on held-out pairs measured before and after alignment, and the aligned model is the one
+answered with, scored, gated and registered.
+
 Run it from the Prefect UI (deployment ``finetune-eval``), nightly on a schedule, or with
 ``llmflow demo``. Every stage is cached on its inputs: a retried run skips what finished,
 and training resumes from its last checkpoint.
@@ -10,15 +15,18 @@ and training resumes from its last checkpoint.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 from prefect.runtime import deployment
 
 from llmflow import tracking
 from llmflow.data.tokenize_instruction import InstructionTokenizeConfig
+from llmflow.data.tokenize_preference import PreferenceTokenizeConfig
 from llmflow.flows import stages
 from llmflow.flows.checks import check_layout
 from llmflow.flows.comparison import (
@@ -33,12 +41,14 @@ from llmflow.flows.comparison import (
 from llmflow.flows.params import FinetuneEvalParams, flow_parameters
 from llmflow.flows.summary import BENCHMARK_TITLES, publish_summary
 from llmflow.infer.batch import InferConfig
+from llmflow.tasks.common import StageArtifact
 from llmflow.tasks.export import export_task
 from llmflow.tasks.infer import infer_task
 from llmflow.tasks.register import register_model_task, registry_gate
-from llmflow.tasks.tokenize import tokenize_instruction_task
-from llmflow.tasks.train import train_task
-from llmflow.train.config import DataConfig
+from llmflow.tasks.tokenize import tokenize_instruction_task, tokenize_preference_task
+from llmflow.tasks.train import pair_logps_task, train_task
+from llmflow.train.config import DataConfig, OptimConfig
+from llmflow.train.reference import LOGPS, reward_accuracy
 from llmflow.weights.export import ExportConfig
 
 FLOW = "finetune-eval"
@@ -48,7 +58,9 @@ FLOW = "finetune-eval"
 @flow_parameters(FinetuneEvalParams)
 def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
     """download -> convert -> tokenize -> benchmarks of the base model -> finetune -> export ->
-    answers to the prompts -> benchmarks of the finetuned model -> register, when the gate
+    (method dpo, simpo or orpo: tokenize the preference pairs -> the reference log-probs (dpo)
+    -> align -> export -> the held-out pairs' log-probs before and after) -> answers to the
+    prompts -> benchmarks of the finetuned (aligned) model -> register, when the gate
     benchmark's scores pass the gate; returns the scores, the gate's verdict and where the
     outputs are."""
     with stages.open_flow_run(FLOW, params) as run:
@@ -58,6 +70,13 @@ def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
         model_dir = sources.model(params.megatron_hf if megatron else params.model, params.revision)
         check_layout(model_dir, params.train, params.launch)
         data = sources.instruction_data(params.data, params.data_files)
+        pairs = {}
+        if params.method != "sft":
+            check_layout(model_dir, params.preference.train, params.launch)  # type: ignore[arg-type]
+            preference = params.preference
+            pairs = {"train": sources.preference_data(preference.data, preference.data_files, "train"),
+                     "heldout": sources.preference_data(preference.heldout_data, preference.heldout_data_files,
+                                                        "heldout")}
         name = stages.slug(params.model)
 
         checkpoint = stages.run_convert(run, model_dir, name, megatron=megatron)
@@ -82,6 +101,13 @@ def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
         exported = stages.run(export_task, ExportConfig(
             ckpt=Path(trained.path), out=workspace / "models" / run_name, merge_lora=params.train.lora is not None,
         ), refresh=refresh)
+        lora = params.train.lora is not None
+        alignment = None
+        if params.method != "sft":
+            alignment = align(run, params, pairs, model_dir, exported, run_name)
+            trained, exported, run_name = alignment.trained, alignment.exported, alignment.run_name
+            lora = params.preference.train.lora is not None
+            tracking.log_metrics(run.mlflow_run, alignment.rewards)
         megatron_export = None
         if params.megatron_export:
             target = params.megatron_export
@@ -89,7 +115,7 @@ def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
                 ckpt=Path(trained.path), megatron=workspace / "models" / f"{run_name}-megatron-{target.megatron_format}"
                 f"-tp{target.tp}-pp{target.pp}-ep{target.ep}", tp=target.tp, pp=target.pp, ep=target.ep,
                 megatron_format=target.megatron_format,
-                merge_lora=params.train.lora is not None,
+                merge_lora=lora,
             ), refresh=refresh).path
         answers = None
         if params.prompts:
@@ -115,8 +141,8 @@ def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
             tracking.set_tags(run.mlflow_run, gate.tags())
             print(f"registry gate: {gate.reason}")
             if gate.passed:
-                registered = stages.run(register_model_task, params.registered_model, exported, scores,
-                                        refresh=refresh)
+                registered = stages.run(register_model_task, params.registered_model, exported,
+                                        {**scores, **(alignment.rewards if alignment else {})}, refresh=refresh)
         result = {
             **{key: value for key, value in scores.items() if not key.endswith("_stderr")},
             "comparison": comparison_table(rows),
@@ -128,9 +154,90 @@ def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
             "registered": registered,
             "gate": gate.model_dump() if gate else None,
             "mlflow_run": run.mlflow_run,
+            **(alignment.result() if alignment else {}),
         }
         publish_summary(FLOW, result, run.mlflow_run)
     return result
+
+
+@dataclass
+class Alignment:
+    """What the alignment stages left: the aligned run and its export, the SFT model it
+    started from, the reference log-probs (dpo) and the held-out reward scores."""
+
+    method: str
+    trained: StageArtifact
+    exported: StageArtifact
+    run_name: str
+    sft: StageArtifact
+    reference: StageArtifact | None
+    rewards: dict[str, float]
+    """reward_accuracy_before/_after, reward_margin_before/_after and heldout_pairs."""
+
+    def result(self) -> dict[str, Any]:
+        """The flow result's entries of the alignment."""
+        return {**self.rewards, "method": self.method, "sft_model": self.sft.path,
+                "reference": self.reference.path if self.reference else None}
+
+
+def align(run: stages.FlowRun, params: FinetuneEvalParams, pairs: dict[str, list[Path]], tokenizer: Path,
+          sft: StageArtifact, sft_name: str) -> Alignment:
+    """The alignment stages after the SFT model's export ``sft`` (its run named ``sft_name``):
+    the preference pairs' files (``pairs``: train and heldout) tokenized with ``tokenizer`` and
+    the flow's template, (dpo) the SFT model's log-probs of the training pairs as the
+    reference, the ``params.method`` run from the SFT model, its export, and both models'
+    log-probs of the held-out pairs, whose implicit rewards give the reward accuracy before
+    and after."""
+    workspace, refresh, preference = run.workspace, run.refresh, params.preference
+    settings = preference.train
+    name = stages.slug(params.model)
+
+    def tokenize(source: str, files: list[str], split: str) -> StageArtifact:
+        tag = stages.settings_tag(files, preference.data_format, preference.map_keys, params.template,
+                                  preference.seq_length, preference.pack)
+        return stages.run(tokenize_preference_task, PreferenceTokenizeConfig(
+            input=pairs[split], tokenizer=tokenizer,
+            format=preference.data_format, map_keys=preference.map_keys, template=params.template,
+            seq_length=preference.seq_length, pack=preference.pack,
+            out=workspace / "data" / name / f"{stages.slug(source)}-{split}-{tag}",
+        ), refresh=refresh)
+
+    def pair_logps(model: StageArtifact, model_name: str, dataset: StageArtifact, split: str) -> StageArtifact:
+        # Named by its inputs (the model's and the pairs' files, the dtype), so that a retried or
+        # rerun flow finds it; the optimizer settings are no input of log-probs (the layout and
+        # LoRA, which the memory check counts, stay the alignment's).
+        tag = stages.settings_tag(model.path, model.manifest.get("files"), dataset.path,
+                                  dataset.manifest.get("files"), settings.dtype)
+        config = settings.alignment_config(Path(model.path), workspace / "logps" / f"{model_name}-{split}-{tag}",
+                                           Path(dataset.path), "dpo").model_copy(
+            update={"steps": 1, "optim": OptimConfig(), "save_interval": None})
+        return stages.run(pair_logps_task, config, nproc=settings.nproc, nnodes=settings.nnodes, launch=params.launch,
+                          refresh=refresh)
+
+    train_pairs = tokenize(preference.data, preference.data_files, "train")
+    heldout_pairs = tokenize(preference.heldout_data, preference.heldout_data_files, "heldout")
+    reference = pair_logps(sft, sft_name, train_pairs, "train") if params.method == "dpo" else None
+    run_name = f"{sft_name}-{params.method}-" + stages.settings_tag(
+        settings, params.method, sft.manifest.get("files"), train_pairs.manifest.get("files"))
+    trained = stages.run(train_task, settings.alignment_config(
+        Path(sft.path), workspace / "runs" / run_name, Path(train_pairs.path), params.method,
+        Path(reference.path) if reference else None,
+    ), nproc=settings.nproc, nnodes=settings.nnodes, launch=params.launch, refresh=refresh)
+    exported = stages.run(export_task, ExportConfig(
+        ckpt=Path(trained.path), out=workspace / "models" / run_name, merge_lora=settings.lora is not None,
+    ), refresh=refresh)
+    before = np.load(Path(pair_logps(sft, sft_name, heldout_pairs, "heldout").path) / LOGPS)
+    after = np.load(Path(pair_logps(exported, run_name, heldout_pairs, "heldout").path) / LOGPS)
+    beta = settings.preference.beta
+    # Before alignment the dpo reward is the SFT model's log-ratio to itself: zero, no pair right.
+    scored = {"before": reward_accuracy(before, before if params.method == "dpo" else None, params.method, beta),
+              "after": reward_accuracy(after, before, params.method, beta)}
+    rewards = {f"{key}_{when}": float(value) for when, scores in scored.items()
+               for key, value in scores.items() if key != "pairs"}
+    rewards["heldout_pairs"] = float(scored["after"]["pairs"])
+    print(f"held-out reward accuracy ({params.method}, {scored['after']['pairs']} pairs): "
+          f"{rewards['reward_accuracy_before']:.4f} before, {rewards['reward_accuracy_after']:.4f} after")
+    return Alignment(params.method, trained, exported, run_name, sft, reference, rewards)
 
 
 def publish_comparison(mlflow_run: str, rows: list[ComparisonRow]) -> None:

@@ -230,6 +230,13 @@ class Sources:
             return [self.sample() / "instruct" / "alpaca.parquet"]
         return data_files(self.fetch(source, "dataset"), files, source)
 
+    def preference_data(self, source: str, files: list[str], split: str = "train") -> list[Path]:
+        """The preference pairs' files: the sample set's ``split`` (train or heldout) parquet, or
+        the data files of a dataset directory (matching ``files`` globs when given), or one local file."""
+        if source == SAMPLE:
+            return [self.sample() / "preference" / f"preference_{split}.parquet"]
+        return data_files(self.fetch(source, "dataset"), files, source)
+
     def pretraining_text(self, source: str, files: list[str]) -> list[Path]:
         """The text corpus files: the sample's Wikipedia-layout parquet, or a dataset's data files."""
         if source == SAMPLE:

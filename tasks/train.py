@@ -1,4 +1,5 @@
-"""Prefect task of the train stage: pretraining or finetuning on torchrun workers.
+"""Prefect tasks of the train stage (pretraining or finetuning on torchrun workers) and of the
+pair log-probs stage.
 
 The workers stream every output line into the Prefect log as it arrives and log their
 step metrics (rank 0) to the stage's MLflow run. When the task fails or its flow run is
@@ -12,6 +13,15 @@ The checkpoint root has no manifest.json: it is a directory that resumes keep wr
 into, and each step directory is published by ``latest``, written last. The run is
 complete when the step ``latest`` names is ``config.steps``; the artifact's manifest is
 that step's meta.
+
+Beside it, the pair log-probs stage (``pair_logps_task``): a model's log-probs of the pairs
+of a preference dataset, computed by the same workers in the same layout
+(``llmflow.train.reference_worker``) into ``reference_dir(config)`` (``logps.npy``, then
+``manifest.json``). It is DPO's reference stage (the initial weights' log-probs of the
+training pairs, which the training run then reads instead of computing them) and the flows'
+way to score a model on held-out pairs (``reward_accuracy`` of two such arrays). The workers
+compute nothing when log-probs with the same fingerprint (the model's and the data's files,
+the dtype) are already there.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 
 from llmflow import runtime, tracking
+from llmflow.artifacts import read_manifest
 from llmflow.cluster.launcher import LaunchSettings
 from llmflow.cluster.nodes import NodeLayout
 from llmflow.tasks.common import STAGE_CACHE_POLICY, InputFiles, StageArtifact
@@ -31,6 +42,8 @@ from llmflow.tasks.progress import progress_artifact
 from llmflow.train.command import launch_training
 from llmflow.train.config import TrainConfig
 from llmflow.train.preflight import check_training
+from llmflow.train.reference import STAGE as PAIR_LOGPS_STAGE
+from llmflow.train.reference import reference_dir
 from llmflow.weights import latest_step_dir, read_meta
 
 STAGE = "train"
@@ -60,6 +73,35 @@ def train_task(config: TrainConfig, nproc: int = 1, device: str | None = None, n
         tracking.log_metrics(run_id, {"seconds": time.monotonic() - start}, step=config.steps)
         log_loss_curve(run_id)
     return artifact
+
+
+# Like the train stage's, the key holds the config and the model's and data's file metadata,
+# never where the workers run.
+@task(name=PAIR_LOGPS_STAGE, cache_policy=STAGE_CACHE_POLICY - "launch" + InputFiles(fields=("model", "data.paths")))
+def pair_logps_task(config: TrainConfig, nproc: int = 1, device: str | None = None, nnodes: int = 1,
+                    launch: LaunchSettings | None = None) -> StageArtifact:
+    """The log-probs of ``config.model`` on the pairs of ``config.data`` (a preference dataset),
+    computed by ``nproc`` torchrun workers on each of ``nnodes`` nodes in ``config``'s parallel
+    layout (``device``: cpu, cuda or npu; default: the best one), launched by ``launch``;
+    returns ``reference_dir(config)`` with its manifest. Tracked in MLflow: params are the
+    config, metrics the rows, pairs and seconds."""
+    logger = get_run_logger()
+    launch = launch or LaunchSettings()
+    device_env = {runtime.DEVICE_ENV: device} if device is not None else {}
+    check_training(config, nproc, device_env, nnodes=nnodes, local=launch.on_this_machine, report=logger.info)
+    params = config.model_dump(mode="json") | {"nproc": nproc, "nnodes": nnodes}
+    with tracking.stage_run(PAIR_LOGPS_STAGE, params) as run_id:
+        env = tracking.worker_env(run_id) | device_env
+        start = time.monotonic()
+        launch_training(config, nproc, on_line=logger.info, env=env, launch=launch, nodes=NodeLayout(nnodes=nnodes),
+                        module="llmflow.train.reference_worker")
+        directory = reference_dir(config)
+        manifest = read_manifest(directory)
+        if manifest is None:
+            raise RuntimeError(f"stage {PAIR_LOGPS_STAGE}: {directory} has no manifest; the workers did not finish")
+        tracking.log_metrics(run_id, {"rows": manifest["rows"], "pairs": manifest["pairs"],
+                                      "seconds": time.monotonic() - start})
+    return StageArtifact(stage=PAIR_LOGPS_STAGE, path=str(directory), manifest=manifest)
 
 
 def progress_reporter(log: Callable[[str], None], out: Path) -> Callable[[str], None]:

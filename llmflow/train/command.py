@@ -25,7 +25,7 @@ def launch_training(config: TrainConfig, nproc: int, on_line=print, env: dict[st
     """Write the resolved config into the run directory and run it on ``nproc`` workers per
     node of ``nodes`` with ``launch``'s launcher (default: this machine alone); the workers'
     environment adds ``env``. ``module`` is the worker: the training loop, or
-    ``llmflow.train.reference`` for a DPO run's reference log-probs alone. Returns the run
+    ``llmflow.train.reference_worker`` for a DPO run's reference log-probs alone. Returns the run
     (checkpoint) directory. Callers run ``check_training`` first, before they open anything
     (an MLflow run, the run directory)."""
     config_path = record_run(config)

@@ -10,15 +10,14 @@ with the fingerprint of the inputs they were computed from: the model's and the 
 files (paths, sizes, modification times) and the compute dtype. Other inputs make them
 stale: they are computed again and replace the old ones.
 
-``torchrun ... -m llmflow.train.reference CONFIG.json`` runs this stage alone (the flows'
-cached reference stage); ``llmflow train`` runs it first when the log-probs are missing.
+``torchrun ... -m llmflow.train.reference_worker CONFIG.json`` runs this stage alone (the
+flows' cached reference stage); ``llmflow train`` runs it first when the log-probs are missing.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -96,25 +95,6 @@ def gather_rows(rows: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
     for part in gathered:
         merged.update(part)
     return merged
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``torchrun ... -m llmflow.train.reference CONFIG.json``: the reference stage alone."""
-    from llmflow.train.loop import setup
-
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        raise SystemExit("usage: torchrun ... -m llmflow.train.reference CONFIG.json")
-    from llmflow import runtime
-
-    run = setup(TrainConfig.model_validate_json(Path(args[0]).read_text(encoding="utf-8")))
-    if run.env.is_main:
-        print(f"reference log-probs of {run.reference.shape[0]} rows in {reference_dir(run.config)}", flush=True)
-    runtime.destroy_distributed()
-
-
-if __name__ == "__main__":
-    main()
 
 
 def reward_accuracy(policy: np.ndarray, reference: np.ndarray | None, method: str, beta: float) -> dict[str, float]:
