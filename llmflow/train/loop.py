@@ -51,6 +51,7 @@ from llmflow.train.config import TrainConfig
 from llmflow.train.data import BlendedSamples, PretrainSamples, SftSamples, check_token_ids, collate
 from llmflow.train.metrics import StepTimer, flops_per_token, memory_gib, peak_flops
 from llmflow.train.pairs import (
+    STATS,
     PairCounts,
     PipelinePairLoss,
     document_totals,
@@ -577,7 +578,7 @@ def pipeline_run(run: Run, batches: list[dict[str, torch.Tensor | None]], schedu
 
 def summed_pair_stats(run: Run) -> torch.Tensor:
     """The step's ``pair_objective`` metric sums over its micro-batches and the pp and dp ranks."""
-    stats = torch.stack(run.pair_stats).sum(0) if run.pair_stats else torch.zeros(6, device=run.env.device)
+    stats = torch.stack(run.pair_stats).sum(0) if run.pair_stats else torch.zeros(STATS, device=run.env.device)
     for group in (run.topo.pp_group, run.topo.dp_group):
         if group is not None:
             dist.all_reduce(stats, group=group)

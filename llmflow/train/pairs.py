@@ -156,6 +156,10 @@ def pair_objective(nll: torch.Tensor, pairs: PairBatch, method: str, config: Pre
     return objective, stats
 
 
+STATS = 6
+"""Entries of ``pair_objective``'s metric sums."""
+
+
 def step_metrics(stats: torch.Tensor, pairs: float) -> dict[str, float]:
     """The step's ``METRICS`` from its summed ``pair_objective`` stats."""
     _, chosen, rejected, ordered, chosen_logps, rejected_logps = (float(x) for x in stats.tolist())
