@@ -27,7 +27,8 @@ def summary_markdown(flow: str, result: dict[str, Any], mlflow_run: str) -> str:
     else:
         scores = [(name, result[key]) for key, name in BENCHMARK_TITLES.items() if key in result]
         lines += ["| benchmark | score |", "|---|---|", *(f"| {n} | {v:.4f} |" for n, v in scores), ""]
-    for key in ("version", "checkpoint", "model", "answers", "evaluation"):
+    lines += alignment_markdown(result)
+    for key in ("version", "checkpoint", "model", "sft_model", "reference", "answers", "evaluation"):
         if result.get(key):
             lines.append(f"- {key}: `{result[key]}`")
     if result.get("registered"):
@@ -38,6 +39,16 @@ def summary_markdown(flow: str, result: dict[str, Any], mlflow_run: str) -> str:
         lines.append(f"- registry gate ({gate['rule']}): {'passed' if gate['passed'] else 'failed'}: {gate['reason']}")
     lines.append(f"- MLflow: {tracking.run_link(mlflow_run)}")
     return "\n".join(lines) + "\n"
+
+
+def alignment_markdown(result: dict[str, Any]) -> list[str]:
+    """The held-out reward accuracy and margin before and after an alignment run, when there was one."""
+    if "reward_accuracy_after" not in result:
+        return []
+    rows = [f"| {label} | {result[f'{key}_before']:.4f} | {result[f'{key}_after']:.4f} |"
+            for key, label in (("reward_accuracy", "reward accuracy"), ("reward_margin", "reward margin"))]
+    return [f"Alignment ({result['method']}) on {int(result['heldout_pairs'])} held-out preference pairs:", "",
+            "| held-out pairs | before | after |", "|---|---|---|", *rows, ""]
 
 
 def comparison_markdown(rows: list[dict[str, Any]]) -> list[str]:

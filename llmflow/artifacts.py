@@ -17,6 +17,7 @@ umask), never tempfile's private 0600 / 0700, so that they stay readable on shar
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -47,6 +48,24 @@ def file_record(path: Path, root: Path, with_hash: bool = True) -> dict[str, Any
     if with_hash:
         record["sha256"] = sha256_file(path)
     return record
+
+
+def file_stats(path: Path) -> list[tuple]:
+    """(path, size, mtime_ns) of every file ``path`` stands for: itself, every file under a
+    directory (hidden ones aside), or the files named ``{prefix}_*`` or ``{prefix}.*`` beside a
+    file prefix (as Megatron datasets are); ``[(path, None)]`` when none is there (not yet, or
+    not a local path). Only metadata is read, so the stats stay cheap for terabyte corpora."""
+    if path.is_file():
+        files = [path]
+    elif path.is_dir():
+        files = [p for p in sorted(path.rglob("*"))
+                 if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)]
+    else:
+        siblings = path.parent.glob(glob.escape(path.name) + "[._]*") if path.parent.is_dir() else []
+        files = sorted(p for p in siblings if p.is_file())
+        if not files:
+            return [(str(path), None)]
+    return [(str(f), st.st_size, st.st_mtime_ns) for f in files for st in [f.stat()]]
 
 
 def write_json_atomic(path: str | Path, payload: Any) -> Path:

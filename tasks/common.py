@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ from prefect.utilities.hashing import hash_objects
 from pydantic import BaseModel
 
 from llmflow import tracking
-from llmflow.artifacts import read_manifest
+from llmflow.artifacts import file_stats, read_manifest
 
 # A stage reruns when its inputs or its code change, and is served from cache otherwise:
 # retrying a failed flow run skips the stages that finished. Tasks that read local files add
@@ -40,7 +39,7 @@ class InputFiles(CachePolicy):
             value = _field(config, name)
             for item in value if isinstance(value, (list, tuple)) else [value]:
                 if item is not None:
-                    entries.extend(_file_stats(Path(str(item)).expanduser()))
+                    entries.extend(file_stats(Path(str(item)).expanduser()))
         return hash_objects(entries, raise_on_failure=True)
 
 
@@ -49,22 +48,6 @@ def _field(config: Any, dotted: str) -> Any:
     for name in dotted.split("."):
         value = value.get(name) if isinstance(value, Mapping) else getattr(value, name, None)
     return value
-
-
-def _file_stats(path: Path) -> list[tuple]:
-    if path.is_file():
-        files = [path]
-    elif path.is_dir():
-        files = [
-            p for p in sorted(path.rglob("*"))
-            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
-        ]
-    else:
-        siblings = path.parent.glob(glob.escape(path.name) + "[._]*") if path.parent.is_dir() else []
-        files = sorted(p for p in siblings if p.is_file())
-        if not files:
-            return [(str(path), None)]  # not (yet) there, or not a local path
-    return [(str(f), st.st_size, st.st_mtime_ns) for f in files for st in [f.stat()]]
 
 
 class StageArtifact(BaseModel):

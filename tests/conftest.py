@@ -29,7 +29,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # two pytest processes share the core
 import pytest
 import torch
 
-pytest_plugins = ["suite_times"]  # the time per module at the end of every run
+pytest_plugins = ["suite_times"]  # the modules longest first; the time per module at the end of every run
 
 # The small shapes every tiny model shares (override per test through the factory).
 TINY = {
@@ -431,66 +431,3 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         if reporter is not None:
             reporter.write_line("error: no test was selected (pytest exit status 5)", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
-MODULE_SECONDS = {
-    "test_flows.py": 290,
-    "test_sample.py": 263,
-    "test_browser.py": 220,
-    "test_multinode.py": 211,
-    "test_memory_plan.py": 190,
-    "test_slurm.py": 149,
-    "test_real_size.py": 115,
-    "test_user_errors.py": 112,
-    "test_pipeline.py": 110,
-    "test_megatron_core.py": 96,
-    "test_nonfinite.py": 86,
-    "test_hybrid_training.py": 80,
-    "test_train.py": 78,
-    "test_postgres.py": 68,
-    "test_train_tasks.py": 60,
-    "test_moe_training.py": 58,
-    "test_choice_tasks.py": 45,
-    "test_probe_msprobe.py": 44,
-    "test_probe.py": 32,
-    "test_probe_pipeline.py": 32,
-    "test_moe.py": 25,
-    "test_generate_tp.py": 24,
-    "test_mmlu.py": 23,
-    "test_tasks.py": 20,
-    "test_bench_gpu.py": 19,
-    "test_generative_tasks.py": 15,
-    "test_deployments.py": 15,
-    "test_megatron.py": 13,
-    "test_sandbox.py": 13,
-    "test_preflight.py": 12,
-    "test_humaneval.py": 11,
-    "test_tokenizer_parity.py": 10,
-    "test_qwen3_next.py": 10,
-    "test_packaging.py": 9,
-    "test_lora.py": 8,
-    "test_download.py": 6,
-    "test_prefix_scoring.py": 5,
-    "test_sharded_loading.py": 5,
-}
-"""Seconds each module took in a fresh clone's ``make test`` (its time-per-module table; the
-rest take under 5 s). The two pytest-xdist processes take whole modules in the order given,
-each the next one when it runs out: the longest go first, so that no long module is left to
-run alone at the end while the other process waits."""
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    # xdist would otherwise order the modules by their number of tests, putting the long
-    # one-test modules (the browser, the real-size flow) last.
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False
-
-
-LAST = ("test_real_size.py",)
-"""Modules that keep both cores busy by themselves (two training ranks of a 494M-parameter
-model, 14 GiB): run last, when the other process is finishing, they took 103-108 s; beside a
-long module from the start of the run, 193 s."""
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: (item.path.name in LAST, -MODULE_SECONDS.get(item.path.name, 0)))

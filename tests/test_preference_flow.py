@@ -69,6 +69,8 @@ def test_dpo_after_sft_raises_the_heldout_reward_accuracy_and_reruns_from_cache(
     parent = MlflowClient(prefect_env["mlflow_uri"]).get_run(result["mlflow_run"])
     for key in ("reward_accuracy_before", "reward_accuracy_after", "reward_margin_before", "reward_margin_after"):
         assert parent.data.metrics[key] == pytest.approx(result[key], abs=1e-6), key
+    summary = Path(MlflowClient(prefect_env["mlflow_uri"]).download_artifacts(result["mlflow_run"], "summary.md", str(tmp_path)))
+    assert f"| reward accuracy | 0.0000 | {result['reward_accuracy_after']:.4f} |" in summary.read_text()
 
     # The stages' outputs: the reference log-probs of the training pairs under the SFT model,
     # read (not computed again) by the alignment run; the aligned model is the flow's model.

@@ -22,14 +22,19 @@ from llmflow.train.reference import LOGPS, load_reference, reference_dir, reward
 from llmflow.weights import load_model
 
 pytestmark = pytest.mark.slow
+PAIRS = 64
 
 
 @pytest.fixture(scope="module")
 def assets(sample_assets, tmp_path_factory) -> dict[str, Path]:
     sample = sample_assets()
     root = tmp_path_factory.mktemp("preference")
+    # The first pairs only: every run computes its reference log-probs of all rows before step 1,
+    # and the longest run here takes 40 rows.
+    lines = (sample / "preference" / "preference_train.jsonl").read_text().splitlines(keepends=True)
+    (root / "pairs.jsonl").write_text("".join(lines[:PAIRS]))
     tokenize_preference(PreferenceTokenizeConfig(
-        input=[sample / "preference" / "preference_train.jsonl"], tokenizer=sample / "model", out=root / "pairs",
+        input=[root / "pairs.jsonl"], tokenizer=sample / "model", out=root / "pairs",
         format="pairwise", seq_length=128, pack=True,
     ))
     return {"model": sample / "model", "pairs": root / "pairs", "root": root}

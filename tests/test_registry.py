@@ -71,3 +71,15 @@ def test_a_fall_of_more_than_two_standard_errors_of_the_change_is_a_regression()
     assert "| MMLU | 0.3000 | 0.4000 | 0.4500 | 0.5200 | -0.1200 **regression** | 0.0500 |" in markdown
     assert "| BoolQ | 0.5000 | 0.5500 | - | 0.6000 | -0.0500 | 0.0400 |" in markdown
     assert "Regression since the previous run (more than two standard errors of the change): MMLU" in markdown
+
+
+def test_the_summary_of_an_aligned_run_gives_the_heldout_rewards_before_and_after():
+    result = {"mmlu_before": 0.26, "mmlu_after": 0.4, "method": "dpo", "heldout_pairs": 96.0,
+              "reward_accuracy_before": 0.0, "reward_accuracy_after": 0.76, "reward_margin_before": 0.0,
+              "reward_margin_after": 0.93, "sft_model": "/ws/models/sft", "reference": "/ws/logps/ref"}
+    markdown = summary_markdown("finetune-eval", result, "run-id")
+    assert ("Alignment (dpo) on 96 held-out preference pairs:\n\n| held-out pairs | before | after |\n|---|---|---|\n"
+            "| reward accuracy | 0.0000 | 0.7600 |\n| reward margin | 0.0000 | 0.9300 |\n") in markdown
+    assert "- sft_model: `/ws/models/sft`\n- reference: `/ws/logps/ref`\n" in markdown
+    assert "Alignment" not in summary_markdown("finetune-eval", {"mmlu_before": 0.26, "mmlu_after": 0.4}, "run-id")
+

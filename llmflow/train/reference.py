@@ -19,13 +19,12 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from llmflow.artifacts import atomic_directory, read_manifest
+from llmflow.artifacts import atomic_directory, file_stats, read_manifest
 from llmflow.train.config import TrainConfig
 
 STAGE = "reference-logps"
@@ -37,17 +36,9 @@ def reference_dir(config: TrainConfig) -> Path:
     return Path(config.preference.reference or Path(config.out) / "reference")
 
 
-def _file_stats(path: Path) -> list[list[Any]]:
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file())
-    else:
-        files = sorted(path.parent.glob(f"{path.name}[._]*"))
-    return [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
-
-
 def fingerprint(config: TrainConfig, dtype: torch.dtype) -> str:
     """What the reference log-probs depend on: the model's and the data's files, the dtype."""
-    payload = {"model": _file_stats(Path(config.model)), "data": _file_stats(Path(config.data.paths[0])),
+    payload = {"model": file_stats(Path(config.model)), "data": file_stats(Path(config.data.paths[0])),
                "dtype": str(dtype)}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
