@@ -27,6 +27,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # two pytest processes share the core
     os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest
+import shared_prefect_server
 import torch
 
 pytest_plugins = ["suite_times"]  # the modules longest first; the time per module at the end of every run
@@ -171,54 +172,26 @@ def sample_tokenizer_model(sample_assets, make_hf_model) -> Callable[..., Path]:
 
 
 @pytest.fixture(scope="session")
-def prefect_server(tmp_path_factory):
-    """One embedded Prefect server (``prefect_test_harness``) for the whole session, started
-    on first use, with PREFECT_HOME and result storage in a temporary directory.
-
-    The harness's settings are entered in a private ``contextvars`` context and the harness's
-    process-global settings are put back at once, so nothing leaks into tests that do not ask
-    for it: tests use the ``prefect_env`` fixture, which applies the settings per test.
-    """
-    import contextvars
-    from contextlib import ExitStack
-
-    import prefect.context
+def prefect_server(request, tmp_path_factory):
+    """The session's Prefect server (``shared_prefect_server``: one for every pytest-xdist
+    process, started on first use) with this process's PREFECT_HOME, result storage and
+    MLflow store in a temporary directory. Nothing is set process-wide: tests use the
+    ``prefect_env`` fixture, which applies the settings per test."""
     from prefect.settings import (
         PREFECT_API_URL,
         PREFECT_HOME,
         PREFECT_RESULTS_LOCAL_STORAGE_PATH,
         PREFECT_SERVER_ANALYTICS_ENABLED,
-        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
-        temporary_settings,
     )
-    from prefect.testing.utilities import prefect_test_harness
 
     root = tmp_path_factory.mktemp("prefect")
     settings = {
         PREFECT_HOME: root / "home",
         PREFECT_RESULTS_LOCAL_STORAGE_PATH: root / "results",
         PREFECT_SERVER_ANALYTICS_ENABLED: False,
-        # The embedded server takes 15-25 s to start on a 2-core machine.
-        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 180,
+        PREFECT_API_URL: shared_prefect_server.api_url(shared_prefect_server.shared_root(request.config)),
     }
-    context = contextvars.copy_context()
-    stack = ExitStack()
-    global_settings = prefect.context.GLOBAL_SETTINGS_CONTEXT
-    try:
-        # The server subprocess inherits these settings (home, storage, no analytics).
-        context.run(stack.enter_context, temporary_settings(updates=settings))
-        context.run(stack.enter_context, prefect_test_harness(server_startup_timeout=180))
-        settings[PREFECT_API_URL] = context.run(PREFECT_API_URL.value)
-    except BaseException:
-        context.run(stack.close)
-        raise
-    finally:
-        # The harness also swaps the process-global settings; keep them for prefect_env only.
-        prefect.context.GLOBAL_SETTINGS_CONTEXT = global_settings
-    try:
-        yield PrefectBackend(root, settings, f"sqlite:///{root / 'mlflow.db'}")
-    finally:
-        context.run(stack.close)
+    return PrefectBackend(root, settings, f"sqlite:///{root / 'mlflow.db'}")
 
 
 @pytest.fixture
@@ -425,7 +398,10 @@ def hub(monkeypatch, tmp_path):
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """A run that selects no test is a failure (exit status 1), never a quiet success: a marker
-    expression or path that matches nothing (``-m "not slow"`` after a rename) must show."""
+    expression or path that matches nothing (``-m "not slow"`` after a rename) must show. The
+    process that started the others stops the session's Prefect server."""
+    if not hasattr(session.config, "workerinput"):
+        shared_prefect_server.stop(shared_prefect_server.shared_root(session.config))
     if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:

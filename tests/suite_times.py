@@ -1,7 +1,8 @@
 """A pytest plugin for the suite's time: every run ends with the time spent per test module
 (setup, call and teardown added up; a shared fixture's set-up counts for the module of the
-first test that needs it), so the suite's growth shows where it happens; and the modules run
-longest first, by the seconds recorded in ``module_seconds.json``.
+first test that needs it), so the suite's growth shows where it happens, and how long before
+the end each pytest-xdist process ran out of modules; and the modules run longest first, by
+the seconds recorded in ``module_seconds.json``.
 
 The two pytest-xdist processes of ``make test`` take whole modules in collection order, each
 the next one when it runs out: with the longest first, no long module is left to run alone at
@@ -27,6 +28,8 @@ long module from the start of the run, 193 s."""
 
 _seconds: dict[str, float] = defaultdict(float)
 _tests: dict[str, set[str]] = defaultdict(set)
+_spans: dict[str, list[float]] = {}
+"""Each pytest-xdist process's first start and last stop of a test (epoch seconds)."""
 
 
 def recorded_seconds() -> dict[str, float]:
@@ -51,6 +54,10 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     module = report.nodeid.split("::", 1)[0]
     _seconds[module] += report.duration
     _tests[module].add(report.nodeid)
+    worker = getattr(getattr(report, "node", None), "gateway", None)
+    if worker is not None and report.start:
+        span = _spans.setdefault(worker.id, [report.start, report.stop])
+        span[0], span[1] = min(span[0], report.start), max(span[1], report.stop)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
@@ -62,6 +69,12 @@ def pytest_terminal_summary(terminalreporter) -> None:
     for module, seconds in sorted(_seconds.items(), key=lambda item: -item[1]):
         terminalreporter.write_line(f"{seconds:8.1f} {seconds / total:6.1%} {len(_tests[module]):6d}  {module}")
     terminalreporter.write_line(f"{total:8.1f} {1:6.1%} {sum(map(len, _tests.values())):6d}  all modules")
+    if len(_spans) > 1:
+        # A process that ran out of modules long before the other left a core idle that long.
+        end = max(stop for _, stop in _spans.values())
+        for worker, (start, stop) in sorted(_spans.items()):
+            terminalreporter.write_line(f"{worker}: tests from {start - min(s for s, _ in _spans.values()):.0f} s, "
+                                        f"done {end - stop:.0f} s before the last process")
     if os.environ.get(RECORD_VARIABLE):
         seconds = recorded_seconds() | {Path(module).name: round(s, 1) for module, s in _seconds.items()}
         temporary = RECORDED.with_suffix(".json.tmp")

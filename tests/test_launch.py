@@ -62,6 +62,28 @@ def test_node_layouts_become_torchrun_options():
     assert not static.leads and NodeLayout(nnodes=2, node_rank=0, master_addr="h").leads and rdzv.leads
 
 
+def test_one_process_on_one_node_starts_the_worker_with_torchruns_environment(tmp_path):
+    from llmflow.cluster.nodes import NodeLayout, worker_command
+
+    command, env = worker_command("llmflow.train", ["cfg.json"], 1)
+    assert command == [sys.executable, "-m", "llmflow.train", "cfg.json"]
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == ("0", "0", "1", "1")
+    for nproc, nodes in ((2, None), (1, NodeLayout(nnodes=2, node_rank=0, master_addr="h"))):
+        command, env = worker_command("llmflow.train", ["cfg.json"], nproc, nodes)
+        assert command[1:3] == ["-m", "torch.distributed.run"] and env == {}
+
+    # The worker joins a process group of one, as under torchrun.
+    script = tmp_path / "worker.py"
+    script.write_text("import torch.distributed as dist\n"
+                      "dist.init_process_group('gloo')\n"
+                      "print(dist.get_rank(), dist.get_world_size(), flush=True)\n"
+                      "dist.destroy_process_group()\n")
+    lines: list[str] = []
+    command, env = worker_command("worker", [], 1)
+    run_workers(command, on_line=lines.append, env=env, cwd=tmp_path)
+    assert lines[-1] == "0 1"
+
+
 @pytest.mark.parametrize(("settings", "message"), [
     ({"nnodes": 2, "master_addr": "h"}, "master_addr needs node_rank"),
     ({"nnodes": 2, "node_rank": 0}, "node_rank needs master_addr"),

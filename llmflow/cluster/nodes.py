@@ -97,3 +97,24 @@ def torchrun_command(module: str, args: Sequence[str], nproc: int, nodes: NodeLa
     ``nodes`` (default: one node, standalone)."""
     options = (nodes or NodeLayout()).torchrun_args(nproc)
     return [sys.executable, "-m", "torch.distributed.run", *options, "-m", module, *args]
+
+
+SINGLE_WORKER_ENV = {
+    "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "ROLE_RANK": "0",
+    "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": "1",
+    # Port 0: the rank-0 store takes a free port; with one rank nobody else needs to find it.
+    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0",
+}
+"""What torchrun --standalone --nproc-per-node=1 tells its worker about its place in the job."""
+
+
+def worker_command(module: str, args: Sequence[str], nproc: int,
+                   nodes: NodeLayout | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command and the environment that start ``python -m module args`` on ``nproc``
+    processes on this node of ``nodes``: torchrun's; for one process on one node, the worker
+    itself with the environment torchrun would give it, which spares torchrun's agent (2 s
+    and a process of its own at every start) and leaves the worker the same process group."""
+    nodes = nodes or NodeLayout()
+    if nproc == 1 and nodes.standalone:
+        return [sys.executable, "-m", module, *args], dict(SINGLE_WORKER_ENV)
+    return torchrun_command(module, args, nproc, nodes), {}

@@ -15,7 +15,7 @@ from typing import TextIO
 from pydantic import ConfigDict, Field, model_validator
 
 from llmflow import runtime
-from llmflow.cluster.nodes import NodeLayout, torchrun_command
+from llmflow.cluster.nodes import NodeLayout, worker_command
 from llmflow.data.templates import ChatTemplate, Message, load_template
 from llmflow.data.tokenizer import load_tokenizer
 from llmflow.infer.batch import read_prompts
@@ -165,8 +165,8 @@ def launch_generate(command: GenerateCommand, on_line: Callable[[str], None] = p
         config_path = Path(tmp) / "generate_config.json"
         config_path.write_text(command.model_dump_json(), encoding="utf-8")
         # The command is its own node layout.
-        run_workers(torchrun_command("llmflow.infer", [str(config_path)], command.nproc, command), on_line=on_line,
-                    env=env)
+        workers, worker_env = worker_command("llmflow.infer", [str(config_path)], command.nproc, command)
+        run_workers(workers, on_line=on_line, env={**(env or {}), **worker_env})
 
 
 def _write(out: TextIO, text: str) -> None:
