@@ -71,10 +71,11 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.write_line(f"{total:8.1f} {1:6.1%} {sum(map(len, _tests.values())):6d}  all modules")
     if len(_spans) > 1:
         # A process that ran out of modules long before the other left a core idle that long.
+        first = min(start for start, _ in _spans.values())
         end = max(stop for _, stop in _spans.values())
         for worker, (start, stop) in sorted(_spans.items()):
-            terminalreporter.write_line(f"{worker}: tests from {start - min(s for s, _ in _spans.values()):.0f} s, "
-                                        f"done {end - stop:.0f} s before the last process")
+            terminalreporter.write_line(f"{worker}: tests from {start - first:.0f} s, done {end - stop:.0f} s before "
+                                        "the last process")
     if os.environ.get(RECORD_VARIABLE):
         seconds = recorded_seconds() | {Path(module).name: round(s, 1) for module, s in _seconds.items()}
         temporary = RECORDED.with_suffix(".json.tmp")

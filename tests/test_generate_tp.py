@@ -99,7 +99,7 @@ def test_impossible_nproc_is_refused_before_spawning(sample_model, options, mess
     def no_workers(*_args, **_kwargs):
         raise AssertionError("workers were started")
 
-    monkeypatch.setattr(command, "run_workers", no_workers)
+    monkeypatch.setattr(command, "run_on_this_node", no_workers)
     with pytest.raises(SystemExit, match=rf"--nproc {options[1]} cannot run .*{message}"):
         main(["generate", "--model", str(sample_model), "--prompt", "hi", *options])
 
@@ -115,7 +115,7 @@ def test_a_hybrid_model_is_refused_tensor_parallel_generation_before_spawning(sa
     model = sample_tokenizer_model("qwen3_5_text", num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
                                    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
                                    layer_types=["linear_attention", "full_attention"])
-    monkeypatch.setattr(command, "run_workers", no_workers)
+    monkeypatch.setattr(command, "run_on_this_node", no_workers)
     with pytest.raises(SystemExit, match=r"--nproc 2 cannot run .*tensor-parallel generation of Gated DeltaNet "
                                          r"\(linear attention\) layers is not supported; generate with one process \(tp=1\)"):
         main(["generate", "--model", str(model), "--prompt", "hi", "--nproc", "2"])

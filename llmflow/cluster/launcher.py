@@ -13,9 +13,8 @@ from pydantic import BaseModel, ConfigDict
 
 from llmflow.cluster.job import WorkerJob
 from llmflow.cluster.kubernetes import KubernetesSettings, run_kubernetes
-from llmflow.cluster.nodes import NodeLayout, worker_command
+from llmflow.cluster.nodes import NodeLayout, run_on_this_node
 from llmflow.cluster.slurm import SlurmSettings, run_slurm
-from llmflow.launch import run_workers
 
 LAUNCHER_ENV = "LLMFLOW_LAUNCHER"
 LAUNCHERS = ("local", "slurm", "kubernetes")
@@ -71,8 +70,7 @@ def run_job(job: WorkerJob, launch: LaunchSettings, nodes: NodeLayout, on_line: 
         raise ValueError("; ".join(problems))
     engine = launch.engine
     if engine == "local":
-        command, worker_env = worker_command(job.module, job.args, job.nproc_per_node, nodes)
-        run_workers(command, on_line=on_line, env={**(env or {}), **worker_env})
+        run_on_this_node(job.module, job.args, job.nproc_per_node, nodes, on_line=on_line, env=env)
     elif engine == "slurm":
         run_slurm(job, nodes.nnodes, launch.slurm, on_line=on_line, env=env or {})
     else:

@@ -1,13 +1,15 @@
 """How the nodes of a multi-node run find each other, as torchrun takes it: a static master
 (MindSpeed's ``NNODES``/``NODE_RANK``/``MASTER_ADDR``/``MASTER_PORT``) or a c10d rendezvous;
-and the torchrun command that starts one node's workers."""
+and the command that starts one node's workers, run here by ``run_on_this_node``."""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from llmflow.launch import run_workers
 
 
 class NodeLayout(BaseModel):
@@ -118,3 +120,11 @@ def worker_command(module: str, args: Sequence[str], nproc: int,
     if nproc == 1 and nodes.standalone:
         return [sys.executable, "-m", module, *args], dict(SINGLE_WORKER_ENV)
     return torchrun_command(module, args, nproc, nodes), {}
+
+
+def run_on_this_node(module: str, args: Sequence[str], nproc: int, nodes: NodeLayout | None = None,
+                     on_line: Callable[[str], None] = print, env: dict[str, str] | None = None) -> None:
+    """Run ``worker_command``'s workers here, their output lines to ``on_line`` and their
+    environment this process's with ``env`` added; raises ``WorkerError`` when they fail."""
+    command, worker_env = worker_command(module, args, nproc, nodes)
+    run_workers(command, on_line=on_line, env={**(env or {}), **worker_env})

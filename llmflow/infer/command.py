@@ -15,7 +15,7 @@ from typing import TextIO
 from pydantic import ConfigDict, Field, model_validator
 
 from llmflow import runtime
-from llmflow.cluster.nodes import NodeLayout, worker_command
+from llmflow.cluster.nodes import NodeLayout, run_on_this_node
 from llmflow.data.templates import ChatTemplate, Message, load_template
 from llmflow.data.tokenizer import load_tokenizer
 from llmflow.infer.batch import read_prompts
@@ -25,7 +25,6 @@ from llmflow.infer.generate import (
     encode_prompts,
 )
 from llmflow.infer.generator import Generator, load_generator
-from llmflow.launch import run_workers
 from llmflow.mesh import ParallelLayout, layout_problems
 from llmflow.models import ModelConfig
 from llmflow.models.config import inference_tp_problems
@@ -165,8 +164,7 @@ def launch_generate(command: GenerateCommand, on_line: Callable[[str], None] = p
         config_path = Path(tmp) / "generate_config.json"
         config_path.write_text(command.model_dump_json(), encoding="utf-8")
         # The command is its own node layout.
-        workers, worker_env = worker_command("llmflow.infer", [str(config_path)], command.nproc, command)
-        run_workers(workers, on_line=on_line, env={**(env or {}), **worker_env})
+        run_on_this_node("llmflow.infer", [str(config_path)], command.nproc, command, on_line=on_line, env=env)
 
 
 def _write(out: TextIO, text: str) -> None:
