@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from bench.machine import own_memory_mib
+
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 50257, "hidden_size": 768,
@@ -40,16 +42,6 @@ CONFIG = {
     "torch_dtype": "float32",
 }
 SIDES = ("copy", "convert", "export", "megatron-export", "megatron-import")
-
-
-def _status_mib(field: str) -> float:
-    """VmRSS (now) or VmHWM (peak) of this process. Unlike ru_maxrss, VmHWM starts afresh
-    at exec and so does not inherit the parent's memory through fork."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def _shapes() -> dict[str, tuple[int, ...]]:
@@ -96,7 +88,7 @@ def run_side(side: str, work: Path) -> dict:
 
     hf, out = work / "hf", work / side
     shutil.rmtree(out, ignore_errors=True)
-    rss_before = _status_mib("VmRSS")
+    rss_before = own_memory_mib("VmRSS")
     t0 = time.perf_counter()
     if side == "copy":
         out.mkdir()
@@ -113,7 +105,7 @@ def run_side(side: str, work: Path) -> dict:
     else:
         convert(ConvertConfig(hf=hf, megatron=work / "megatron-export", out=out))
     seconds = time.perf_counter() - t0
-    return {"side": side, "seconds": seconds, "rss_before_mib": rss_before, "peak_rss_mib": _status_mib("VmHWM")}
+    return {"side": side, "seconds": seconds, "rss_before_mib": rss_before, "peak_rss_mib": own_memory_mib()}
 
 
 def _child(side: str, work: Path) -> dict:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -44,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from bench.machine import cpu_model
+from bench.machine import cpu_model, own_memory_mib
 from bench.results import update_results
 from bench.train_step import CONFIGS, make_model, spread
 
@@ -218,7 +217,7 @@ def run_side(side: str, model_dir: str, args: argparse.Namespace) -> dict:
         "tokens": tokens,
         "positions": positions,
         "optim": {k: list(v) if isinstance(v, tuple) else v for k, v in optim.items()},
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mib": own_memory_mib(),
         "threads": torch.get_num_threads(),
     }
 

@@ -11,7 +11,7 @@ gradients of q, k, v, g and beta.
 
 Each side runs in its own process per length and round (both import the same libraries):
 ``--warmup`` steps then ``--steps`` timed steps, the median reported; peak memory is the
-process's peak resident set (``ru_maxrss``) less its resident set after building the inputs,
+process's peak resident set (VmHWM) less its resident set after building the inputs,
 i.e. what forward + backward added at their peak. Rounds alternate the sides' order. In the
 first round both sides write their output and gradients at every 16th position; they must agree
 within ``TOLERANCE``. The time ratio (transformers / llmflow, > 1 favours llmflow) and the memory
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -35,10 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import torch
 
-from bench.machine import cpu_model
+from bench.machine import cpu_model, own_memory_mib
 from bench.results import update_results
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,7 +73,7 @@ def run_side(side: str, length: int, heads: int, steps: int, warmup: int, sample
     else:
         def forward():
             return K.gated_delta_rule(*inputs)[0]
-    base = psutil.Process().memory_info().rss
+    base = own_memory_mib("VmRSS")
     times = []
     for i in range(warmup + steps):
         for x in inputs:
@@ -86,11 +84,10 @@ def run_side(side: str, length: int, heads: int, steps: int, warmup: int, sample
         times.append(time.perf_counter() - t0)
         if i == 0 and sample:
             keep = slice(None, None, SAMPLE_EVERY)
-            torch.save([out.detach()[:, keep]] + [x.grad[:, keep] for x in inputs], sample)
+            torch.save([t[:, keep].clone() for t in [out.detach()] + [x.grad for x in inputs]], sample)
         del out
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"side": side, "length": length, "step_s": statistics.median(times[warmup:]),
-            "peak_mib": (peak - base) / 2**20, "threads": torch.get_num_threads()}
+            "peak_mib": own_memory_mib() - base, "threads": torch.get_num_threads()}
 
 
 def run_child(side: str, length: int, args: argparse.Namespace, sample: str | None) -> dict:
@@ -186,7 +183,7 @@ def record(result: dict, args: argparse.Namespace, entry: list[str], loads: list
                 f"{args.heads} heads of {HEAD_DIM}, same outputs and gradients) | {speeds} | {spreads} over "
                 f"{args.rounds} rounds | {result['threads']} | {', '.join(f'{x:.1f}' for x in loads)} "
                 f"| {time.strftime('%Y-%m-%d')} |")]
-    update_results(current, entry)
+    update_results(current, entry, stale=lambda row: row.startswith("| `bench.gated_delta` "))
 
 
 def main() -> None:

@@ -13,3 +13,13 @@ def cpu_model() -> str:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
+
+
+def own_memory_mib(field: str = "VmHWM") -> float:
+    """VmRSS (now) or VmHWM (peak) of this process in MiB. Unlike ru_maxrss, VmHWM starts
+    afresh at exec, so a benchmark's child process does not report its parent's memory."""
+    status = Path("/proc/self/status")
+    for line in status.read_text().splitlines() if status.is_file() else []:
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
