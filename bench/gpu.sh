@@ -11,8 +11,9 @@
 #     0.8.5 fails under torch.compile on torch 2.11 (a Dynamo error in its fused cross-entropy):
 #     pass --no-liger there.
 #
-#   bench/gpu.sh                    # every section, 5 rounds; --record appends the report to bench/RESULTS.md
+#   bench/gpu.sh                    # every section, 5 rounds, then the MoE step; --record appends the reports to bench/RESULTS.md
 #   bench/gpu.sh --only train       # one section (kernels, decode, precision, train)
+#   bench/gpu.sh --only moe         # the MoE training step alone (bench/moe_step.py --device cuda, 3 rounds)
 #   bench/gpu.sh --no-liger         # the transformers side without Liger-Kernel even where installed
 #
 # Each section runs as its own command, so none outlives a 10-minute slot and a failure in
@@ -29,9 +30,16 @@ fi
 "$PY" -c 'import liger_kernel' 2>/dev/null || echo "liger_kernel is not installed: the transformers side runs without Liger-Kernel" >&2
 nvidia-smi --query-gpu=name,memory.total,driver_version,power.limit --format=csv || true
 
+record=()
+[[ " $* " == *" --record "* ]] && record=(--record)
+moe=("$PY" -m bench.moe_step --device cuda --rounds 3 "${record[@]}")
+if [[ " $* " == *" --only moe "* ]]; then
+    exec "${moe[@]}"
+fi
 if [[ " $* " == *" --only "* ]]; then
     exec "$PY" -m bench.gpu --device cuda "$@"
 fi
 for section in kernels decode precision train; do
     "$PY" -m bench.gpu --device cuda --only "$section" "$@"
 done
+"${moe[@]}"

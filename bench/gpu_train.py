@@ -53,26 +53,31 @@ def write_assets(work: Path, shape: dict, samples: int, seq: int, device: torch.
     as a Megatron indexed dataset; returns (model dir, data prefix)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from llmflow.data.indexed import IndexedDatasetWriter, optimal_token_dtype
-
     model_dir, data = work / "model", work / "data_text_document"
     torch.manual_seed(1234)
     with torch.device(device):
         model = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False))
     model.save_pretrained(model_dir)
     del model
-    tokens = np.random.default_rng(0).integers(0, shape["vocab_size"], samples * seq + 1)
-    writer = IndexedDatasetWriter(data, optimal_token_dtype(shape["vocab_size"]))
-    writer.add_document(tokens)
-    writer.finalize()
+    write_tokens(data, shape["vocab_size"], samples * seq + 1)
     return model_dir, data
 
 
-def train_config(model_dir: Path, data: Path, out: Path, seq: int, micro_batch: int, steps: int, compile: bool):
+def write_tokens(prefix: Path, vocab_size: int, count: int) -> None:
+    """``count`` random token ids (seeded) as one document of a Megatron indexed dataset."""
+    from llmflow.data.indexed import IndexedDatasetWriter, optimal_token_dtype
+
+    writer = IndexedDatasetWriter(prefix, optimal_token_dtype(vocab_size))
+    writer.add_document(np.random.default_rng(0).integers(0, vocab_size, count))
+    writer.finalize()
+
+
+def train_config(model_dir: Path, data: Path, out: Path, seq: int, micro_batch: int, steps: int, compile: bool,
+                 dtype: str = "bf16"):
     from llmflow.train.config import DataConfig, OptimConfig, TrainConfig
 
     return TrainConfig(model=model_dir, out=out, data=DataConfig(paths=[str(data)]), steps=steps, seq_length=seq,
-                       micro_batch_size=micro_batch, global_batch_size=micro_batch, dtype="bf16", compile=compile,
+                       micro_batch_size=micro_batch, global_batch_size=micro_batch, dtype=dtype, compile=compile,
                        optim=OptimConfig(lr=1e-4, decay="constant"), save_interval=None, log_interval=steps)
 
 

@@ -1,7 +1,8 @@
 """Mixture-of-experts training-step benchmark: llmflow's Qwen3-MoE against transformers'
 Qwen3MoeForCausalLM.
 
-One forward + backward + AdamW step on the same weights and batch, CPU, fp32, one process,
+One training step (forward, backward, gradient clipping at 1.0, AdamW) on the same weights
+and samples, CPU, fp32, one process,
 for a Qwen3-30B-A3B-shaped model shrunk to fit two cores (GQA, q/k norms, every layer sparse,
 top-8 of 32 experts with renormalised weights, load-balancing auxiliary loss at
 ``router_aux_loss_coef`` 0.001). Four sides, each in its own subprocess (all import the same
@@ -11,13 +12,16 @@ libraries, so peak resident memory is measured per side):
   and its default experts implementation, ``grouped_mm`` (``F.grouped_mm`` over the experts'
   stacked ``gate_up_proj``/``down_proj``; transformers 5's other choices are ``eager``, a
   Python loop over the experts, and ``batched_mm``, which gathers every token's k expert
-  matrices); ``output_router_logits`` on, so its loss includes the auxiliary loss;
+  matrices); ``output_router_logits`` on, so its loss includes the auxiliary loss; the
+  samples llmflow's data source reads (``shift_labels``: the same targets), clipping and
+  AdamW as ``llmflow train`` sets them up (its foreach kernel on CPU);
 - ``transformers+compile``: the same model through ``torch.compile(model)``, as
   transformers' and PyTorch's training guides recommend (in fp32 its experts then run its
   ``grouped_mm_fallback`` custom op: Inductor takes ``grouped_mm`` in bf16 only);
-- ``llmflow``: llmflow's decoder eager (the training default, ``compile: false``), its loss
-  and auxiliary loss computed by the training loop's own ``forward_backward`` and
-  ``RoutingLog`` with the coefficient ``aux_loss_coefficient`` reads from config.json;
+- ``llmflow``: what ``llmflow train`` runs on one worker, ``setup`` then ``train_step``: a
+  one-rank process group, the decoder eager (the training default, ``compile: false``), the
+  data read from a Megatron indexed dataset of random tokens, the auxiliary loss at the
+  coefficient of config.json, clipping, AdamW and the non-finite guard;
 - ``llmflow+compile``: with the training config's ``compile: true`` (``apply_compile``).
 
 A round runs every side once (the order reversed every other round), each side timing
@@ -37,7 +41,14 @@ matmul weights: attention, router, its k experts' SwiGLU and the output layer, p
 machine's measured peak: the best fp32 2048^3 matmul on the same threads, measured between
 the rounds.
 
+``--device cuda`` runs the same sides on one GPU in bf16 (``--dtype``), on four of
+Qwen3-30B-A3B's own layers (``DEVICE_CONFIG``): llmflow's step as ``llmflow train`` runs it
+there (FSDP2 mixed precision: bf16 compute over fp32 master weights), transformers' model in
+bf16 weights (its ``grouped_mm`` experts run natively in eager and compiled); peak memory is
+``max_memory_allocated``. ``--dtype bf16`` on the CPU runs that code path on the small model.
+
     python -m bench.moe_step [--rounds 5] [--steps 3] [--warmup 2] [--eager-warmup 1] [--record]
+    python -m bench.moe_step --device cuda [--rounds 3] [--record]
 """
 
 from __future__ import annotations
@@ -45,18 +56,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
-from bench.flops import measured_peak_flops
-from bench.machine import cpu_model
+from bench.flops import measured_peak_flops, synchronize
+from bench.gpu_train import write_tokens
+from bench.machine import cpu_model, own_memory_mib
 from bench.results import update_results
 from bench.train_step import run_child, spread
 
@@ -73,16 +83,33 @@ of 64 (attention twice the hidden width, as there), 32 experts, top-8 of width 1
 token's experts 4x the hidden width, as 8 x 768 is 3x 2048 there), 4 layers, vocabulary
 8,192 (small enough that the output layer, the same matmul on every side, does not hide
 the experts)."""
+DEVICE_CONFIG = {
+    "vocab_size": 32768, "hidden_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144, "num_experts": 128,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+    "router_aux_loss_coef": 0.001, "output_router_logits": True, "tie_word_embeddings": False,
+    "max_position_embeddings": 4096,
+}
+"""``--device cuda``: Qwen3-30B-A3B's layers as published (hidden 2048, 32 heads / 4 KV of 128,
+128 experts, top-8 of width 768), 4 of its 48, vocabulary 32,768 (the output layer would
+otherwise be most of the active weights): 2.6B parameters, 0.3B active matmul weights per
+token."""
 SIDES = ("transformers", "transformers+compile", "llmflow", "llmflow+compile")
 BASELINES = ("transformers", "transformers+compile")
 OURS = ("llmflow", "llmflow+compile")
 TARGET = 1.5
 """The bar: llmflow's eager MoE step at least this times the faster transformers side."""
-LOSS_TOLERANCE = 1e-5
-"""Largest first-step loss difference (absolute, fp32, losses ~9.1) allowed between any side
-and transformers eager: the same sums in another order differ by a few fp32 roundings."""
-AUX_TOLERANCE = 1e-5
-"""The same for the auxiliary loss alone (~8: top-k, its value at perfect balance)."""
+SHAPE_NAMES = {"cpu": "Qwen3-30B-A3B shape shrunk: 32 experts top-8", "cuda": "4 of Qwen3-30B-A3B's layers: 128 experts top-8"}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PEAK_N = {"cpu": 2048, "cuda": 8192}
+"""Size of the square matmul whose best FLOP/s is the device's measured peak."""
+BF16_SIDES = " (llmflow: bf16 compute over fp32 master weights, FSDP2 mixed precision; transformers: bf16 weights)"
+TOLERANCES = {"fp32": (1e-5, 1e-5), "bf16": (5e-2, 5e-2)}
+"""Largest first-step loss and auxiliary-loss differences (absolute) allowed between any side
+and transformers eager. fp32 (losses ~9.1, auxiliary ~8: top-k, its value at perfect
+balance): the same sums in another order differ by a few roundings. bf16: llmflow computes
+in bf16 from fp32 master weights and transformers in bf16 weights, with the same values (the
+model is saved in bf16), but each rounds its intermediate results in its own places."""
 
 
 def moe_flops_per_token(config: dict, seq: int) -> tuple[int, float]:
@@ -96,85 +123,82 @@ def moe_flops_per_token(config: dict, seq: int) -> tuple[int, float]:
     return active, 6 * active + 12 * layers * q * seq
 
 
-class LlmflowStep:
-    """The training loop's forward and backward of one micro-batch (``forward_backward``),
-    on a single-process run: the summed cross entropy over the batch's target tokens plus
-    ``aux_loss_coef`` x the auxiliary loss that ``RoutingLog`` computes after the forward."""
-
-    def __init__(self, model, hf_config: dict, batch: dict) -> None:
-        from llmflow.train.routing import RoutingLog, aux_loss_coefficient
-
-        self.batch = batch
-        self.total = float((batch["targets"] != -100).sum())
-        self.run = SimpleNamespace(
-            pipeline=None, env=SimpleNamespace(device=torch.device("cpu")), parts=[model], sharded=False,
-            routing=RoutingLog([model], None), aux_loss_coef=aux_loss_coefficient(None, hf_config),
-            topo=SimpleNamespace(layout=SimpleNamespace(dp=1)))
-
-    def __call__(self) -> tuple[float, float]:
-        """Forward and backward; (loss as transformers reports it, auxiliary loss)."""
-        from llmflow.train.loop import forward_backward
-
-        self.run.routing.reset()
-        loss_sum = forward_backward(self.run, [self.batch], self.total)
-        aux = float(self.run.routing.aux_sum)
-        return loss_sum.item() / self.total + self.run.aux_loss_coef * aux, aux
+DATA = "data_text_document"
+"""The benchmark's random token ids (a Megatron indexed dataset) in the model directory."""
 
 
-def build_side(side: str, model_dir: str, tokens: torch.Tensor):
-    """The model of ``side`` and a function running its forward and backward on ``tokens``,
-    returning (loss, auxiliary loss)."""
-    # The same imports on every side: equal baseline memory.
+def transformers_step(side: str, config, device: torch.device):
+    """transformers' model and one training step on the samples llmflow's data source reads:
+    forward with ``shift_labels`` (llmflow's targets), backward, clipping and AdamW as
+    ``llmflow train`` sets them (foreach on CPU, fused on a device); returns (loss, auxiliary
+    loss). In bf16 the weights themselves are bf16 (``from_pretrained(dtype=torch.bfloat16)``):
+    its experts' ``grouped_mm`` then runs natively under torch.compile too."""
     import transformers
 
     from llmflow.train.data import collate
-    from llmflow.train.loop import forward_backward  # noqa: F401
+    from llmflow.train.loop import data_source
 
-    if side.startswith("transformers"):
-        model = transformers.Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        model.train()
-        implementation = model.config._experts_implementation
-        assert implementation == "grouped_mm", f"transformers' experts implementation is {implementation}"
-        step_model = torch.compile(model) if side.endswith("+compile") else model
-
-        def step() -> tuple[float, float]:
-            out = step_model(input_ids=tokens, labels=tokens)
-            out.loss.backward()
-            return out.loss.item(), out.aux_loss.item()
-
-        return model, step
-
-    from llmflow.models.parallelize import apply_compile
-    from llmflow.train.data import Sample
-    from llmflow.weights import load_hf_model
-
-    model = load_hf_model(model_dir)
+    dtype = torch.bfloat16 if config.dtype == "bf16" else torch.float32
+    model = transformers.Qwen3MoeForCausalLM.from_pretrained(config.model, dtype=dtype).to(device)
     model.train()
-    if side.endswith("+compile"):
-        apply_compile(model)
-    targets = torch.cat([tokens[:, 1:], torch.full((tokens.shape[0], 1), -100)], dim=1)
-    batch = collate([Sample(row.numpy(), target.numpy(), None, f"bench row {i}")
-                     for i, (row, target) in enumerate(zip(tokens, targets))])
-    hf_config = json.loads((Path(model_dir) / "config.json").read_text())
-    return model, LlmflowStep(model, hf_config, batch)
+    implementation = model.config._experts_implementation
+    assert implementation == "grouped_mm", f"transformers' experts implementation is {implementation}"
+    forward = torch.compile(model) if side.endswith("+compile") else model
+    params = list(model.parameters())
+    o = config.optim
+    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                                  fused=device.type != "cpu" or None)
+    samples, mb = data_source(config), config.micro_batch_size
+
+    def step(n: int) -> tuple[float, float]:
+        batch = collate([samples[(n - 1) * mb + j] for j in range(mb)])
+        ids, targets = batch["input_ids"].to(device), batch["targets"].to(device)
+        out = forward(input_ids=ids, labels=targets, shift_labels=targets)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, o.clip_grad)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return out.loss.item(), out.aux_loss.item()
+
+    return step
 
 
-def run_side(side: str, model_dir: str, batch: int, seq: int, steps: int, warmup: int) -> dict:
+def llmflow_step(config, device: torch.device):
+    """``llmflow train``'s worker on one process (``setup``, then ``train_step``); returns
+    (loss as transformers reports it: cross entropy + coefficient x auxiliary loss, auxiliary loss)."""
+    from bench.gpu_train import join_one_rank_group
+    from llmflow.train.loop import setup, train_step
+
+    join_one_rank_group(device)
+    run = setup(config)
+    for part in run.parts:
+        part.train()
+
+    def step(n: int) -> tuple[float, float]:
+        loss = train_step(run, n)[0]
+        aux = float(run.routing.aux_sum)
+        return loss + run.aux_loss_coef * aux, aux
+
+    return step
+
+
+def run_side(side: str, model_dir: str, batch: int, seq: int, steps: int, warmup: int, device: torch.device,
+             dtype: str) -> dict:
     """Runs in a child process: train warm-up and timed steps, report timings and memory."""
+    from bench.gpu_train import train_config
+
     torch.manual_seed(0)
-    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
-    tokens = torch.randint(0, vocab, (batch, seq))
-    model, step = build_side(side, model_dir, tokens)
-    # The same optimizer on every side: the fused AdamW kernel where torch has one.
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    times, cpu, losses = [], [], []
-    for _ in range(warmup + steps):
-        t0, c0 = time.perf_counter(), time.process_time()
-        losses.append(step())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
+    with tempfile.TemporaryDirectory() as out:
+        config = train_config(Path(model_dir), Path(model_dir) / DATA, Path(out), seq, batch, warmup + steps,
+                              side.endswith("+compile"), dtype=dtype)
+        step = transformers_step(side, config, device) if side.startswith("transformers") else llmflow_step(config, device)
+        times, cpu, losses = [], [], []
+        for n in range(1, warmup + steps + 1):
+            t0, c0 = time.perf_counter(), time.process_time()
+            losses.append(step(n))
+            synchronize(device)
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
     step_s = statistics.median(times[warmup:])
     return {
         "side": side,
@@ -182,45 +206,52 @@ def run_side(side: str, model_dir: str, batch: int, seq: int, steps: int, warmup
         "step_s": step_s,
         "cpu_s": statistics.median(cpu[warmup:]),
         "first_step_s": times[0],
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_mib": own_memory_mib() if device.type == "cpu" else torch.cuda.max_memory_allocated(device) / 2**20,
         "first_loss": losses[0][0],
         "first_aux": losses[0][1],
         "threads": torch.get_num_threads(),
     }
 
 
-def make_model(directory: str) -> None:
-    """Random weights of ``CONFIG`` saved in ``directory`` (transformers' own initialisation:
-    normal(0, 0.02) for every matrix, the router and the experts included)."""
+def make_model(directory: str, config: dict, device: torch.device, dtype: str) -> None:
+    """Random weights of ``config`` saved in ``directory`` in ``dtype`` (transformers' own
+    initialisation: normal(0, 0.02) for every matrix, the router and the experts included),
+    made on ``device``."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(1234)
-    Qwen3MoeForCausalLM(Qwen3MoeConfig(**CONFIG)).save_pretrained(directory)
+    with torch.device(device):
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**config))
+    model.to(torch.bfloat16 if dtype == "bf16" else torch.float32).save_pretrained(directory)
 
 
 def bench(args: argparse.Namespace, sides: tuple[str, ...], peaks: list[float], loads: list[float]) -> dict:
     """Every round; appends the peaks measured and the load average at each round's start."""
     runs: dict[str, list[dict]] = {side: [] for side in sides}
     with tempfile.TemporaryDirectory() as model_dir, tempfile.TemporaryDirectory() as cache:
-        make_model(model_dir)
+        make_model(model_dir, args.config, args.device, args.dtype)
+        longest = max(args.warmup, args.eager_warmup or args.warmup) + args.steps
+        write_tokens(Path(model_dir) / DATA, args.config["vocab_size"], longest * args.batch * args.seq + 1)
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
         for r in range(args.rounds):
             loads.append(os.getloadavg()[0])
-            peaks.append(measured_peak_flops(torch.device("cpu")))
+            peaks.append(measured_peak_flops(args.device, DTYPES[args.dtype], n=PEAK_N[args.device.type]))
             for side in sides if r % 2 == 0 else reversed(sides):
-                result = run_child(side, model_dir, args, env, module="bench.moe_step")
+                result = run_child(side, model_dir, args, env, module="bench.moe_step",
+                                   extra=("--device", args.device.type, "--dtype", args.dtype))
                 runs[side].append(result)
                 print(f"round {r + 1}/{args.rounds} {side}: {result['tokens_per_s']:.0f} tok/s "
                       f"({result['step_s']:.2f} s/step, CPU {result['cpu_s']:.2f} s), first step {result['first_step_s']:.1f} s, "
                       f"loss {result['first_loss']:.6f}, aux {result['first_aux']:.6f}, "
-                      f"peak RSS {result['peak_rss_mib']:.0f} MiB", flush=True)
+                      f"peak {result['peak_mib']:.0f} MiB", flush=True)
     reference = runs["transformers"][0]
     loss_diff = max(abs(run["first_loss"] - reference["first_loss"]) for side in sides for run in runs[side])
     aux_diff = max(abs(run["first_aux"] - reference["first_aux"]) for side in sides for run in runs[side])
-    if loss_diff > LOSS_TOLERANCE or aux_diff > AUX_TOLERANCE:
-        sys.exit(f"bench.moe_step: first-step losses differ by {loss_diff:.2e} (tolerance {LOSS_TOLERANCE:.0e}), "
-                 f"auxiliary losses by {aux_diff:.2e} ({AUX_TOLERANCE:.0e}): the sides did not compute the same step")
-    _, flops = moe_flops_per_token(CONFIG, args.seq)
+    loss_tolerance, aux_tolerance = TOLERANCES[args.dtype]
+    if loss_diff > loss_tolerance or aux_diff > aux_tolerance:
+        sys.exit(f"bench.moe_step: first-step losses differ by {loss_diff:.2e} (tolerance {loss_tolerance:.0e}), "
+                 f"auxiliary losses by {aux_diff:.2e} ({aux_tolerance:.0e}): the sides did not compute the same step")
+    _, flops = moe_flops_per_token(args.config, args.seq)
     summary = {}
     for side, results in runs.items():
         tok = [r["tokens_per_s"] for r in results]
@@ -228,7 +259,7 @@ def bench(args: argparse.Namespace, sides: tuple[str, ...], peaks: list[float], 
             "tokens_per_s": spread(tok),
             "flops_per_s": statistics.median(tok) * flops,
             "cpu_s": statistics.median(r["cpu_s"] for r in results),
-            "peak_rss_mib": max(r["peak_rss_mib"] for r in results),
+            "peak_mib": max(r["peak_mib"] for r in results),
             "compile_s": [r["first_step_s"] - r["step_s"] for r in results] if side.endswith("+compile") else None,
         }
     ours = [s for s in OURS if s in runs]
@@ -246,9 +277,14 @@ def bench(args: argparse.Namespace, sides: tuple[str, ...], peaks: list[float], 
             "threads": reference["threads"]}
 
 
-def describe_config(seq: int) -> str:
-    active, flops = moe_flops_per_token(CONFIG, seq)
-    c = CONFIG
+def machine(device: torch.device) -> str:
+    if device.type == "cpu":
+        return f"{cpu_model()}, {os.cpu_count()} cores"
+    return f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}"
+
+
+def describe_config(c: dict, seq: int) -> str:
+    active, flops = moe_flops_per_token(c, seq)
     return (f"Qwen3-MoE, hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, {c['num_attention_heads']} heads / "
             f"{c['num_key_value_heads']} KV of {c['head_dim']}, {c['num_experts']} experts, top-{c['num_experts_per_tok']} "
             f"of width {c['moe_intermediate_size']} (renormalised), vocabulary {c['vocab_size']}, untied, aux loss "
@@ -264,23 +300,26 @@ def report(row: dict, args: argparse.Namespace, peak: float, loads: list[float],
     load = ", ".join(f"{x:.1f}" for x in loads)
     eager = row["ratios"]["llmflow / faster transformers"]
     lines = [
-        (f"### moe_step ({time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores, torch "
+        (f"### moe_step ({time.strftime('%Y-%m-%d')}, {machine(args.device)}, torch "
          f"{torch.__version__}, transformers {transformers.__version__}, {row['threads']} threads, load average "
          f"{load} at the rounds' starts, {load_after:.1f} after)"),
         "",
-        (f"`python -m bench.moe_step --rounds {args.rounds} --steps {args.steps} --warmup {args.warmup} "
-         f"--eager-warmup {args.eager_warmup or args.warmup}{' --sides ' + ' '.join(args.sides) if args.sides != list(SIDES) else ''}`: "
-         f"batch {args.batch} x seq {args.seq}, fp32, forward+backward+AdamW (fused), each side in its own process; "
+        (f"`python -m bench.moe_step --device {args.device.type} --dtype {args.dtype} --rounds {args.rounds} "
+         f"--steps {args.steps} --warmup {args.warmup} --eager-warmup {args.eager_warmup or args.warmup}"
+         f"{' --sides ' + ' '.join(args.sides) if args.sides != list(SIDES) else ''}`: "
+         f"batch {args.batch} x seq {args.seq}, {args.dtype}{BF16_SIDES if args.dtype == 'bf16' else ''}, "
+         f"forward+backward+clipping+AdamW ({'foreach' if args.device.type == 'cpu' else 'fused'}), each side in its own process; "
          f"{args.rounds} rounds, sides alternating; tokens/s = median of {args.steps} steps after {args.warmup} warm-up "
          f"steps ({args.eager_warmup or args.warmup} on the eager sides). transformers: `Qwen3MoeForCausalLM`, "
          f"`output_router_logits=True`, SDPA attention, experts_implementation `grouped_mm` (its default). Peak = "
-         f"best fp32 2048^3 matmul on the same threads over all rounds: {peak / 1e9:.1f} GFLOP/s."),
+         f"best {args.dtype} {PEAK_N[args.device.type]}^3 matmul over all rounds: {peak / 1e9:.1f} GFLOP/s. Peak "
+         f"memory: {'each process high-water RSS' if args.device.type == 'cpu' else 'max_memory_allocated'}."),
         "",
-        (f"{describe_config(args.seq)}. First-step loss {row['loss']:.6f} (auxiliary {row['aux']:.6f}); every side "
-         f"within {row['loss_diff']:.1e} (tolerance {LOSS_TOLERANCE:.0e}), auxiliary within {row['aux_diff']:.1e} "
-         f"({AUX_TOLERANCE:.0e})."),
+        (f"{describe_config(args.config, args.seq)}. First-step loss {row['loss']:.6f} (auxiliary {row['aux']:.6f}); "
+         f"every side within {row['loss_diff']:.1e} (tolerance {TOLERANCES[args.dtype][0]:.0e}), auxiliary within "
+         f"{row['aux_diff']:.1e} ({TOLERANCES[args.dtype][1]:.0e})."),
         "",
-        "| side | tok/s median (min-max) | CPU s/step (all threads) | achieved GFLOP/s | of peak | peak RSS MiB | compile s (first round, cold; later) |",
+        "| side | tok/s median (min-max) | CPU s/step (all threads) | achieved GFLOP/s | of peak | peak MiB | compile s (first round, cold; later) |",
         "|---|---|---|---|---|---|---|",
     ]
     for side, s in row["sides"].items():
@@ -289,7 +328,7 @@ def report(row: dict, args: argparse.Namespace, peak: float, loads: list[float],
             f"{s['compile_s'][0]:.0f}; {statistics.median(s['compile_s'][1:]) if len(s['compile_s']) > 1 else 0:.0f}")
         lines.append(f"| {side} | {t['median']:.0f} ({t['min']:.0f}-{t['max']:.0f}) | {s['cpu_s']:.2f} "
                      f"| {s['flops_per_s'] / 1e9:.1f} "
-                     f"| {s['flops_per_s'] / peak:.1%} | {s['peak_rss_mib']:.0f} | {compile_s} |")
+                     f"| {s['flops_per_s'] / peak:.1%} | {s['peak_mib']:.0f} | {compile_s} |")
     lines += ["", "| speed ratio | median | min | max |", "|---|---|---|---|"]
     lines += [f"| {k} | {v['median']:.2f}x | {v['min']:.2f}x | {v['max']:.2f}x |" for k, v in row["ratios"].items()]
     lines += ["", (f"Bar: llmflow eager at least {TARGET}x the faster transformers side: "
@@ -301,12 +340,13 @@ def record(row: dict, args: argparse.Namespace, entry: list[str], loads: list[fl
     """Append ``entry`` to History and replace this benchmark's row of the Current table."""
     r, s = row["ratios"], row["sides"]
     eager = r["llmflow / faster transformers"]
-    memory = s["llmflow"]["peak_rss_mib"] / min(s[b]["peak_rss_mib"] for b in BASELINES if b in s)
+    memory = s["llmflow"]["peak_mib"] / min(s[b]["peak_mib"] for b in BASELINES if b in s)
     compiled = (f"; compiled llmflow {r['llmflow+compile / faster transformers']['median']:.2f}x"
                 if "llmflow+compile / faster transformers" in r else "")
     current = [
-        (f"| `bench.moe_step` | transformers `Qwen3MoeForCausalLM` train step (grouped_mm experts, aux loss), eager and "
-        f"`torch.compile`, the faster of the two each round (fp32, Qwen3-30B-A3B shape shrunk: 32 experts top-8, "
+        (f"| `bench.moe_step`{'' if args.device.type == 'cpu' else ' ' + args.device.type} | transformers "
+        f"`Qwen3MoeForCausalLM` train step (grouped_mm experts, aux loss), eager and `torch.compile`, the faster of "
+        f"the two each round ({args.dtype}, {SHAPE_NAMES[args.device.type]}, "
         f"batch {args.batch} x {args.seq}, same first-step loss) | {eager['median']:.2f}x speed, llmflow eager against "
         f"the faster transformers side (bar {TARGET}x){compiled}; {memory:.2f}x peak memory (llmflow eager against "
         f"the lighter transformers side) | {eager['min']:.2f}x-{eager['max']:.2f}x over {args.rounds} rounds "
@@ -320,8 +360,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per side and round")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up steps of the compiled sides (compilation happens in the first)")
     parser.add_argument("--eager-warmup", type=int, help="warm-up steps of the eager sides (default: --warmup)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cpu: the shrunk CONFIG; cuda: DEVICE_CONFIG (4 of Qwen3-30B-A3B's layers)")
+    parser.add_argument("--dtype", choices=list(DTYPES), help="default: fp32 on the CPU, bf16 on a device")
     parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--seq", type=int, help="default: 512 on the CPU, 2048 on a device")
     parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=list(SIDES),
                         help="sides to run (transformers and llmflow always run: the loss check and the ratio need them)")
     parser.add_argument("--record", action="store_true", help="record the result in bench/RESULTS.md")
@@ -330,9 +373,16 @@ def main() -> None:
     for flag in ("rounds", "steps", "warmup", "eager_warmup", "batch", "seq"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    args.device = torch.device(args.device)
+    args.dtype = args.dtype or ("fp32" if args.device.type == "cpu" else "bf16")
+    args.seq = args.seq or (512 if args.device.type == "cpu" else 2048)
+    args.config = CONFIG if args.device.type == "cpu" else DEVICE_CONFIG
     if args.child:
-        print(json.dumps(run_side(args.child[0], args.child[1], args.batch, args.seq, args.steps, args.warmup)))
+        print(json.dumps(run_side(args.child[0], args.child[1], args.batch, args.seq, args.steps, args.warmup,
+                                  args.device, args.dtype)))
         return
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"bench.moe_step: torch {torch.__version__} sees no CUDA device (--device cpu runs on this machine)")
 
     sides = tuple(s for s in SIDES if s in args.sides or s in ("transformers", "llmflow"))
     args.sides = list(sides)

@@ -126,11 +126,12 @@ def make_model(name: str, directory: str) -> ModelConfig:
 
 
 def run_child(side: str, model_dir: str, args: argparse.Namespace, env: dict[str, str],
-              module: str = "bench.train_step") -> dict:
-    """One side's steps in a fresh process of ``module`` (its ``--child`` mode); its JSON result."""
+              module: str = "bench.train_step", extra: tuple[str, ...] = ()) -> dict:
+    """One side's steps in a fresh process of ``module`` (its ``--child`` mode, with ``extra``
+    arguments); its JSON result."""
     warmup = args.warmup if side.endswith("+compile") else args.eager_warmup or args.warmup
     cmd = [sys.executable, "-m", module, "--child", side, model_dir, "--batch", str(args.batch),
-           "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(warmup)]
+           "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(warmup), *extra]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, cwd=REPO)
     if proc.returncode != 0:
         sys.exit(f"{module}: the {side} side failed:\n{proc.stderr[-4000:]}")
