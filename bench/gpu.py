@@ -118,12 +118,14 @@ def _cpu_model() -> str:
 
 
 def run_kernels(device: torch.device) -> list[str]:
-    from bench.gpu_kernels import check_kernels
+    from bench.gpu_kernels import check_kernels, optional_kernels
 
     checks = check_kernels(device)
+    installed = ", ".join(f"{name} {'importable' if ok else 'not installed'}" for name, ok in optional_kernels().items())
     lines = ["#### Kernels against their reference", "",
              (f"`kernels_for('{device.type}')` on the device; fp32 against the reference on the CPU, bf16 against the "
-              "reference on the device (outputs; the cross-entropy's gradients against F.cross_entropy)."), "",
+              "reference on the device (outputs; the cross-entropy's gradients against F.cross_entropy). "
+              f"{installed} (their kernels run on CUDA in bf16 only)."), "",
              "| op | dtype | max abs diff | tolerance (abs + rel) | within |", "|---|---|---|---|---|"]
     lines += [f"| {c.op} | {c.dtype} | {c.max_abs_diff:.2e} | {c.atol:.0e} + {c.rtol:.0e} | {'yes' if c.ok else 'NO'} |"
               for c in checks]

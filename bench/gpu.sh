@@ -10,6 +10,9 @@
 #     without it the transformers side runs without Liger-Kernel and the report says so. Liger-Kernel
 #     0.8.5 fails under torch.compile on torch 2.11 (a Dynamo error in its fused cross-entropy):
 #     pass --no-liger there.
+#   - optionally flash-linear-attention and causal-conv1d (as wheels built for that torch): the
+#     kernels section then checks their gated delta rule and convolution, which llmflow's dispatch
+#     uses on CUDA in bf16, against the reference, and says whether each was importable.
 #
 #   bench/gpu.sh                    # every section, 5 rounds, then the MoE step; --record appends the reports to bench/RESULTS.md
 #   bench/gpu.sh --only train       # one section (kernels, decode, precision, train)

@@ -1,6 +1,7 @@
 """The kernels a device dispatches to (``kernels_for(device.type)``: fused torch ops on CUDA,
-torch_npu ops on NPU) against the reference formulas, forward and backward, as
-tests/test_kernels.py checks them on CPU and with its tolerances:
+torch_npu ops on NPU; on CUDA in bf16 also flash-linear-attention's gated delta rule and
+causal-conv1d's convolution where they are importable) against the reference formulas,
+forward and backward, as tests/test_kernels.py checks them on CPU and with its tolerances:
 
 - fp32 on the device against the reference in fp32 on the CPU: outputs and the gradients of
   every input, max abs difference <= 1e-5;
@@ -13,6 +14,7 @@ TF32 is switched off for the fp32 checks (it would round matmul inputs to 10 bit
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -66,9 +68,31 @@ class _Case:
     """How many leading inputs get gradients."""
 
 
+def optional_kernels() -> dict[str, bool]:
+    """Whether the CUDA kernel libraries the dispatch uses where they are installed are importable."""
+    return {name: importlib.util.find_spec(module) is not None
+            for name, module in (("flash-linear-attention", "fla"), ("causal-conv1d", "causal_conv1d"))}
+
+
+def _gated_delta(document_ids: torch.Tensor | None = None):
+    """The gated delta rule's output, its decay and beta made from unconstrained inputs as the
+    model makes them (g = -softplus, beta = sigmoid)."""
+    return lambda k: lambda q, kk, v, a, b: k.gated_delta_rule(
+        q, kk, v, -F.softplus(a), torch.sigmoid(b),
+        document_ids=None if document_ids is None else document_ids.to(q.device))[0]
+
+
+def _conv(document_ids: torch.Tensor | None = None):
+    return lambda k: lambda x, w, b: k.causal_conv1d(
+        x, w, b, document_ids=None if document_ids is None else document_ids.to(x.device))[0]
+
+
 def _cases() -> dict[str, _Case]:
     cos, sin = _cos_sin(2, 64, 64)
     docs = torch.tensor([[0] * 20 + [1] * 30 + [2] * 14, [0] * 64])
+    counts = torch.tensor([70, 0, 120, 66])  # one expert without tokens
+    delta = ((2, 128, 4, 32),) * 3 + ((2, 128, 4),) * 2
+    delta_docs = torch.tensor([[0] * 50 + [1] * 60 + [2] * 18, [0] * 128])
     scale = 64**-0.5
     mha, gqa = ((2, 8, 64, 64),) * 3, ((2, 8, 64, 64), (2, 2, 64, 64), (2, 2, 64, 64))
 
@@ -88,6 +112,12 @@ def _cases() -> dict[str, _Case]:
         "linear_cross_entropy": _Case(
             lambda k: lambda h, w: k.linear_cross_entropy(h, w, _ce_labels(h.device), -100, "mean"),
             [*_inputs(8, (256, 128)), *_inputs(10, (5000, 128), scale=0.3)], 2),
+        "grouped_mm": _Case(lambda k: lambda x, w: k.grouped_mm(x, w, counts.to(x.device)),
+                            _inputs(11, (256, 64), (4, 96, 64), scale=0.5), 2),
+        "gated_delta_rule": _Case(_gated_delta(), _inputs(12, *delta), 5),
+        "gated_delta_rule documents": _Case(_gated_delta(delta_docs), _inputs(13, *delta), 5),
+        "causal_conv1d": _Case(_conv(), _inputs(14, (2, 64, 96), (96, 4), (96,)), 3),
+        "causal_conv1d documents": _Case(_conv(docs), _inputs(15, (2, 64, 96), (96, 4), (96,)), 3),
     }
 
 

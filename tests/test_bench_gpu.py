@@ -25,9 +25,9 @@ def test_kernels_agree_with_their_reference_on_cpu():
     proc = run_gpu_bench("--device", "cpu", "--tiny", "--only", "kernels")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = re.findall(r"^\| (.+?) \| (fp32|bf16) \| \S+ \| .+? \| (yes|NO) \|$", proc.stdout, re.MULTILINE)
-    assert len(rows) == 18, proc.stdout
+    assert len(rows) == 28, proc.stdout
     assert all(ok == "yes" for *_, ok in rows), proc.stdout
-    assert "18 of 18 within tolerance" in proc.stdout
+    assert "28 of 28 within tolerance" in proc.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this torch sees a CUDA device")
