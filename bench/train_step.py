@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -44,7 +43,7 @@ from pathlib import Path
 import torch
 
 from bench.flops import count_flops, describe, measured_peak_flops
-from bench.machine import cpu_model
+from bench.machine import cpu_model, own_memory_mib
 from bench.results import update_results
 from llmflow.models import ModelConfig
 
@@ -111,7 +110,7 @@ def run_side(side: str, model_dir: str, batch: int, seq: int, steps: int, warmup
         "tokens_per_s": batch * seq / step_s,
         "step_s": step_s,
         "first_step_s": times[0],
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mib": own_memory_mib(),
         "first_loss": losses[0],
     }
 
