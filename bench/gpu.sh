@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
 # One-shot benchmark of one CUDA device (bench/gpu.py says what each section measures).
 #
-# Run from the repository root on the GPU machine, with the repository's .venv (`make venv`)
-# carried along. The GPU machine has no internet, so the .venv must already hold:
-#   - a CUDA build of torch at the version constraints.txt pins, in place of the CPU build
-#     `make venv` installs (the wheel for the machine's driver from https://download.pytorch.org/whl/,
-#     with the nvidia-* and triton wheels it depends on, installed with pip --no-index --find-links);
-#   - optionally liger-kernel (in the bench extra: pip install -c constraints.txt -e ".[bench]"):
+# Run from the repository root on the GPU machine, which has no internet, in one of two ways:
+#   - on a machine with its own CUDA torch (python3), with the wheels bench/device_wheels.sh made
+#     here carried in .whl/ and no .venv: this script installs them under /tmp/site and runs
+#     python3 with llmflow from its wheel (the precision section needs Prefect and MLflow, which
+#     the wheels leave out);
+#   - with the repository's .venv (`make venv`) carried along, holding a CUDA build of torch at
+#     the version constraints.txt pins in place of the CPU build `make venv` installs (the wheel
+#     for the machine's driver from https://download.pytorch.org/whl/, with the nvidia-* and
+#     triton wheels it depends on, installed with pip --no-index --find-links).
+# Either way, optionally:
+#   - liger-kernel (in the bench extra: pip install -c constraints.txt -e ".[bench]"):
 #     without it the transformers side runs without Liger-Kernel and the report says so. Liger-Kernel
 #     0.8.5 fails under torch.compile on torch 2.11 (a Dynamo error in its fused cross-entropy):
 #     pass --no-liger there.
-#   - optionally flash-linear-attention and causal-conv1d (as wheels built for that torch): the
-#     kernels section then checks their gated delta rule and convolution, which llmflow's dispatch
-#     uses on CUDA in bf16, against the reference, and says whether each was importable.
+#   - flash-linear-attention (bench/device_wheels.sh includes it) and causal-conv1d (a CUDA
+#     extension, built for that torch): the kernels section then checks their gated delta rule and
+#     convolution, which llmflow's dispatch uses on CUDA in bf16, against the reference, and says
+#     whether each was importable.
 #
 #   bench/gpu.sh                    # every section, 5 rounds, then the MoE step; --record appends the reports to bench/RESULTS.md
 #   bench/gpu.sh --only train       # one section (kernels, decode, precision, train)
@@ -23,6 +29,12 @@
 # one leaves the others' reports.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [[ ! -x .venv/bin/python && -d .whl ]]; then
+    python3 -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    # llmflow from its wheel (flows/, tasks/, models/ and kernels/ install as llmflow.*), bench/ from here.
+    export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONSAFEPATH=1
+    PY=${PY:-python3}
+fi
 PY=${PY:-.venv/bin/python}
 
 if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
