@@ -145,7 +145,7 @@ def transformers_round(config, device: torch.device, compile: bool, liger: bool)
     forward = torch.compile(model) if compile else model
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=config.optim.lr, betas=config.optim.betas, eps=config.optim.eps,
-                                  weight_decay=0.0, fused=device.type != "cpu" or None)
+                                  weight_decay=0.0, fused=True)
     samples = data_source(config)
     mb = config.micro_batch_size
 

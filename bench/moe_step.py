@@ -14,7 +14,7 @@ libraries, so peak resident memory is measured per side):
   Python loop over the experts, and ``batched_mm``, which gathers every token's k expert
   matrices); ``output_router_logits`` on, so its loss includes the auxiliary loss; the
   samples llmflow's data source reads (``shift_labels``: the same targets), clipping and
-  AdamW as ``llmflow train`` sets them up (its foreach kernel on CPU);
+  AdamW as ``llmflow train`` sets them up (fused);
 - ``transformers+compile``: the same model through ``torch.compile(model)``, as
   transformers' and PyTorch's training guides recommend (in fp32 its experts then run its
   ``grouped_mm_fallback`` custom op: Inductor takes ``grouped_mm`` in bf16 only);
@@ -130,7 +130,7 @@ DATA = "data_text_document"
 def transformers_step(side: str, config, device: torch.device):
     """transformers' model and one training step on the samples llmflow's data source reads:
     forward with ``shift_labels`` (llmflow's targets), backward, clipping and AdamW as
-    ``llmflow train`` sets them (foreach on CPU, fused on a device); returns (loss, auxiliary
+    ``llmflow train`` sets them (fused); returns (loss, auxiliary
     loss). In bf16 the weights themselves are bf16 (``from_pretrained(dtype=torch.bfloat16)``):
     its experts' ``grouped_mm`` then runs natively under torch.compile too."""
     import transformers
@@ -147,7 +147,7 @@ def transformers_step(side: str, config, device: torch.device):
     params = list(model.parameters())
     o = config.optim
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                                  fused=device.type != "cpu" or None)
+                                  fused=True)
     samples, mb = data_source(config), config.micro_batch_size
 
     def step(n: int) -> tuple[float, float]:
@@ -308,7 +308,7 @@ def report(row: dict, args: argparse.Namespace, peak: float, loads: list[float],
          f"--steps {args.steps} --warmup {args.warmup} --eager-warmup {args.eager_warmup or args.warmup}"
          f"{' --sides ' + ' '.join(args.sides) if args.sides != list(SIDES) else ''}`: "
          f"batch {args.batch} x seq {args.seq}, {args.dtype}{BF16_SIDES if args.dtype == 'bf16' else ''}, "
-         f"forward+backward+clipping+AdamW ({'foreach' if args.device.type == 'cpu' else 'fused'}), each side in its own process; "
+         f"forward+backward+clipping+AdamW (fused), each side in its own process; "
          f"{args.rounds} rounds, sides alternating; tokens/s = median of {args.steps} steps after {args.warmup} warm-up "
          f"steps ({args.eager_warmup or args.warmup} on the eager sides). transformers: `Qwen3MoeForCausalLM`, "
          f"`output_router_logits=True`, SDPA attention, experts_implementation `grouped_mm` (its default). Peak = "

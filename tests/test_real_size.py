@@ -253,8 +253,7 @@ def test_a_qwen2_5_0_5b_shaped_model_runs_the_finetune_eval_flow(prefect_env, re
     from llmflow.train.memory import GIB, TrainShape, train_plan
 
     plan = train_plan(ModelConfig.from_hf(QWEN2_5_0_5B), TrainShape(
-        pp=1, dp=2, tp=1, micro_batch_size=1, seq_length=64, dtype_bytes=4, accumulation=1, documents=True,
-        fused_optimizer=False))
+        pp=1, dp=2, tp=1, micro_batch_size=1, seq_length=64, dtype_bytes=4, accumulation=1, documents=True))
     ranks = [gib for role, gib in memory.peaks.items() if role.startswith("rank")]
     assert len(ranks) == 2 and all(plan.peak / GIB <= gib <= 1.4 * plan.peak / GIB for gib in ranks), (
         plan.table(), memory.report())

@@ -120,7 +120,7 @@ def same_mesh_sets(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Param
     return list(sets.values())
 
 
-def build_optimizer(model: torch.nn.Module, config: TrainConfig, device_type: str) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -128,9 +128,11 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig, device_type: st
     groups = [{"params": params, "weight_decay": weight_decay}
               for kind, weight_decay in ((decay, config.optim.weight_decay), (no_decay, 0.0))
               for params in same_mesh_sets(kind)]
-    fused = device_type in ("cuda", "npu")
+    # Fused on every device: CUDA's and Ascend's kernels, and on the CPU torch's fused kernel,
+    # about 5x the for-each one (one pass per parameter instead of one per arithmetic step,
+    # and no temporaries the size of a parameter).
     return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=config.optim.lr, betas=config.optim.betas, eps=config.optim.eps, fused=fused or None
+        [g for g in groups if g["params"]], lr=config.optim.lr, betas=config.optim.betas, eps=config.optim.eps, fused=True
     )
 
 
@@ -334,7 +336,7 @@ def setup(config: TrainConfig) -> Run:
     moe_replicated = [p for part in parts for p in moe_parameters(part) if p.requires_grad] if layout.tp > 1 else []
     run = Run(
         config=config, env=env, topo=topo, parts=parts,
-        optimizers=[build_optimizer(part, config, env.device.type) for part in parts],
+        optimizers=[build_optimizer(part, config) for part in parts],
         trainable=[p for part in parts for p in part.parameters() if p.requires_grad], samples=samples,
         vocab_size=int(text_config(hf_config)["vocab_size"]), sharded=sharded, accumulation=accumulation,
         meta=CheckpointMeta(

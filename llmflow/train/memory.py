@@ -511,9 +511,6 @@ class TrainShape:
     documents: bool = False
     """Whether the batches carry document ids (sft, or pretrain with document_attention):
     attention then takes an explicit mask."""
-    fused_optimizer: bool = True
-    """Whether AdamW runs fused (CUDA, NPU: no temporaries) or, on CPU, as a loop over the
-    parameters that makes two temporaries the size of each parameter (shard) in turn."""
     ep: int = 1
     """Expert-parallel degree of a mixture of experts, carved out of the dp ranks: each rank
     holds num_experts / ep experts of every MoE layer whole (weights, gradients, optimizer
@@ -689,10 +686,6 @@ def _stage_plan(model: ModelConfig, shape: TrainShape, pp_rank: int) -> tuple[li
         terms.append(Term(f"loss: fused cross-entropy buffers x {held_losses} micro-batch(es)", int(loss), FORWARD))
     if first and lora is None:
         terms += _backward_end(model, shape, sum(unit), sum(local), root, last)
-    if not shape.fused_optimizer:
-        largest = _largest_trainable(model, shape, indices, first or last)
-        terms.append(Term(f"temporaries of AdamW on CPU: 2 x the largest parameter{' shard' if sharded else ''}, fp32",
-                          largest, UPDATE))
     where = f"pipeline rank {pp_rank} of {shape.pp}: " if shape.pp > 1 else ""
     desc = f"{where}{layers} layers{', embedding' if first else ''}{', output projection' if last else ''}"
     return terms, desc
@@ -734,29 +727,6 @@ def _backward_end(model: ModelConfig, shape: TrainShape, body: int, local: int, 
         terms.append(Term(f"output projection's gradient{tied}: [vocab, hidden], {dtype}", head, BACKWARD))
     terms.append(Term(f"embedding's gradient: dense [vocab, hidden], {dtype}", d * vh, BACKWARD))
     return terms
-
-
-def _largest_trainable(model: ModelConfig, shape: TrainShape, indices: list[int], holds_vocab: bool) -> int:
-    """Bytes of AdamW's two fp32 temporaries for the largest trainable parameter on this rank
-    (its shard under FSDP2; a local expert projection under ep > 1 is whole)."""
-    shard = shape.fsdp_ranks if shape.sharded else 1
-    if shape.lora is not None:
-        sizes = [shape.lora.rank * max(_linear_shapes(model, i)[name]) for i in indices
-                 for name in _targets(shape.lora, model, i)]
-        return 2 * 4 * max(sizes, default=0) // shard
-    sharded, whole = model.vocab_size * model.hidden_size if holds_vocab else 0, 0
-    for i in indices:
-        for name, (n_in, n_out) in _linear_shapes(model, i).items():
-            cut_in, cut_out = _split(name, shape.tp)
-            sharded = max(sharded, n_in * n_out // (cut_in * cut_out))
-        if model.is_moe_layer(i):
-            stacked = model.num_experts * model.moe_intermediate_size * model.hidden_size  # one projection
-            sharded = max(sharded, model.num_experts * model.hidden_size)
-            if shape.ep > 1:
-                whole = max(whole, stacked // shape.ep)
-            else:
-                sharded = max(sharded, stacked)
-    return max(2 * 4 * sharded // shard, 2 * 4 * whole)
 
 
 def train_plan(model: ModelConfig, shape: TrainShape, device_bytes: int | None = None, device_label: str = "",
@@ -970,7 +940,7 @@ def train_shape(config: TrainConfig, world_size: int, seq_length: int, device_ty
         activation_checkpointing=config.activation_checkpointing, lora=config.lora, pp_schedule=config.pp_schedule,
         virtual_stages=config.virtual_stages, num_layer_list=config.num_layer_list,
         documents=config.data.kind != "pretrain" or config.data.document_attention,
-        fused_optimizer=device_type in ("cuda", "npu"), ep=config.ep, source=model_source(config.model), cp=layout.cp,
+        ep=config.ep, source=model_source(config.model), cp=layout.cp,
         cp_algo=config.cp_algo, per_token_loss=config.method != "next_token",
     )
 
