@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import gc
 import os
-import resource
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from bench.flops import synchronize
+from bench.machine import peak_memory_mib
 
 LIGER_MISSING = "liger_kernel is not importable: the transformers side runs without Liger-Kernel"
 
@@ -92,12 +93,6 @@ def join_one_rank_group(device: torch.device) -> None:
     os.environ["LLMFLOW_DEVICE"] = device.type
 
 
-def _memory_gib(device: torch.device) -> float:
-    if device.type == "cpu":
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    return torch.get_device_module(device.type).max_memory_allocated(device) / 2**30
-
-
 def _free(device: torch.device) -> None:
     """Drop the previous side's model: compiled code holds references to it until reset."""
     torch._dynamo.reset()
@@ -121,20 +116,50 @@ def _timed(step_fn, total: int, device: torch.device) -> tuple[list[float], floa
     return times, first
 
 
-def llmflow_round(config, device: torch.device) -> tuple[list[float], float]:
-    from llmflow.train.loop import setup, train_step
+def llmflow_run(config):
+    """``llmflow train``'s worker set up on this process (``setup``), in training mode."""
+    from llmflow.train.loop import setup
 
     run = setup(config)
     for part in run.parts:
         part.train()
+    return run
+
+
+def llmflow_round(config, device: torch.device) -> tuple[list[float], float]:
+    from llmflow.train.loop import train_step
+
+    run = llmflow_run(config)
     return _timed(lambda step: train_step(run, step)[0], config.steps, device)
+
+
+def peer_step(config, device: torch.device, params: list[torch.nn.Parameter],
+              forward: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]) -> Callable[[int], list[float]]:
+    """A transformers model's training step ``n`` on the samples llmflow's data source reads
+    for step ``n``: ``forward(ids, targets)`` returns the loss to backpropagate, then any other
+    values to report; backward, clipping at ``config.optim.clip_grad`` and AdamW with
+    ``config.optim``'s settings (fused), as ``llmflow train`` runs them. Returns the values."""
+    from llmflow.train.data import collate
+    from llmflow.train.loop import data_source
+
+    o = config.optim
+    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, fused=True)
+    samples, mb = data_source(config), config.micro_batch_size
+
+    def step(n: int) -> list[float]:
+        batch = collate([samples[(n - 1) * mb + j] for j in range(mb)])
+        values = forward(batch["input_ids"].to(device), batch["targets"].to(device))
+        values[0].backward()
+        torch.nn.utils.clip_grad_norm_(params, o.clip_grad)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return [v.item() for v in values]
+
+    return step
 
 
 def transformers_round(config, device: torch.device, compile: bool, liger: bool) -> tuple[list[float], float]:
     from transformers import LlamaForCausalLM
-
-    from llmflow.train.data import collate
-    from llmflow.train.loop import data_source
 
     if liger:
         from liger_kernel.transformers import apply_liger_kernel_to_llama
@@ -142,25 +167,14 @@ def transformers_round(config, device: torch.device, compile: bool, liger: bool)
         apply_liger_kernel_to_llama()  # patches transformers' Llama classes for the models built after it
     model = LlamaForCausalLM.from_pretrained(config.model, dtype=torch.float32).to(device)
     model.train()
-    forward = torch.compile(model) if compile else model
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=config.optim.lr, betas=config.optim.betas, eps=config.optim.eps,
-                                  weight_decay=0.0, fused=True)
-    samples = data_source(config)
-    mb = config.micro_batch_size
+    compiled = torch.compile(model) if compile else model
 
-    def step(n: int) -> float:
-        batch = collate([samples[(n - 1) * mb + j] for j in range(mb)])
-        ids, targets = batch["input_ids"].to(device), batch["targets"].to(device)
+    def forward(ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor]:
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = forward(input_ids=ids, labels=targets, shift_labels=targets).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, config.optim.clip_grad)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.item()
+            return (compiled(input_ids=ids, labels=targets, shift_labels=targets).loss,)
 
-    return _timed(step, config.steps, device)
+    step = peer_step(config, device, list(model.parameters()), forward)
+    return _timed(lambda n: step(n)[0], config.steps, device)
 
 
 def liger_available() -> bool:
@@ -188,7 +202,7 @@ def train_rounds(config, device: torch.device, rounds: int, warmup: int, compile
             result.tokens_per_s.append(tokens / statistics.median(times[warmup:]))
             result.first_loss.append(loss)
             result.first_step_s.append(times[0])
-            result.memory_gib = max(result.memory_gib, _memory_gib(device))
+            result.memory_gib = max(result.memory_gib, peak_memory_mib(device) / 1024)
             print(f"train round {r + 1}/{rounds} {side}: {result.tokens_per_s[-1]:,.0f} tok/s, first step "
                   f"{times[0]:.1f} s, first loss {loss:.4f}", flush=True)
     _free(device)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
+import torch
+
 
 def cpu_model() -> str:
     """The processor's model name (from /proc/cpuinfo where there is one)."""
@@ -23,3 +25,11 @@ def own_memory_mib(field: str = "VmHWM") -> float:
         if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """This process's peak memory on ``device`` in MiB: its high-water RSS on the CPU, else
+    the device's ``max_memory_allocated``."""
+    if device.type == "cpu":
+        return own_memory_mib()
+    return torch.get_device_module(device.type).max_memory_allocated(device) / 2**20

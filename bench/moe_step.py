@@ -65,8 +65,8 @@ from pathlib import Path
 import torch
 
 from bench.flops import measured_peak_flops, synchronize
-from bench.gpu_train import write_tokens
-from bench.machine import cpu_model, own_memory_mib
+from bench.gpu_train import join_one_rank_group, llmflow_run, peer_step, train_config, write_tokens
+from bench.machine import cpu_model, peak_memory_mib
 from bench.results import update_results
 from bench.train_step import run_child, spread
 
@@ -84,16 +84,14 @@ token's experts 4x the hidden width, as 8 x 768 is 3x 2048 there), 4 layers, voc
 8,192 (small enough that the output layer, the same matmul on every side, does not hide
 the experts)."""
 DEVICE_CONFIG = {
-    "vocab_size": 32768, "hidden_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 32,
-    "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144, "num_experts": 128,
-    "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
-    "router_aux_loss_coef": 0.001, "output_router_logits": True, "tie_word_embeddings": False,
+    **CONFIG, "vocab_size": 32768, "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "intermediate_size": 6144, "num_experts": 128, "moe_intermediate_size": 768,
     "max_position_embeddings": 4096,
 }
-"""``--device cuda``: Qwen3-30B-A3B's layers as published (hidden 2048, 32 heads / 4 KV of 128,
-128 experts, top-8 of width 768), 4 of its 48, vocabulary 32,768 (the output layer would
-otherwise be most of the active weights): 2.6B parameters, 0.3B active matmul weights per
-token."""
+"""``--device cuda``: ``CONFIG``'s routing (top-8, renormalised, aux loss 0.001) and 4 layers,
+the layers being Qwen3-30B-A3B's as published (hidden 2048, 32 heads / 4 KV of 128, 128
+experts of width 768; 4 of its 48), vocabulary 32,768 (the output layer would otherwise be
+most of the active weights): 2.6B parameters, 0.3B active matmul weights per token."""
 SIDES = ("transformers", "transformers+compile", "llmflow", "llmflow+compile")
 BASELINES = ("transformers", "transformers+compile")
 OURS = ("llmflow", "llmflow+compile")
@@ -128,51 +126,33 @@ DATA = "data_text_document"
 
 
 def transformers_step(side: str, config, device: torch.device):
-    """transformers' model and one training step on the samples llmflow's data source reads:
-    forward with ``shift_labels`` (llmflow's targets), backward, clipping and AdamW as
-    ``llmflow train`` sets them (fused); returns (loss, auxiliary
-    loss). In bf16 the weights themselves are bf16 (``from_pretrained(dtype=torch.bfloat16)``):
-    its experts' ``grouped_mm`` then runs natively under torch.compile too."""
+    """transformers' model and its training step (``peer_step``: the samples llmflow's data
+    source reads, forward with ``shift_labels``, llmflow's targets, then clipping and AdamW as
+    ``llmflow train`` sets them); the step returns (loss, auxiliary loss). In bf16 the weights
+    themselves are bf16 (``from_pretrained(dtype=torch.bfloat16)``): its experts'
+    ``grouped_mm`` then runs natively under torch.compile too."""
     import transformers
 
-    from llmflow.train.data import collate
-    from llmflow.train.loop import data_source
-
-    dtype = torch.bfloat16 if config.dtype == "bf16" else torch.float32
-    model = transformers.Qwen3MoeForCausalLM.from_pretrained(config.model, dtype=dtype).to(device)
+    model = transformers.Qwen3MoeForCausalLM.from_pretrained(config.model, dtype=DTYPES[config.dtype]).to(device)
     model.train()
     implementation = model.config._experts_implementation
     assert implementation == "grouped_mm", f"transformers' experts implementation is {implementation}"
-    forward = torch.compile(model) if side.endswith("+compile") else model
-    params = list(model.parameters())
-    o = config.optim
-    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                                  fused=True)
-    samples, mb = data_source(config), config.micro_batch_size
+    compiled = torch.compile(model) if side.endswith("+compile") else model
 
-    def step(n: int) -> tuple[float, float]:
-        batch = collate([samples[(n - 1) * mb + j] for j in range(mb)])
-        ids, targets = batch["input_ids"].to(device), batch["targets"].to(device)
-        out = forward(input_ids=ids, labels=targets, shift_labels=targets)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, o.clip_grad)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return out.loss.item(), out.aux_loss.item()
+    def forward(ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = compiled(input_ids=ids, labels=targets, shift_labels=targets)
+        return out.loss, out.aux_loss
 
-    return step
+    return peer_step(config, device, list(model.parameters()), forward)
 
 
 def llmflow_step(config, device: torch.device):
     """``llmflow train``'s worker on one process (``setup``, then ``train_step``); returns
     (loss as transformers reports it: cross entropy + coefficient x auxiliary loss, auxiliary loss)."""
-    from bench.gpu_train import join_one_rank_group
-    from llmflow.train.loop import setup, train_step
+    from llmflow.train.loop import train_step
 
     join_one_rank_group(device)
-    run = setup(config)
-    for part in run.parts:
-        part.train()
+    run = llmflow_run(config)
 
     def step(n: int) -> tuple[float, float]:
         loss = train_step(run, n)[0]
@@ -185,8 +165,6 @@ def llmflow_step(config, device: torch.device):
 def run_side(side: str, model_dir: str, batch: int, seq: int, steps: int, warmup: int, device: torch.device,
              dtype: str) -> dict:
     """Runs in a child process: train warm-up and timed steps, report timings and memory."""
-    from bench.gpu_train import train_config
-
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as out:
         config = train_config(Path(model_dir), Path(model_dir) / DATA, Path(out), seq, batch, warmup + steps,
@@ -206,7 +184,7 @@ def run_side(side: str, model_dir: str, batch: int, seq: int, steps: int, warmup
         "step_s": step_s,
         "cpu_s": statistics.median(cpu[warmup:]),
         "first_step_s": times[0],
-        "peak_mib": own_memory_mib() if device.type == "cpu" else torch.cuda.max_memory_allocated(device) / 2**20,
+        "peak_mib": peak_memory_mib(device),
         "first_loss": losses[0][0],
         "first_aux": losses[0][1],
         "threads": torch.get_num_threads(),
@@ -222,7 +200,7 @@ def make_model(directory: str, config: dict, device: torch.device, dtype: str) -
     torch.manual_seed(1234)
     with torch.device(device):
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**config))
-    model.to(torch.bfloat16 if dtype == "bf16" else torch.float32).save_pretrained(directory)
+    model.to(DTYPES[dtype]).save_pretrained(directory)
 
 
 def bench(args: argparse.Namespace, sides: tuple[str, ...], peaks: list[float], loads: list[float]) -> dict:
