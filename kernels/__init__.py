@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from llmflow.kernels import cross_entropy
 from llmflow.kernels.dispatch import FUSED, REFERENCE, KernelSet, kernels_for, use_kernels
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "linear_cross_entropy",
     "rms_norm",
     "swiglu",
+    "token_entropy",
     "use_kernels",
 ]
 
@@ -124,6 +126,12 @@ def linear_cross_entropy(
     a replicated DTensor; every rank then computes the same loss on its full copy."""
     weight = _replicated_local(weight)
     return kernels_for(hidden.device.type).linear_cross_entropy(hidden, weight, labels, ignore_index, reduction)
+
+
+def token_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Entropy of the softmax of ``hidden @ weight.T`` at every token whose label is not
+    ignored (0 elsewhere), without gradient; a replicated DTensor weight as for the loss."""
+    return cross_entropy.token_entropy(hidden, _replicated_local(weight), labels, ignore_index)
 
 
 def _replicated_local(weight: torch.Tensor) -> torch.Tensor:

@@ -155,3 +155,17 @@ def _token_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         losses.append(checkpoint(_chunk_token_cross_entropy, *args, use_reentrant=False) if track
                       else _chunk_token_cross_entropy(*args))
     return torch.cat(losses)
+
+
+@torch.no_grad()
+def token_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+                  chunk_rows: int | None = None) -> torch.Tensor:
+    """The entropy of the softmax of ``hidden @ weight.T`` at every token [tokens] (0 where
+    ``labels`` is ignored), a chunk of logits at a time; a metric, without gradient."""
+    rows = chunk_rows or _chunk_rows(weight.shape[0])
+    out = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], rows):
+        end = min(start + rows, hidden.shape[0])
+        log_probs = torch.log_softmax(torch.matmul(hidden[start:end], weight.t()).float(), dim=-1)
+        out[start:end] = -(log_probs.exp() * log_probs).sum(-1)
+    return out.masked_fill(labels == ignore_index, 0.0)

@@ -101,10 +101,17 @@ class CausalLM(nn.Module):
         document_ids: torch.Tensor | None = None,
         loss_reduction: str = "mean",
         kv_cache: KVCache | None = None,
-    ) -> torch.Tensor:
+        temperature: float = 1.0,
+        logits_to_keep: int = 0,
+        return_entropy: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, S, vocab], or the cross-entropy loss when ``labels`` is given: the mean
         or sum over target tokens (``loss_reduction``), or with "none" every token's [B, S]
-        (0 where no loss is taken).
+        (0 where no loss is taken). Both are of the logits divided by ``temperature`` (an
+        online RL objective scores its samples so); ``logits_to_keep`` > 0 returns the logits
+        of the last that many positions only (generation). ``return_entropy`` with
+        ``loss_reduction="none"`` returns every token's loss and the entropy of its predicted
+        distribution (a metric, without gradient).
 
         ``labels`` [B, S] are the targets of each position (already shifted: labels[:, i]
         is the token after input_ids[:, i]), -100 where no loss is taken. The loss path
@@ -115,14 +122,22 @@ class CausalLM(nn.Module):
         h = self.model(input_ids, position_ids, document_ids, kv_cache)
         if self.lm_head is None:
             return h
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        if temperature != 1.0:  # the output projection has no bias: (h / t) W^T = logits / t
+            h = h / temperature
         real = self.config.unpadded_vocab_size
         if labels is None:
             logits = self.lm_head(h)
             return logits if real is None else logits[..., :real]
         weight = self.lm_head.weight if real is None else self.lm_head.weight[:real]
         loss = kernels.linear_cross_entropy(h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1), reduction=loss_reduction)
-        if loss_reduction == "none":  # a fresh tensor, not a view: FSDP2 hooks its module's output for backward
-            return loss.view(labels.shape).clone()
+        if loss_reduction != "none":
+            return loss
+        loss = loss.view(labels.shape).clone()  # a fresh tensor, not a view: FSDP2 hooks its module's output for backward
+        if return_entropy:
+            entropy = kernels.token_entropy(h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1))
+            return loss, entropy.view(labels.shape)
         return loss
 
     @torch.no_grad()

@@ -9,8 +9,9 @@ tensor or data parallelism; a tensor-parallel plan must then come from ``lora_tp
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -60,7 +61,12 @@ class LoraLinear(nn.Linear):
         self.lora_A = nn.Linear(base.in_features, rank, bias=False, **factory)
         self.lora_B = nn.Linear(rank, base.out_features, bias=False, **factory)
 
+    active: bool = True
+    """Whether the adapter adds its update (``adapters_off`` turns every adapter off for a while)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.active:
+            return super().forward(x)
         return super().forward(x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
     def extra_repr(self) -> str:
@@ -160,3 +166,17 @@ def merge_lora(model: nn.Module) -> None:
         plain.weight, plain.bias = module.weight, module.bias
         parent_name, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent_name), leaf, plain)
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` as its base inside the block: every LoRA adapter left out (a GRPO run's
+    reference model under LoRA, as PEFT's ``disable_adapter``)."""
+    adapted = [m for m in model.modules() if isinstance(m, LoraLinear)]
+    for module in adapted:
+        module.active = False
+    try:
+        yield
+    finally:
+        for module in adapted:
+            module.active = True

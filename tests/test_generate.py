@@ -126,7 +126,8 @@ def test_repetition_penalty_and_top_k_top_p_follow_transformers():
         TopPLogitsWarper,
     )
 
-    from llmflow.infer.generate import apply_repetition_penalty, filter_top_k_top_p
+    from llmflow.infer.generate import apply_repetition_penalty
+    from llmflow.models.sampling import filter_top_k_top_p
 
     g = torch.Generator().manual_seed(0)
     logits, ids = torch.randn(3, 50, generator=g), torch.randint(0, 50, (3, 6), generator=g)

@@ -31,8 +31,8 @@ from llmflow.evaluate.generative_engine import (
 )
 from llmflow.evaluate.humaneval import HUMANEVAL, HUMANEVAL_64_TASK, HUMANEVAL_TASK, read_humaneval
 from llmflow.evaluate.questions import BenchmarkDataError
-from llmflow.evaluate.sandbox import humaneval_program, pass_at_k
 from llmflow.infer.generate import GenerateConfig
+from llmflow.sandbox import humaneval_program, pass_at_k
 
 HARNESS_YAML = harness_tasks() / "humaneval" / "humaneval.yaml"
 
@@ -252,7 +252,7 @@ def test_the_sample_problems_canonical_solutions_pass(sample_assets):
     import pyarrow.parquet as pq
 
     from llmflow.evaluate.humaneval import read_humaneval
-    from llmflow.evaluate.sandbox import humaneval_program, run_programs
+    from llmflow.sandbox import humaneval_program, run_programs
 
     root = sample_assets() / "humaneval"
     rows = pq.read_table(next(root.rglob("test-*.parquet"))).to_pylist()

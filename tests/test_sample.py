@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def test_same_seed_same_bytes_other_seed_other_content(sample, tmp_path):
     assert manifest(again)["files"] == manifest(sample)["files"]
     assert manifest(sample)["seed"] == 0 and manifest(other)["seed"] == 1
     unchanged = {f["path"] for f in manifest(other)["files"] if f in manifest(sample)["files"]}
-    assert not unchanged & {"instruct/alpaca.jsonl", "preference/preference_train.jsonl", "pretrain/corpus.parquet", "model/model.safetensors"}
+    assert not unchanged & {"instruct/alpaca.jsonl", "preference/preference_train.jsonl", "rl/rl_train.jsonl", "pretrain/corpus.parquet", "model/model.safetensors"}
 
 
 def test_manifest_lists_every_file(sample):
@@ -91,6 +92,32 @@ def test_preference_pairs_state_the_facts(sample):
     assert not {r["prompt"] for r in heldout} & {r["prompt"] for r in train}
     assert not {r["chosen"] for r in train} & {r["rejected"] for r in train + heldout}
     assert {(r["chosen"], r["rejected"]) for r in heldout} <= {(r["chosen"], r["rejected"]) for r in train}
+
+
+def test_rl_prompts_ask_the_sums(sample):
+    """The plain prompt layout (prompt, answer); every sum asked in three training wordings,
+    the first the instruction set's question, and in two held-out wordings; the answer its
+    total as a string."""
+    splits = {}
+    for split, count in (("train", 48), ("heldout", 32)):
+        table = pq.read_table(sample / "rl" / f"rl_{split}.parquet")
+        assert table.schema == pa.schema([(k, pa.string()) for k in ("prompt", "answer")])
+        lines = [json.loads(line) for line in (sample / "rl" / f"rl_{split}.jsonl").read_text().splitlines()]
+        assert lines == table.to_pylist() and len(lines) == count == manifest(sample)["counts"][f"rl_{split}"]
+        splits[split] = lines
+    sums: dict[str, dict[tuple[int, int], set[str]]] = {}
+    for split, rows in splits.items():
+        for r in rows:
+            numbers = [int(n) for n in re.findall(r"\d+", r["prompt"])]
+            assert len(numbers) == 2 and r["answer"] == str(sum(numbers))
+            wording = re.sub(r"\d+", "N", r["prompt"])
+            sums.setdefault(split, {}).setdefault(tuple(numbers), set()).add(wording)
+    assert sums["train"].keys() == sums["heldout"].keys() and len(sums["train"]) == 16
+    assert all(len(w) == 3 for w in sums["train"].values()) and all(len(w) == 2 for w in sums["heldout"].values())
+    train_wordings, heldout_wordings = (set().union(*s.values()) for s in (sums["train"], sums["heldout"]))
+    assert len(train_wordings) == 3 and len(heldout_wordings) == 2 and not train_wordings & heldout_wordings
+    asked = {r["input"] or r["instruction"] for r in pq.read_table(sample / "instruct" / "alpaca.parquet").to_pylist()}
+    assert {f"What is {a} + {b}?" for a, b in sums["train"]} <= asked
 
 
 @pytest.mark.parametrize("subject", SUBJECTS)

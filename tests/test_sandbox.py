@@ -18,8 +18,8 @@ import numpy as np
 import psutil
 import pytest
 
-from llmflow.evaluate import sandbox
-from llmflow.evaluate.sandbox import (
+from llmflow import sandbox
+from llmflow.sandbox import (
     KEPT_BYTES,
     Outcome,
     SandboxLimits,

@@ -307,7 +307,7 @@ def test_lora_trains_only_adapters_and_merged_export_matches(assets, tmp_path):
 def test_a_checkpoint_with_nested_optimizer_state_still_resumes(assets, tmp_path, monkeypatch):
     """Checkpoints written before the optimizer state was flattened (one param_groups entry
     listing the parameter names) resume exactly; the next save is flattened."""
-    from llmflow.train.loop import Run
+    from llmflow.train.run import Run
     from llmflow.weights.dcp import read_dcp_metadata
 
     flattened = Run.state

@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel
 from tokenizers import Tokenizer
 
 from llmflow.hf_files import TOKENIZER_FILES, has_tokenizer
+from llmflow.models.config import text_config
 
 
 class TokenizeError(ValueError):
@@ -169,3 +171,16 @@ def out_of_vocab_message(where: str, token_id: int, vocab_size: int, vocab_sourc
         f"'srcIndex < srcSelectDimSize'. Was the data tokenized for another model, or is "
         f"vocab_size wrong? Tokenizer: {tokenizer}"
     )
+
+
+def eos_token_ids(tok_dir: Path, hf_config: dict[str, Any]) -> list[int]:
+    """The eos_token_id (one id or a list) of generation_config.json beside the tokenizer
+    (a checkpoint keeps it there), else of config.json (a multimodal one's text config), else
+    the tokenizer's eos token."""
+    generation = tok_dir / "generation_config.json"
+    for source in (json.loads(generation.read_text()) if generation.is_file() else {}, text_config(hf_config)):
+        eos = source.get("eos_token_id")
+        if eos is not None:
+            return eos if isinstance(eos, list) else [eos]
+    eos = tokenizer_info(tok_dir).eos_token_id
+    return [eos] if eos is not None else []

@@ -25,8 +25,8 @@ from typing import Any
 
 from llmflow.evaluate.generative_tasks import Doc, GenerativeGroup, GenerativeTask, Scored
 from llmflow.evaluate.questions import BenchmarkDataError
-from llmflow.evaluate.sandbox import SandboxLimits, humaneval_program, pass_at_k, run_programs
 from llmflow.evaluate.task_files import excerpt, read_split
+from llmflow.sandbox import SandboxLimits, humaneval_program, pass_at_k, run_programs
 
 FIELDS = ("task_id", "prompt", "test", "entry_point")
 LAYOUTS = (("openai_humaneval/{split}-*.parquet", "{split}-*.parquet"), ("HumanEval.jsonl",))

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llmflow.models.decoder import CausalLM
 from llmflow.models.kv_cache import KVCache
+from llmflow.models.sampling import filter_top_k_top_p, left_pad
 
 FinishReason = Literal["eos", "stop", "length"]
 
@@ -88,44 +89,11 @@ def encode_prompts(tokenizer, prompts: list[str] | list[list[int]], add_special_
     return [p if isinstance(p, list) else tokenizer.encode(p, add_special_tokens=add_special_tokens).ids for p in prompts]
 
 
-def left_pad(prompts: list[list[int]], max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Input ids [B, P] (left-padded with 0), position ids [B, P + max_new_tokens] starting
-    at 0 at each row's first real token, and document ids (pads 0, real tokens 1) of the same
-    shape, or None when no row is padded."""
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    real = torch.ones(len(prompts), width + max_new_tokens, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        real[i, : width - len(p)] = 0
-    positions = (real.cumsum(dim=1) - 1).clamp(min=0)
-    padded = any(len(p) < width for p in prompts)
-    return ids, positions, real if padded else None
-
-
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
     """transformers' RepetitionPenaltyLogitsProcessor on logits [B, V] with ``seen`` [B, V]
     marking tokens already present."""
     penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
     return torch.where(seen, penalised, logits)
-
-
-def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Logits with everything outside the top k and outside the top-p nucleus set to -inf
-    (transformers' TopK then TopP warpers)."""
-    if top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=False, dim=-1)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = cumulative <= 1 - top_p
-        drop_sorted[..., -1:] = False  # always keep the most likely token
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
 
 
 def next_tokens(

@@ -3,14 +3,13 @@ loaded from an HF directory, a checkpoint or a LoRA checkpoint."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from llmflow.data.tokenizer import load_tokenizer, tokenizer_info
+from llmflow.data.tokenizer import eos_token_ids, load_tokenizer
 from llmflow.infer.generate import GenerateConfig, GenerationResult, generate
 from llmflow.models import CausalLM
 from llmflow.models.config import text_config
@@ -36,19 +35,6 @@ class Generator:
         return generate(
             self.model, self.tokenizer, prompts, config, on_text=on_text, vocab_size=self.vocab_size, group=self.group
         )
-
-
-def eos_token_ids(tok_dir: Path, hf_config: dict[str, Any]) -> list[int]:
-    """The eos_token_id (one id or a list) of generation_config.json beside the tokenizer
-    (a checkpoint keeps it there), else of config.json (a multimodal one's text config), else
-    the tokenizer's eos token."""
-    generation = tok_dir / "generation_config.json"
-    for source in (json.loads(generation.read_text()) if generation.is_file() else {}, text_config(hf_config)):
-        eos = source.get("eos_token_id")
-        if eos is not None:
-            return eos if isinstance(eos, list) else [eos]
-    eos = tokenizer_info(tok_dir).eos_token_id
-    return [eos] if eos is not None else []
 
 
 def load_generator(path: str | Path, device: str = "cpu") -> Generator:

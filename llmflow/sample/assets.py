@@ -17,6 +17,7 @@ from llmflow.sample.instructions import make_instructions, write_instructions
 from llmflow.sample.mmlu import make_mmlu, write_mmlu
 from llmflow.sample.model import write_model
 from llmflow.sample.preferences import write_preferences
+from llmflow.sample.rl_prompts import write_rl_prompts
 from llmflow.sample.tokenizer import TOKENIZER_FILES, check_tokenizer, tokenizer_texts, train_tokenizer, write_tokenizer
 from llmflow.sample.world import make_facts, make_world
 
@@ -25,7 +26,7 @@ STAGE = "sample"
 
 class SampleConfig(BaseModel):
     """Write the built-in sample assets (tokenizer, tiny model, corpus, instruction set,
-    preference set, MMLU, BoolQ, AGIEval, GSM8K, BBH)."""
+    preference set, RL prompt set, MMLU, BoolQ, AGIEval, GSM8K, BBH)."""
 
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
@@ -67,6 +68,7 @@ def write_sample(config: SampleConfig) -> Path:
         write_corpus(corpus, work / "pretrain" / "corpus.parquet")
         write_instructions(instructions, work / "instruct")
         preferences = write_preferences(config.seed, world, facts, work / "preference")
+        rl_prompts = write_rl_prompts(config.seed, facts, work / "rl")
         write_mmlu(mmlu, work / "mmlu")
         choice_tasks = write_choice_tasks(config.seed, world, facts, work)
         generative_tasks = write_generative_tasks(config.seed, world, work)
@@ -79,6 +81,7 @@ def write_sample(config: SampleConfig) -> Path:
             "mmlu": {s: {split: len(qs) for split, qs in splits.items()} for s, splits in mmlu.items()},
             "tokenizer_length": tokenizer.get_vocab_size(),
             **preferences,
+            **rl_prompts,
             **choice_tasks,
             **generative_tasks,
         }
@@ -89,7 +92,7 @@ def write_sample(config: SampleConfig) -> Path:
 
 class SampleCommand(SampleConfig):
     """Write the built-in sample assets (tokenizer, tiny model, corpus, instructions, preference
-    pairs, MMLU, BoolQ, AGIEval, GSM8K, BBH) offline."""
+    pairs, RL prompts, MMLU, BoolQ, AGIEval, GSM8K, BBH) offline."""
 
     def cli_cmd(self) -> None:
         start = time.monotonic()

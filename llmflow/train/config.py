@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llmflow.models.lora import LoraConfig
+from llmflow.train.grpo.config import RLConfig
 from llmflow.train.preference import PreferenceConfig
 from llmflow.validation import one_line
 
@@ -19,15 +20,17 @@ class DataConfig(BaseModel):
 
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
-    kind: Literal["pretrain", "sft", "preference"] = "pretrain"
+    kind: Literal["pretrain", "sft", "preference", "prompts"] = "pretrain"
     """pretrain: Megatron indexed datasets ({prefix}_text_document), samples of seq_length+1
     tokens cut from the concatenated documents; sft: instruction datasets written by
     ``llmflow tokenize instruction`` (their own seq_length, packed or padded rows);
     preference: chosen/rejected pairs written by ``llmflow tokenize preference`` (for
-    method dpo, simpo or orpo)."""
+    method dpo, simpo or orpo); prompts: a JSON-lines or parquet file of prompts with their
+    answers (GSM8K's question/answer, MATH's problem/solution, prompt/answer, or messages),
+    rendered with rl.template (for method grpo)."""
     paths: list[str] = Field(min_length=1)
     """Dataset prefixes: for pretrain the {prefix} of {prefix}_text_document.bin/.idx (or the
-    full ..._text_document path); for sft the --out of the tokenize stage."""
+    full ..._text_document path); for sft the --out of the tokenize stage; for prompts the file."""
     weights: list[float] | None = None
     """Blend weights, one per path (pretrain only); default: equal."""
     document_attention: bool = False
@@ -82,21 +85,24 @@ class TrainConfig(BaseModel):
     out: Path
     """Checkpoint directory of this run. When it holds a checkpoint, training resumes from it,
     but only with the settings the weights depend on unchanged (model, data, method,
-    preference, optim, lora, seed, seq_length, dtype, global_batch_size, router_aux_loss_coef; a launch that changes one is refused, naming
+    preference, rl, optim, lora, seed, seq_length, dtype, global_batch_size, router_aux_loss_coef; a launch that changes one is refused, naming
     it). The parallel layout (nproc, pp, tp, dp, cp, ep, the pipeline schedule and split),
     micro_batch_size and the settings of recomputation, compilation, logging and saving may
     change between launches, and steps may grow."""
     data: DataConfig
     """Training data."""
-    method: Literal["next_token", "dpo", "simpo", "orpo"] = "next_token"
+    method: Literal["next_token", "dpo", "simpo", "orpo", "grpo"] = "next_token"
     """Training objective. next_token: cross-entropy of every target token (pretraining and
     instruction data); dpo: Direct Preference Optimization against the reference model (the
     initial weights; their log-probs of the pairs are computed once and cached, see
     preference.reference); simpo: SimPO, reference-free, on length-normalised log-probs;
     orpo: ORPO, the chosen sequences' cross-entropy plus an odds-ratio term. dpo, simpo and
-    orpo train on data.kind preference."""
+    orpo train on data.kind preference; grpo: online reinforcement learning on verifiable
+    rewards (GRPO, DAPO, Dr. GRPO, GSPO: see rl), sampling completions of data.kind prompts."""
     preference: PreferenceConfig = PreferenceConfig()
     """Settings of the dpo, simpo and orpo objectives."""
+    rl: RLConfig = RLConfig()
+    """Settings of the grpo objective (TRL's GRPOConfig names and defaults)."""
     steps: int = Field(ge=1)
     """Optimizer steps to train for (in total, across resumes). A resume may raise it to
     continue a finished run (the decay then spans the new total); it cannot go below the
@@ -104,10 +110,11 @@ class TrainConfig(BaseModel):
     seq_length: int | None = Field(default=None, ge=1)
     """Tokens per sample for pretraining (sft rows take the dataset's seq_length)."""
     micro_batch_size: int = Field(default=1, ge=1)
-    """Samples per rank per forward/backward."""
+    """Samples (grpo: completions) per rank per forward/backward."""
     global_batch_size: int = Field(default=8, ge=1)
-    """Samples per optimizer step over all data-parallel ranks; a multiple of
-    micro_batch_size * dp (the quotient is the gradient accumulation)."""
+    """Samples per optimizer step over all data-parallel ranks (grpo: completions, a multiple
+    of rl.num_generations); a multiple of micro_batch_size * dp (the quotient is the
+    gradient accumulation)."""
     optim: OptimConfig = OptimConfig()
     """Optimizer and learning-rate schedule."""
     lora: LoraConfig | None = None
@@ -195,9 +202,13 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _objective_fits_data(self) -> TrainConfig:
-        if (self.method == "next_token") == (self.data.kind == "preference"):
-            expected = "pretrain or sft" if self.method == "next_token" else "preference"
-            raise ValueError(f"method={self.method} trains on data.kind {expected}, got data.kind={self.data.kind}")
+        expected = {"next_token": ("pretrain", "sft"), "grpo": ("prompts",)}.get(self.method, ("preference",))
+        if self.data.kind not in expected:
+            raise ValueError(f"method={self.method} trains on data.kind {' or '.join(expected)}, "
+                             f"got data.kind={self.data.kind}")
+        if self.method == "grpo" and self.global_batch_size % self.rl.num_generations:
+            raise ValueError(f"global_batch_size={self.global_batch_size} must be a multiple of rl.num_generations="
+                             f"{self.rl.num_generations} (completions per prompt)")
         return self
 
     @field_validator("activation_checkpointing", mode="before")

@@ -41,7 +41,7 @@ def _epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n)
 
 
-class _ShuffledEpochs:
+class ShuffledEpochs:
     """Index ``g`` -> (epoch, item) with a fresh permutation of ``n`` items per epoch."""
 
     def __init__(self, n: int, seed: int) -> None:
@@ -77,7 +77,7 @@ class PretrainSamples:
             raise IndexedDatasetError(
                 f"{self.path}: {tokens} tokens cannot fill one sample of seq_length {seq_length} + 1"
             )
-        self._order = _ShuffledEpochs(self.num_samples, seed)
+        self._order = ShuffledEpochs(self.num_samples, seed)
         # Token offset where each document starts, for document ids.
         self._doc_starts = np.concatenate([[0], np.cumsum(self.data.sequence_lengths, dtype=np.int64)])
 
@@ -101,7 +101,7 @@ class SftSamples:
         self.data = dataset(path)
         self.seq_length = self.data.seq_length
         self.num_samples = len(self.data)
-        self._order = _ShuffledEpochs(self.num_samples, seed)
+        self._order = ShuffledEpochs(self.num_samples, seed)
 
     def __getitem__(self, g: int) -> Sample:
         return self.row(self._order.item(g))

@@ -10,11 +10,13 @@ optimizer state and each rank's RNG state from it, resharded to this run's layou
 ``train_step`` is one optimizer step (``forward_backward`` over this rank's micro-batches);
 ``train`` loops over the steps, logging and saving.
 
-A step takes the global batch of samples ``[step * global_batch, (step + 1) *
-global_batch)``; each data-parallel rank takes its slice of every micro-batch. The loss
-is the mean over every target token of the global batch (summed per rank, divided by the
-global count), so any (dp, tp) layout and any accumulation computes the same loss as one
-process. The learning rate is a function of the step, so resuming needs only the step.
+A step's micro-batches, their loss and its normalisers come from the run's objective
+(``llmflow.train.objectives``, one module per ``method``): next-token prediction takes the
+global batch of samples ``[step * global_batch, (step + 1) * global_batch)``, each
+data-parallel rank its slice of every micro-batch, and its loss is the mean over every
+target token of the global batch (summed per rank, divided by the global count), so any
+(dp, tp) layout and any accumulation computes the same loss as one process; every objective
+normalises so. The learning rate is a function of the step, so resuming needs only the step.
 
 Every step checks its loss and gradient norm before the optimizer uses them: NaN or ±Inf
 stops the run with ``NonFiniteError`` naming the step and the first parameter whose
@@ -27,44 +29,37 @@ from __future__ import annotations
 import math
 import os
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.tensor import DTensor
 
 from llmflow import runtime
-from llmflow.data.preference_dataset import PreferenceDataset
-from llmflow.mesh import ParallelLayout, build_mesh, validate_layout
-from llmflow.models import CausalLM, ModelConfig, apply_lora, is_lora_param
+from llmflow.models import apply_lora
 from llmflow.models.config import text_config
-from llmflow.models.context_parallel import context_parallel_problems, held_positions, shard_sequence
+from llmflow.models.context_parallel import context_parallel_problems
 from llmflow.models.expert_parallel import expert_parameters, moe_parameters, sum_gradients
 from llmflow.models.parallelize import parallelize_decoder
-from llmflow.models.pipeline import ScaledLoss, pipeline_schedule, split_model
+from llmflow.models.pipeline import pipeline_schedule, split_model
 from llmflow.probe import Dumper, PipelinePlace, load_probe_config, seed_all
 from llmflow.train.config import TrainConfig
-from llmflow.train.data import BlendedSamples, PretrainSamples, SftSamples, check_token_ids, collate
 from llmflow.train.metrics import StepTimer, flops_per_token, memory_gib, peak_flops
-from llmflow.train.pairs import (
-    STATS,
-    PairCounts,
-    PipelinePairLoss,
-    document_totals,
-    pair_batch,
-    pair_counts,
-    pair_objective,
-    reference_pairs,
-    sequence_targets,
-    step_metrics,
-)
+from llmflow.train.objectives import objective_for
 from llmflow.train.preflight import batch_problems, moe_problems, pipeline_problems
-from llmflow.train.reference import gather_rows, load_reference, reference_dir, save_reference, stack_rows
 from llmflow.train.routing import RoutingLog, aux_loss_coefficient
+from llmflow.train.run import (
+    Batch,
+    Run,
+    all_reduce_over,
+    model_inputs,
+    pipeline_run,
+    rank_sum_scale,
+    topology,
+    trainable_state,
+)
 from llmflow.weights import (
     CheckpointMeta,
     NonFiniteError,
@@ -79,17 +74,6 @@ from llmflow.weights import (
     save_checkpoint,
 )
 from llmflow.weights.sharded_loading import load_sharded, meta_model, sharded_source
-
-# --- model ----------------------------------------------------------------------------------------
-
-
-def trainable_state(model: torch.nn.Module, lora: bool) -> dict[str, torch.Tensor]:
-    """What a checkpoint stores of the model: every weight, or only the adapters."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    state = get_model_state_dict(model)
-    return {k: v for k, v in state.items() if is_lora_param(k)} if lora else state
-
 
 # --- schedule -------------------------------------------------------------------------------------
 
@@ -139,68 +123,9 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
 # --- the run --------------------------------------------------------------------------------------
 
 
-@dataclass
-class Topology:
-    """Where this rank sits: its data- and pipeline-parallel coordinates and the meshes to
-    shard over."""
-
-    layout: ParallelLayout
-    dp_rank: int
-    dp_group: Any
-    mesh: Any
-    pp_rank: int = 0
-    pp_group: Any = None
-    tied_group: Any = None
-    """Under pp with tied embeddings: the group of this rank's first- and last-stage peers
-    (same dp and tp coordinates), which add up the tied weight's two gradients."""
-    expert_replicate_group: Any = None
-    """Under ep < dp: the ranks holding the same experts, which add up their gradients."""
-    tp_group: Any = None
-    """Under tp: this rank's tensor-parallel group (a mixture of experts sums its gradients over it)."""
-    cp_rank: int = 0
-    cp_group: Any = None
-    """Under cp: this rank's context-parallel group, whose ranks hold shards of the same sequences."""
-    routing_group: Any = None
-    """The ranks that share a micro-batch's tokens (dp, and the sequence shards of cp and tp): a
-    mixture of experts' auxiliary loss counts its experts' assignments over them."""
-
-
-def topology(config: TrainConfig, env: runtime.DistEnv, model_config: ModelConfig) -> Topology:
-    layout = ParallelLayout.of_world(env.world_size, config.pp, config.tp, config.dp, config.ep, config.cp)
-    validate_layout(layout, env.world_size, model_config)
-    if not dist.is_initialized():
-        return Topology(layout, 0, None, None)
-    mesh = build_mesh(layout, env.device.type)
-    topo = Topology(layout, mesh["dp"].get_local_rank(), mesh["dp"].get_group(), mesh)
-    if 1 < layout.ep < layout.dp:
-        topo.expert_replicate_group = mesh["dp_replicate"].get_group()
-    if layout.tp > 1:
-        topo.tp_group = mesh["tp"].get_group()
-    if layout.cp > 1:
-        topo.cp_rank, topo.cp_group = mesh["cp"].get_local_rank(), mesh["cp"].get_group()
-    token_dims = (*(("dp_replicate", "ep") if layout.ep > 1 else ("dp",)),
-                  *(("cp",) if layout.cp > 1 else ()), *(("tp",) if layout.tp > 1 else ()))
-    topo.routing_group = mesh[token_dims]._flatten("tokens").get_group() if len(token_dims) > 1 else topo.dp_group
-    if layout.pp > 1:
-        topo.pp_rank, topo.pp_group = mesh["pp"].get_local_rank(), mesh["pp"].get_group()
-        if model_config.tie_word_embeddings:
-            ends = mesh.mesh[[0, -1]].reshape(2, -1).T.tolist()  # [first, last] of every (dp, cp, tp)
-            topo.tied_group, _ = dist.new_subgroups_by_enumeration(ends)
-    return topo
-
-
-def data_source(config: TrainConfig):
-    d = config.data
-    if d.kind == "sft":
-        return SftSamples(d.paths[0], config.seed)
-    if d.kind == "preference":
-        return SftSamples(d.paths[0], config.seed, PreferenceDataset)
-    if config.seq_length is None:
-        raise ValueError("seq_length is required for pretraining")
-    parts = [PretrainSamples(p, config.seq_length, config.seed + i, d.document_attention) for i, p in enumerate(d.paths)]
-    if len(parts) == 1:
-        return parts[0]
-    return BlendedSamples(parts, d.weights or [1.0] * len(parts), config.steps * config.global_batch_size)
+def data_source(config: TrainConfig) -> Any:
+    """The run's data, addressed by global sample index (its objective's)."""
+    return objective_for(config.method).samples(config)
 
 
 def rng_state(device_type: str) -> dict[str, Any]:
@@ -214,70 +139,6 @@ def set_rng_state(state: dict[str, Any], device_type: str) -> None:
     torch.set_rng_state(state["cpu"])
     if "device" in state:
         torch.get_device_module(device_type).set_rng_state(state["device"])
-
-
-@dataclass
-class Run:
-    """One worker's training, set up once: the sharded model, its optimizer, the data and
-    where this rank sits."""
-
-    config: TrainConfig
-    env: runtime.DistEnv
-    topo: Topology
-    parts: list[CausalLM]
-    """This rank's model: the whole model, or under pp its pipeline stages, in stage order."""
-    optimizers: list[torch.optim.Optimizer]
-    """One optimizer per part (each part's state is named by the part's parameter names)."""
-    trainable: list[torch.nn.Parameter]
-    samples: Any
-    vocab_size: int
-    """The model's real vocabulary: data ids at or above it are refused."""
-    sharded: bool
-    """Whether FSDP2 shards the model (it then averages gradients over the dp ranks)."""
-    accumulation: int
-    """Micro-batches per step on this rank (the pipeline's microbatches under pp)."""
-    meta: CheckpointMeta
-    """What every checkpoint of this run records (its step and samples added on save)."""
-    dumper: Dumper | None
-    parameter_order: list[str]
-    """Every parameter name of the whole model in order: ranks holding different stages
-    name the first non-finite gradient by it."""
-    pipeline: Any = None
-    """The torch.distributed.pipelining schedule of this rank's stages (pp > 1)."""
-    pipeline_loss: ScaledLoss | PipelinePairLoss | None = None
-    reference: np.ndarray | None = None
-    """dpo: the reference model's log-probs of every row's pairs [rows, pairs, 2]."""
-    pair_counts: PairCounts | None = None
-    """dpo, simpo, orpo: the current step's pairs and chosen tokens (the objective's normalisers)."""
-    pair_stats: list[torch.Tensor] = field(default_factory=list)
-    """dpo, simpo, orpo: the current step's metric sums, one per micro-batch (``pair_objective``)."""
-    pair_metrics: dict[str, float] = field(default_factory=dict)
-    """dpo, simpo, orpo: the last step's rewards, margins, accuracy and log-probs (``step_metrics``)."""
-    experts: list[torch.nn.Parameter] = field(default_factory=list)
-    """The experts expert parallelism split over the ep ranks (DTensors on the "ep" mesh)."""
-    moe_replicated: list[torch.nn.Parameter] = field(default_factory=list)
-    """Under tp: the MoE blocks' other trainable weights, whole on every tp rank."""
-    routing: RoutingLog | None = None
-    """The experts' routing of the current step (a mixture-of-experts model, pp = 1)."""
-    aux_loss_coef: float = 0.0
-    """Weight of the load-balancing auxiliary loss in the training objective."""
-    tied_copy: torch.nn.Parameter | None = None
-    """Under pp with tied embeddings, on the last stage's ranks: the tied weight's second copy
-    (its gradient is summed with the first stage's; the norm counts it once)."""
-    start_step: int = 0
-
-    def state(self, flatten: bool = True) -> dict[str, Any]:
-        """What a checkpoint holds: the trainable weights and the optimizer state, each named
-        by parameter name (flattened optimizer state: any layout reads it)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        options = StateDictOptions(flatten_optimizer_state_dict=flatten)
-        model: dict[str, Any] = {}
-        optimizer: dict[str, Any] = {}
-        for part, part_optimizer in zip(self.parts, self.optimizers, strict=True):
-            model.update(trainable_state(part, self.config.lora is not None))
-            optimizer.update(get_optimizer_state_dict(part, part_optimizer, options=options))
-        return {"model": model, "optimizer": optimizer}
 
 
 def setup(config: TrainConfig) -> Run:
@@ -301,12 +162,14 @@ def setup(config: TrainConfig) -> Run:
         carry_tokenizer(Path(config.model), Path(config.out))
     topo = topology(config, env, model.config)
     layout = topo.layout
+    objective = objective_for(config.method)
     problems = batch_problems(config.global_batch_size, config.micro_batch_size, layout.dp)
     problems += pipeline_problems(config, layout.dp, model.config.num_hidden_layers)
     problems += moe_problems(config, model.config)
+    problems += objective.problems(config, layout)
     if problems:
         raise ValueError("; ".join(problems))
-    samples = data_source(config)
+    samples = objective.samples(config)
     problems = context_parallel_problems(model.config, layout.cp, samples.seq_length, layout.tp, config.cp_algo)
     if problems:
         raise ValueError("; ".join(problems))
@@ -347,79 +210,24 @@ def setup(config: TrainConfig) -> Run:
             base_checkpoint=str(Path(config.model).resolve()) if config.lora is not None else None,
         ),
         dumper=Dumper(load_probe_config(config.probe), parts, pipeline) if config.probe else None,
-        parameter_order=parameter_order,
+        parameter_order=parameter_order, objective=objective, dtype=dtype,
         experts=experts, moe_replicated=moe_replicated,
     )
     if model.config.num_experts and pipeline is None:
         run.routing = RoutingLog(parts, topo.routing_group)
         run.aux_loss_coef = aux_loss_coefficient(config.router_aux_loss_coef, hf_config)
     if pipeline is not None:
-        run.pipeline_loss = (ScaledLoss() if config.method == "next_token"
-                             else PipelinePairLoss(config.method, config.preference, topo.cp_group))
+        run.pipeline_loss = objective.pipeline_loss(run)
         run.pipeline = pipeline_schedule(stages, pipeline.num_stages, config.pp_schedule,
                                          accumulation, run.pipeline_loss, env.device, topo.pp_group)
-        if isinstance(run.pipeline_loss, PipelinePairLoss):
+        if hasattr(run.pipeline_loss, "schedule"):  # a loss that tells the schedule's shape inference apart
             run.pipeline_loss.schedule = run.pipeline
         held = pipeline.stages
         if model.config.tie_word_embeddings and pipeline.num_stages - 1 in held and 0 not in held:
             run.tied_copy = parts[-1].lm_head.weight
-    if config.method == "dpo":  # before resuming: the initial weights are the reference
-        run.reference = reference_logps(run, dtype)
+    objective.prepare(run)  # before resuming: the initial weights are the model's
     resume(run)
     return run
-
-
-def reference_logps(run: Run, dtype: torch.dtype) -> np.ndarray:
-    """The reference log-probs of the run's pairs: the cached ones when their inputs are
-    this run's, else computed now with the model's current (initial) weights and cached."""
-    cached = load_reference(run.config, dtype)
-    if cached is not None:
-        if run.env.is_main:
-            print(f"reference log-probs from {reference_dir(run.config)}", flush=True)
-        return cached
-    computed = compute_reference(run)
-    if run.env.is_main:
-        print(f"reference log-probs of {computed.shape[0]} rows saved in "
-              f"{save_reference(run.config, dtype, computed)}", flush=True)
-    if dist.is_initialized():
-        dist.barrier()
-    return computed
-
-
-@torch.no_grad()
-def compute_reference(run: Run) -> np.ndarray:
-    """Every dataset row's (chosen, rejected) log-probs under the model as it is, the rows
-    split over the data-parallel ranks as training splits them (a global batch at a time)."""
-    config, samples = run.config, run.samples
-    rows: dict[int, np.ndarray] = {}
-    per_rank = config.micro_batch_size
-    for first in range(0, samples.num_samples, config.global_batch_size):
-        batches = []
-        for m in range(run.accumulation):
-            base = first + (m * run.topo.layout.dp + run.topo.dp_rank) * per_rank
-            batch_samples = [samples.row((base + j) % samples.num_samples) for j in range(per_rank)]
-            check_token_ids(batch_samples, run.vocab_size)
-            batches.append(preference_batch(collate(batch_samples)))
-        for batch, totals in zip(batches, forward_totals(run, batches), strict=True):
-            if totals is not None:
-                rows.update(zip(batch["rows"].tolist(), reference_pairs(totals), strict=True))
-    return stack_rows(gather_rows(rows), samples.num_samples)
-
-
-def forward_totals(run: Run, batches: list[dict[str, torch.Tensor | None]]) -> list[torch.Tensor | None]:
-    """Each micro-batch's ``document_totals`` (None on the ranks of earlier pipeline stages)."""
-    device = run.env.device
-    if run.pipeline is None:
-        totals = []
-        for batch in batches:
-            inputs = {k: (v.to(device) if v is not None else None) for k, v in sequence_shard(run, batch).items()}
-            nll = run.parts[0](**inputs, loss_reduction="none")
-            totals.append(document_totals(nll, pair_batch(batch, held(run, batch), None, device), run.topo.cp_group))
-        return totals
-    loss = run.pipeline_loss
-    loss.queue, loss.counts, loss.totals = [pair_batch(b, held(run, b), None, device) for b in batches], None, []
-    pipeline_run(run, batches, run.pipeline.eval)
-    return loss.totals or [None] * len(batches)
 
 
 def resume(run: Run) -> None:
@@ -458,133 +266,38 @@ def same_layout(saved: dict[str, int], current: dict[str, int]) -> bool:
     return {"pp": 1, "ep": 1, "cp": 1, **saved} == {"pp": 1, "ep": 1, "cp": 1, **current}
 
 
-def micro_batches(run: Run, step: int) -> list[dict[str, torch.Tensor | None]]:
-    """This rank's micro-batches of ``step``: its data-parallel slice of each of the global
-    batch's (whole sequences: the ranks of a context-parallel group read the same samples)."""
-    config = run.config
-    per_step = config.micro_batch_size * run.topo.layout.dp
-    first = (step - 1) * config.global_batch_size
-    batches = []
-    for m in range(run.accumulation):
-        base = first + m * per_step + run.topo.dp_rank * config.micro_batch_size
-        samples = [run.samples[base + j] for j in range(config.micro_batch_size)]
-        check_token_ids(samples, run.vocab_size)
-        batch = collate(samples)
-        batches.append(batch if config.method == "next_token" else preference_batch(batch))
-    return batches
-
-
-def preference_batch(batch: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
-    """``batch`` with the next token of every position of each packed sequence as
-    ``sequence_targets``: what the model is given under a preference objective."""
-    return batch | {"sequence_targets": sequence_targets(batch["input_ids"], batch["document_ids"])}
-
-
-def held(run: Run, batch: dict[str, torch.Tensor | None]) -> torch.Tensor | None:
-    """The positions of ``batch``'s sequences this rank holds under cp (None: all)."""
-    layout = run.topo.layout
-    if layout.cp == 1:
-        return None
-    return held_positions(batch["input_ids"].shape[1], run.topo.cp_rank, layout.cp, run.config.cp_algo)
-
-
-def rank_sum_scale(run: Run) -> int:
-    """dp * cp where FSDP averages the gradients over the dp and cp ranks (a loss each rank
-    holds a share of is multiplied by it, so that the gradients add up), else 1."""
-    return run.topo.layout.dp * run.topo.layout.cp if run.sharded else 1
-
-
-def sequence_shard(run: Run, batch: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
-    """The model's keyword arguments for ``batch`` on this rank: under cp its part of the
-    tokens, targets and positions (``shard_sequence``), with the whole sequence's document ids."""
-    layout = run.topo.layout
-    targets = batch.get("sequence_targets", batch["targets"])
-    return shard_sequence(batch["input_ids"], targets, batch["position_ids"], batch["document_ids"],
-                          run.topo.cp_rank, layout.cp, run.config.cp_algo)
-
-
-def loss_scale(run: Run, total: float) -> float:
-    """What each summed micro-batch loss is multiplied by before backward: 1 / the global
-    batch's target tokens, the ranks' shares added up (``rank_sum_scale``)."""
-    return rank_sum_scale(run) / total
-
-
-def forward_backward(run: Run, batches: list[dict[str, torch.Tensor | None]], total: float) -> torch.Tensor:
-    """Gradients of the mean loss over the global batch's ``total`` target tokens; returns
-    this rank's summed loss. Under a preference objective: gradients of the step's objective
-    (``pair_objective``, normalised by ``run.pair_counts``); returns this rank's share of it."""
+def forward_backward(run: Run, batches: list[Batch]) -> torch.Tensor:
+    """Gradients of the step's objective over ``batches`` (this rank's micro-batches; the
+    objective normalises each one's share); returns this rank's share of the reported loss."""
     if run.pipeline is not None:
-        return pipeline_forward_backward(run, batches, total)
-    device = run.env.device
+        return pipeline_forward_backward(run, batches)
+    objective = run.objective
     model = run.parts[0]
-    loss_sum = torch.zeros((), device=device)
+    reduction = "none" if objective.token_losses else "sum"
+    loss_sum = torch.zeros((), device=run.env.device)
     for m, batch in enumerate(batches):
         if run.sharded:
             model.set_requires_gradient_sync(m == len(batches) - 1)
-        inputs = {k: (v.to(device) if v is not None else None) for k, v in sequence_shard(run, batch).items()}
-        if run.pair_counts is not None:
-            nll = model(**inputs, loss_reduction="none")
-            loss, stats = pair_objective(nll, pair_batch(batch, held(run, batch), run.reference, device),
-                                         run.config.method, run.config.preference, run.pair_counts, run.topo.cp_group)
-            run.pair_stats.append(stats)
-            objective = loss * rank_sum_scale(run)
-        else:
-            loss = model(**inputs, loss_reduction="sum")
-            objective = loss * loss_scale(run, total)
+        output = model(**model_inputs(run, batch), loss_reduction=reduction, **objective.model_kwargs())
+        loss, reported = objective.micro_loss(run, output, batch)
         aux = run.routing.after_forward() if run.routing is not None else None
         if aux is not None and run.aux_loss_coef:
             # The mean over the step's micro-batches of each one's loss (of which this rank holds a share).
-            objective = objective + run.aux_loss_coef * aux * rank_sum_scale(run) / len(batches)
-        objective.backward()
-        loss_sum += loss.detach()
+            loss = loss + run.aux_loss_coef * aux * rank_sum_scale(run) / len(batches)
+        loss.backward()
+        loss_sum += reported.detach()
     return loss_sum
 
 
-def pipeline_forward_backward(run: Run, batches: list[dict[str, torch.Tensor | None]], total: float) -> torch.Tensor:
-    """``forward_backward`` through the pipeline schedule: the micro-batches go in as one batch
-    the schedule splits again; every stage gets the labels, positions and document ids as
-    keyword arguments (the last stage's forward returns the summed loss). Returns the summed
-    loss on the last stage's ranks, zero elsewhere."""
-    loss = run.pipeline_loss
-    if run.pair_counts is not None:
-        loss.queue = [pair_batch(b, held(run, b), run.reference, run.env.device) for b in batches]
-        loss.counts, loss.stats, loss.scale = run.pair_counts, run.pair_stats, rank_sum_scale(run)
-    else:
-        loss.scale = loss_scale(run, total)
+def pipeline_forward_backward(run: Run, batches: list[Batch]) -> torch.Tensor:
+    """``forward_backward`` through the pipeline schedule (``pipeline_run``); the last stage's
+    loss function is the objective's. Returns the reported loss share on the last stage's
+    ranks, zero elsewhere."""
+    run.objective.begin_pipeline_step(run, batches)
     scaled = pipeline_run(run, batches, run.pipeline.step)
     if not scaled:
         return torch.zeros((), device=run.env.device)
     return torch.stack([loss.detach() for loss in scaled]).sum() / run.pipeline_loss.scale
-
-
-def pipeline_run(run: Run, batches: list[dict[str, torch.Tensor | None]], schedule_call) -> list[torch.Tensor]:
-    """``batches`` through the pipeline schedule's ``step`` or ``eval``: the micro-batches go
-    in as one batch the schedule splits again; every stage gets the labels, positions and
-    document ids as keyword arguments. Returns the loss function's values (last stage)."""
-    device = run.env.device
-    shards = [sequence_shard(run, batch) for batch in batches]
-    input_ids, targets, positions = (torch.cat([b[key] for b in shards]).to(device)
-                                     for key in ("input_ids", "labels", "position_ids"))
-    # A stage after the first sees hidden states (a sequence shard under tp): it takes the positions.
-    extra = {"position_ids": positions}
-    if any(b["document_ids"] is not None for b in shards):
-        extra["document_ids"] = torch.cat([b["document_ids"] if b["document_ids"] is not None
-                                           else torch.zeros_like(batch["input_ids"])
-                                           for b, batch in zip(shards, batches, strict=True)]).to(device)
-    losses: list[torch.Tensor] = []
-    reduction = "sum" if run.config.method == "next_token" else "none"
-    schedule_call(input_ids, target=targets, losses=losses, return_outputs=False, labels=targets,
-                  loss_reduction=reduction, **extra)
-    return losses
-
-
-def summed_pair_stats(run: Run) -> torch.Tensor:
-    """The step's ``pair_objective`` metric sums over its micro-batches and the pp and dp ranks."""
-    stats = torch.stack(run.pair_stats).sum(0) if run.pair_stats else torch.zeros(STATS, device=run.env.device)
-    for group in (run.topo.pp_group, run.topo.dp_group):
-        if group is not None:
-            dist.all_reduce(stats, group=group)
-    return stats
 
 
 def sync_tied_gradients(run: Run) -> None:
@@ -617,28 +330,18 @@ def total_grad_norm(run: Run) -> torch.Tensor:
 
 def train_step(run: Run, step: int) -> tuple[float, float, float]:
     """One optimizer step; returns its loss, gradient norm (before clipping) and learning rate."""
-    config = run.config
+    config, objective = run.config, run.objective
     lr = learning_rate(config, step)
     for optimizer in run.optimizers:
         for group in optimizer.param_groups:
             group["lr"] = lr
-    batches = micro_batches(run, step)
+    batches = objective.micro_batches(run, step)
     if run.routing is not None:
         run.routing.reset()
-    preference = config.method != "next_token"
-    if preference:
-        count = pair_counts(batches).to(run.env.device)
-    else:
-        count = torch.tensor(float(sum(int((b["targets"] != -100).sum()) for b in batches)), device=run.env.device)
-    if run.topo.dp_group is not None:
-        dist.all_reduce(count, group=run.topo.dp_group)
-    if preference:  # the objective comes normalised by the step's pairs (and chosen tokens)
-        run.pair_counts, run.pair_stats, total = PairCounts(*count.tolist()), [], 1.0
-    else:
-        total = max(count.item(), 1.0)
+    total = objective.begin_step(run, batches)
     # msprobe counts steps from 0: probe step s is training step s + 1.
     with run.dumper.step(step - 1) if run.dumper else nullcontext():
-        loss_sum = forward_backward(run, batches, total)
+        loss_sum = forward_backward(run, batches)
     if run.moe_replicated:  # under tp each rank routed its own tokens: add up what they gave
         sum_gradients(run.moe_replicated, [run.topo.tp_group])
     if run.experts:  # they hold this ep group's tokens, and FSDP does not average them over dp
@@ -646,13 +349,10 @@ def train_step(run: Run, step: int) -> tuple[float, float, float]:
                       1 / rank_sum_scale(run))
     sync_tied_gradients(run)
     norm = total_grad_norm(run)
-    # The loss lives on the last stage; each dp rank has its share, and so has each cp rank of
-    # a summed loss (a preference objective is whole on every cp rank).
-    for group in (run.topo.pp_group, run.topo.dp_group, None if preference else run.topo.cp_group):
-        if group is not None:
-            dist.all_reduce(loss_sum, group=group)
-    if preference:
-        run.pair_metrics = step_metrics(summed_pair_stats(run), run.pair_counts.pairs)
+    # The loss lives on the last stage; each dp rank has its share, and so may each cp rank.
+    all_reduce_over(loss_sum, run.topo.pp_group, run.topo.dp_group,
+                    run.topo.cp_group if objective.loss_over_cp else None)
+    run.metrics = objective.end_step(run)
     loss_value, norm_value = finite_step(step, loss_sum / total, norm, run.parts, Path(config.out), run.parameter_order)
     if config.optim.clip_grad:
         for params in same_mesh_sets(run.trainable):
@@ -694,14 +394,15 @@ def train(config: TrainConfig) -> dict[str, float]:
                 metrics["mfu"] = flops_token * tokens / seconds / (peak * env.world_size)
             if run.routing is not None:
                 metrics |= run.routing.metrics()
-            metrics |= run.pair_metrics
+            metrics |= run.metrics
             if env.is_main:
-                _report(step, config.steps, metrics, run_id)
+                _report(step, config.steps, metrics, run.objective.step_line(metrics), run_id)
                 timer.lap()  # logging time is not step time (the first MLflow call imports mlflow)
         if step == config.steps or (config.save_interval and step % config.save_interval == 0):
             _save(run, step)
             timer.lap()  # checkpoint time is not step time
 
+    run.objective.close()
     runtime.destroy_distributed()
     return metrics
 
@@ -742,13 +443,10 @@ def _save(run: Run, step: int) -> None:
         print(f"saved checkpoint {path}", flush=True)
 
 
-def _report(step: int, steps: int, metrics: dict[str, float], run_id: str | None) -> None:
+def _report(step: int, steps: int, metrics: dict[str, float], objective_line: str, run_id: str | None) -> None:
     mfu = f"{metrics['mfu']:.1%}" if "mfu" in metrics else "n/a"
     extra = (f" | moe_aux_loss {metrics['moe_aux_loss']:.6f} | max_expert_load {metrics['moe_max_expert_load']:.2f}"
-               if "moe_aux_loss" in metrics else "")
-    if "rewards/accuracies" in metrics:
-        extra += (f" | reward_accuracy {metrics['rewards/accuracies']:.3f} | "
-                    f"reward_margin {metrics['rewards/margins']:.4f}")
+               if "moe_aux_loss" in metrics else "") + objective_line
     print(
         f"step {step}/{steps} | loss {metrics['loss']:.6f} | lr {metrics['lr']:.3e} | grad_norm {metrics['grad_norm']:.4f} | "
         f"{metrics['tokens_per_s']:.0f} tokens/s | {metrics['samples_per_s']:.2f} samples/s | mfu {mfu} | "

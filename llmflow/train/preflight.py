@@ -58,7 +58,7 @@ INPUTS_NAME = "train_inputs.json"
 """Fingerprints of the run's model and data content, in its run directory: a model or
 dataset rewritten in place is another input, though its path is the same."""
 
-WEIGHT_SETTINGS = ("model", "data", "method", "preference", "optim", "lora", "seed", "seq_length", "dtype",
+WEIGHT_SETTINGS = ("model", "data", "method", "preference", "rl", "optim", "lora", "seed", "seq_length", "dtype",
                    "global_batch_size", "router_aux_loss_coef")
 """Settings the trained weights depend on: a run directory holding checkpoints resumes
 only with the same values. Every other setting (pp, tp, dp, nproc, micro_batch_size, the

@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("usage: torchrun ... -m llmflow.train.reference_worker CONFIG.json")
     run = setup(TrainConfig.model_validate_json(Path(args[0]).read_text(encoding="utf-8")))
     if run.env.is_main:
-        print(f"reference log-probs of {run.reference.shape[0]} rows in {reference_dir(run.config)}", flush=True)
+        print(f"reference log-probs of {run.objective.reference.shape[0]} rows in {reference_dir(run.config)}", flush=True)
     runtime.destroy_distributed()
 
 

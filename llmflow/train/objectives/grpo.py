@@ -1,0 +1,448 @@
+"""GRPO and its kin (DAPO, Dr. GRPO, GSPO, BNPO): online reinforcement learning on verifiable
+rewards, inside the training job (``llmflow.train.grpo`` holds the rollouts, rewards,
+prompts and the loss's math).
+
+A generation batch is ``global_batch_size x steps_per_generation`` completions: prompts
+``[g P, (g + 1) P)`` of the seeded prompt order (P = that / ``num_generations``), each sampled
+``num_generations`` times in a row, completion c's group the ``num_generations`` around it.
+It serves ``steps_per_generation x num_iterations`` optimizer steps: step part p takes
+completions ``[p G, (p + 1) G)`` (G the global batch), split over micro-batches and
+data-parallel ranks as samples are, and each rank samples the completions it trains on
+(``llmflow.train.grpo.rollout``). Rewards are gathered over the ranks for the group
+advantages; then each rank scores its completions with the trainer's forward (the "old"
+log-probs, the entropy, and under ``beta > 0`` the reference's) and keeps that buffer in
+``{out}/rollouts/`` with the generation's record, so that a run resumed inside a generation
+trains on what the uninterrupted run trained on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from llmflow.data.tokenizer import eos_token_ids, load_tokenizer
+from llmflow.models.blocks.rotary import positions_from_documents
+from llmflow.models.config import text_config
+from llmflow.models.lora import adapters_off
+from llmflow.train.config import TrainConfig
+from llmflow.train.data import ShuffledEpochs
+from llmflow.train.grpo.loss import (
+    CLIP_SUMS,
+    StepCounts,
+    aggregate,
+    clip_statistics,
+    group_advantages,
+    nanstd,
+    token_terms,
+)
+from llmflow.train.grpo.prompts import PromptRow, read_prompt_rows, render_prompts
+from llmflow.train.grpo.rewards import RewardScorer
+from llmflow.train.grpo.rollout import SamplerSettings, sample
+from llmflow.train.objectives.base import Objective
+from llmflow.train.run import Batch, Run, all_reduce_over, frozen_model, model_inputs, rank_sum_scale
+from llmflow.weights import latest_step_dir, tokenizer_dir
+
+LAYOUTS = "dp and ep (with LoRA or full weights)"
+"""The layouts GRPO's rollouts run in."""
+OVERLONG = "soft_overlong_punishment"
+ROLLOUTS = "rollouts"
+
+
+class PromptSet:
+    """A GRPO run's prompts, rendered with the run's chat template, visited in a seeded order
+    that is redrawn every epoch."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        path = Path(config.data.paths[0])
+        self.rows = read_prompt_rows(path)
+        tokenizer = tokenizer_dir(config.model)
+        if tokenizer is None:
+            raise FileNotFoundError(f"model {config.model}: no tokenizer (tokenizer.json) beside it")
+        render_prompts(self.rows, tokenizer, config.rl.template)
+        self.num_samples = len(self.rows)
+        self.seq_length = max(len(row.prompt_ids) for row in self.rows) + config.rl.max_completion_length
+        """The longest prompt and completion together."""
+        self._order = ShuffledEpochs(self.num_samples, config.seed)
+
+    def __getitem__(self, g: int) -> PromptRow:
+        return self.rows[self._order.item(g)]
+
+
+@dataclass
+class Generation:
+    """This rank's share of one generation batch, ready to train on."""
+
+    index: int
+    batches: list[list[Batch]]
+    """[step part][micro-batch]: completion batches with their advantages and log-probs."""
+    tokens_per_step: float
+    """The generation batch's counted completion tokens over its steps (dapo's normaliser)."""
+    metrics: dict[str, float]
+    """The generation's rewards, lengths, entropy and sampler drift (TRL's names)."""
+
+
+def completion_seed(seed: int, generation: int, completion: int) -> int:
+    """The sampling seed of completion ``completion`` of generation ``generation``."""
+    return int(np.random.SeedSequence([seed, generation, completion]).generate_state(1)[0])
+
+
+def completion_batch(prompts: list[list[int]], completions: list[list[int]]) -> Batch:
+    """Prompt-and-completion rows, right-padded (the padding a document of its own), whose
+    targets are the completion tokens."""
+    sequences = [p + c for p, c in zip(prompts, completions, strict=True)]
+    width = max(len(s) for s in sequences)
+    input_ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    targets = torch.full_like(input_ids, -100)
+    documents = torch.ones_like(input_ids)
+    for i, (prompt, sequence) in enumerate(zip(prompts, sequences, strict=True)):
+        ids = torch.tensor(sequence)
+        input_ids[i, :len(sequence)] = ids
+        documents[i, :len(sequence)] = 0
+        targets[i, len(prompt) - 1:len(sequence) - 1] = ids[len(prompt):]
+    return {"input_ids": input_ids, "targets": targets, "document_ids": documents,
+            "position_ids": positions_from_documents(documents)}
+
+
+def scatter_tokens(values: list[list[float]], targets: torch.Tensor) -> torch.Tensor:
+    """Per-completion token values placed at their target positions of ``targets`` [B, W] (0 elsewhere)."""
+    out = torch.zeros(targets.shape, dtype=torch.float32)
+    for i, row in enumerate(values):
+        out[i, (targets[i] != -100).nonzero().squeeze(1)] = torch.tensor(row, dtype=torch.float32)
+    return out
+
+
+class Grpo(Objective):
+    """``method: grpo`` with ``config.rl``'s settings (TRL's GRPOTrainer)."""
+
+    token_losses = True
+    loss_over_cp = False
+
+    def __init__(self) -> None:
+        self.generation: Generation | None = None
+        self.scorer: RewardScorer | None = None
+        self.reference: Any = None
+        """beta > 0 with full weights: the frozen initial model, sharded as the policy."""
+        self.counts: StepCounts | None = None
+        self.stats: list[torch.Tensor] = []
+        self.extremes: list[torch.Tensor] = []
+        self.started = 0.0
+
+    def samples(self, config: TrainConfig) -> PromptSet:
+        return PromptSet(config)
+
+    def problems(self, config: TrainConfig, layout: Any) -> list[str]:
+        unsupported = [f"{name}={size}" for name, size in (("tp", layout.tp), ("pp", layout.pp), ("cp", layout.cp))
+                       if size > 1]
+        if unsupported:
+            return [f"method grpo: {', '.join(unsupported)} is not supported; GRPO's rollouts run at {LAYOUTS}"]
+        return []
+
+    def model_kwargs(self) -> dict[str, Any]:
+        return {"temperature": self._rl.temperature}
+
+    def prepare(self, run: Run) -> None:
+        self._rl = run.config.rl
+        self.scorer = RewardScorer(self._rl.rewards, self._rl.reward_timeout_s, self._rl.reward_workers)
+        self.scorer.start()
+        tok_dir = tokenizer_dir(run.config.model)
+        self.tokenizer = load_tokenizer(tok_dir)
+        self.sampler = SamplerSettings(
+            max_new_tokens=self._rl.max_completion_length, temperature=self._rl.temperature, top_p=self._rl.top_p,
+            top_k=self._rl.top_k, eos_token_ids=tuple(eos_token_ids(tok_dir, run.meta.hf_config)),
+            vocab_size=int(text_config(run.meta.hf_config)["vocab_size"]))
+        if self._rl.beta and run.config.lora is None:
+            self.reference = frozen_model(run)
+
+    def close(self) -> None:
+        if self.scorer is not None:
+            self.scorer.close()
+
+    # --- the step ---------------------------------------------------------------------------------
+
+    def micro_batches(self, run: Run, step: int) -> list[Batch]:
+        rl = self._rl
+        per_generation = rl.steps_per_generation * rl.num_iterations
+        index = (step - 1) // per_generation
+        if self.generation is None or self.generation.index != index:
+            starts = (step - 1) % per_generation == 0
+            self.generation = (None if starts else load_generation(run, index)) or self.roll_out(run, index)
+        return self.generation.batches[(step - 1) % rl.steps_per_generation]
+
+    def begin_step(self, run: Run, batches: list[Batch]) -> float:
+        layout = run.topo.layout
+        self.counts = StepCounts(float(run.config.global_batch_size), self.generation.tokens_per_step,
+                                 float(run.accumulation * layout.dp))
+        self.stats, self.extremes, self.started = [], [], time.perf_counter()
+        return 1.0
+
+    def micro_loss(self, run: Run, output: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        device = run.env.device
+        mask, advantages = batch["mask"].to(device), batch["advantages"].to(device)
+        reference = batch["ref_logps"].to(device) if batch.get("ref_logps") is not None else None
+        terms = token_terms(-output, batch["old_logps"].to(device), reference, advantages, mask, self._rl)
+        loss = aggregate(terms.losses, mask, self._rl, self.counts)
+        with torch.no_grad():
+            sums, count, lowest, highest = clip_statistics(terms.ratio, advantages, mask, self._rl)
+            kl = (terms.kl * mask).sum() if terms.kl is not None else torch.zeros((), device=device)
+            self.stats.append(torch.cat([sums, count.reshape(1), kl.reshape(1), mask.sum().reshape(1)]))
+            self.extremes.append(torch.stack([-lowest, highest]))
+        return loss * rank_sum_scale(run), loss
+
+    def end_step(self, run: Run) -> dict[str, float]:
+        sums = all_reduce_over(torch.stack(self.stats).sum(0), run.topo.dp_group)
+        extremes = torch.stack(self.extremes).amax(0)
+        if run.topo.dp_group is not None:
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=run.topo.dp_group)
+        low, high, region, count, kl, tokens = sums.tolist()
+        metrics = dict(zip(CLIP_SUMS, (x / max(count, 1.0) for x in (low, high, region)), strict=True))
+        metrics["clip_ratio/low_min"] = -float(extremes[0]) if torch.isfinite(extremes[0]) else 0.0
+        metrics["clip_ratio/high_max"] = float(extremes[1]) if torch.isfinite(extremes[1]) else 0.0
+        if self._rl.beta:
+            metrics["kl"] = kl / max(tokens, 1.0)
+        metrics["time/update_s"] = time.perf_counter() - self.started
+        return metrics | self.generation.metrics
+
+    def step_line(self, metrics: dict[str, float]) -> str:
+        return (f" | reward {metrics['reward']:.4f} | reward_std {metrics['reward_std']:.4f} | "
+                f"completion_len {metrics['completions/mean_length']:.1f} | "
+                f"clip_region {metrics['clip_ratio/region_mean']:.4f}")
+
+    # --- rollouts ---------------------------------------------------------------------------------
+
+    def local_completions(self, run: Run) -> list[list[list[int]]]:
+        """The generation-batch indices of this rank's completions, [step part][micro-batch]."""
+        config, layout = run.config, run.topo.layout
+        mb = config.micro_batch_size
+        return [[[p * config.global_batch_size + m * mb * layout.dp + run.topo.dp_rank * mb + j for j in range(mb)]
+                 for m in range(run.accumulation)] for p in range(self._rl.steps_per_generation)]
+
+    def roll_out(self, run: Run, index: int) -> Generation:
+        """Sample, score and prepare generation ``index`` (every rank together)."""
+        started = time.perf_counter()
+        rl, config = self._rl, run.config
+        prompts_per_generation = config.global_batch_size * rl.steps_per_generation // rl.num_generations
+        first_prompt = index * prompts_per_generation
+        layout = self.local_completions(run)
+        order = [c for part in layout for micro in part for c in micro]
+        rows = {c: run.samples[first_prompt + c // rl.num_generations] for c in order}
+        sampled = self.sample_rows(run, index, order, rows)
+        local = self.score(order, rows, sampled)
+        everything = gather_records(local, run.topo.dp_group)
+        rewards = torch.tensor(np.stack([r["rewards"] for r in everything]), dtype=torch.float32)
+        weights = torch.tensor([*self.scorer.weights, *([1.0] if rl.soft_punish_cache else [])])
+        total = (rewards * weights).nansum(dim=1)
+        total[torch.isnan(rewards).all(dim=1)] = float("nan")
+        advantages, zero_std = group_advantages(total, rl.num_generations, rl.scale_rewards)
+        batches, drift, entropy = self.prepare_batches(run, layout, sampled, rows, advantages)
+        counted = sum(r["counted_tokens"] for r in everything)
+        metrics = self.rollout_metrics(everything, rewards, total, zero_std, drift, entropy, run)
+        metrics["time/rollout_s"] = time.perf_counter() - started
+        generation = Generation(index, batches, counted / rl.steps_per_generation, metrics)
+        records = [{**r, "reward": float(total[r["completion"]]), "advantage": float(advantages[r["completion"]])}
+                   for r in everything]
+        save_generation(run, generation, records, self.reward_names())
+        return generation
+
+    def reward_names(self) -> list[str]:
+        return [*self.scorer.functions, *([OVERLONG] if self._rl.soft_punish_cache else [])]
+
+    def sample_rows(self, run: Run, index: int, order: list[int], rows: dict[int, PromptRow]) -> dict[int, Any]:
+        """Each of this rank's completions sampled: {completion: (tokens, sampler log-probs, truncated)}."""
+        model = run.parts[0]
+        chunk = self._rl.rollout_batch_size or len(order)
+        out: dict[int, Any] = {}
+        model.eval()
+        try:
+            for start in range(0, len(order), chunk):
+                part = order[start:start + chunk]
+                done = sample(model, [rows[c].prompt_ids for c in part],
+                              [completion_seed(run.config.seed, index, c) for c in part], self.sampler)
+                for c, tokens, logps, cut in zip(part, done.tokens, done.logps, done.truncated, strict=True):
+                    out[c] = (tokens, logps, cut)
+        finally:
+            model.train()
+        return out
+
+    def score(self, order: list[int], rows: dict[int, PromptRow], sampled: dict[int, Any]) -> list[dict[str, Any]]:
+        """This rank's completions' records with every reward (NaN where not applicable)."""
+        texts = [self.tokenizer.decode(sampled[c][0], skip_special_tokens=True) for c in order]
+        columns = [{k: v for k, v in rows[c].columns.items() if k != "prompt"} for c in order]
+        matrix = self.scorer.score([rows[c].prompt for c in order], texts, [sampled[c][0] for c in order], columns,
+                                   [rows[c].where for c in order])
+        if self._rl.soft_punish_cache:
+            matrix = np.concatenate([matrix, [[self.overlong(len(sampled[c][0]))] for c in order]], axis=1)
+        masked = self._rl.mask_truncated_completions
+        return [{"completion": c, "where": rows[c].where, "prompt": self.tokenizer.decode(rows[c].prompt_ids),
+                 "completion_ids": sampled[c][0], "text": text, "rewards": matrix[i].tolist(),
+                 "truncated": sampled[c][2], "length": len(sampled[c][0]),
+                 "counted_tokens": 0 if masked and sampled[c][2] else len(sampled[c][0])}
+                for i, (c, text) in enumerate(zip(order, texts, strict=True))]
+
+    def overlong(self, length: int) -> float:
+        """DAPO's soft overlong punishment of a completion of ``length`` tokens (TRL's)."""
+        limit, cache = self._rl.max_completion_length, self._rl.soft_punish_cache
+        if length <= limit - cache:
+            return 0.0
+        return (limit - cache - length) / cache if length <= limit else -1.0
+
+    @torch.no_grad()
+    def prepare_batches(self, run: Run, layout: list[list[list[int]]], sampled: dict[int, Any],
+                        rows: dict[int, PromptRow], advantages: torch.Tensor
+                        ) -> tuple[list[list[Batch]], torch.Tensor, torch.Tensor]:
+        """The micro-batches of every step part with the old (and reference) log-probs from the
+        trainer's forward; the largest and summed sampler-vs-trainer log-prob difference and
+        the summed entropy [sum, tokens] of the counted tokens."""
+        model = run.parts[0]
+        drift = torch.zeros(3, dtype=torch.float64)  # max, sum, tokens
+        entropy = torch.zeros(2, dtype=torch.float64)
+        batches = []
+        for part in layout:
+            part_batches = []
+            for micro in part:
+                batch = completion_batch([rows[c].prompt_ids for c in micro], [sampled[c][0] for c in micro])
+                inputs = model_inputs(run, batch)
+                nll, token_entropy = model(**inputs, loss_reduction="none", return_entropy=True,
+                                           **self.model_kwargs())
+                old = -nll.float().cpu()
+                targets = batch["targets"]
+                counted = torch.tensor([0.0 if self._rl.mask_truncated_completions and sampled[c][2] else 1.0
+                                        for c in micro]).unsqueeze(1)
+                mask = (targets != -100).float() * counted
+                sampler = scatter_tokens([sampled[c][1] for c in micro], targets)
+                difference = (old - sampler).abs() * (targets != -100)
+                drift[0] = max(drift[0], difference.max().double())
+                drift[1] += difference.sum().double()
+                drift[2] += (targets != -100).sum()
+                entropy += torch.tensor([(token_entropy.float().cpu() * mask).sum(), mask.sum()], dtype=torch.float64)
+                batch |= {"old_logps": old, "mask": mask, "advantages": advantages[micro].clone()}
+                if self._rl.beta:
+                    batch["ref_logps"] = self.reference_logps(run, inputs)
+                part_batches.append(batch)
+            batches.append(part_batches)
+        return batches, drift, entropy
+
+    def reference_logps(self, run: Run, inputs: Batch) -> torch.Tensor:
+        """The reference model's log-probs of a micro-batch: the base under LoRA, else the frozen copy."""
+        if self.reference is not None:
+            return -self.reference(**inputs, loss_reduction="none", **self.model_kwargs()).float().cpu()
+        model = run.parts[0]
+        with adapters_off(model):
+            return -model(**inputs, loss_reduction="none", **self.model_kwargs()).float().cpu()
+
+    def rollout_metrics(self, records: list[dict[str, Any]], rewards: torch.Tensor, total: torch.Tensor,
+                        zero_std: torch.Tensor, drift: torch.Tensor, entropy: torch.Tensor, run: Run) -> dict[str, float]:
+        """TRL's generation metrics of the whole generation batch."""
+        drift = all_reduce_over(drift[1:].clone(), run.topo.dp_group).tolist() + [drift[0].item()]
+        largest = torch.tensor(drift[2])
+        if run.topo.dp_group is not None:
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=run.topo.dp_group)
+        entropy = all_reduce_over(entropy.clone(), run.topo.dp_group).tolist()
+        lengths = torch.tensor([float(r["length"]) for r in records])
+        truncated = torch.tensor([r["truncated"] for r in records])
+        ended = lengths[~truncated] if (~truncated).any() else torch.zeros(1)
+        metrics = {
+            "reward": torch.nanmean(total).item(), "reward_std": nanstd(total).item(),
+            "frac_reward_zero_std": zero_std.float().mean().item(),
+            "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(), "completions/clipped_ratio": truncated.float().mean().item(),
+            "completions/mean_terminated_length": ended.mean().item(),
+            "completions/min_terminated_length": ended.min().item(),
+            "completions/max_terminated_length": ended.max().item(),
+            "entropy": entropy[0] / max(entropy[1], 1.0),
+            "sampling/sampling_logp_difference/mean": drift[0] / max(drift[1], 1.0),
+            "sampling/sampling_logp_difference/max": float(largest),
+        }
+        for i, name in enumerate(self.reward_names()):
+            metrics[f"rewards/{name}/mean"] = torch.nanmean(rewards[:, i]).item()
+            metrics[f"rewards/{name}/std"] = nanstd(rewards[:, i]).item()
+        return metrics
+
+
+def gather_records(records: list[dict[str, Any]], group: Any) -> list[dict[str, Any]]:
+    """Every rank's completion records, in completion order, on every rank."""
+    if group is not None:
+        parts: list[list[dict[str, Any]]] = [[] for _ in range(dist.get_world_size(group))]
+        dist.all_gather_object(parts, records, group=group)
+        records = [r for part in parts for r in part]
+    return sorted(records, key=lambda r: r["completion"])
+
+
+# --- the run directory's record of every generation ----------------------------------------------
+
+
+def rollouts_dir(run: Run) -> Path:
+    return Path(run.config.out) / ROLLOUTS
+
+
+def buffer_path(run: Run, index: int) -> Path:
+    return rollouts_dir(run) / f"generation_{index:06d}.rank{run.env.rank:05d}.pt"
+
+
+def save_generation(run: Run, generation: Generation, records: list[dict[str, Any]], names: list[str]) -> None:
+    """This rank's buffer of ``generation`` (what a resumed run trains on), rank 0's record of
+    every completion (``generation_{index}.jsonl``) and a few in MLflow; buffers no resume
+    can need again (their steps are all before the latest checkpoint's) go."""
+    directory = rollouts_dir(run)
+    directory.mkdir(parents=True, exist_ok=True)
+    rl = run.config.rl
+    path = buffer_path(run, generation.index)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"batches": generation.batches, "tokens_per_step": generation.tokens_per_step,
+                "metrics": generation.metrics}, tmp)
+    os.replace(tmp, path)
+    per_generation = rl.steps_per_generation * rl.num_iterations
+    latest = latest_step_dir(Path(run.config.out))
+    done = int(latest.name.rsplit("_", 1)[1]) if latest is not None else 0
+    for old in directory.glob(f"generation_*.rank{run.env.rank:05d}.pt"):
+        index = int(old.name.split("_")[1].split(".")[0])
+        if (index + 1) * per_generation <= done:
+            old.unlink()
+    if not run.env.is_main:
+        return
+    first = generation.index * per_generation + 1
+    lines = []
+    for r in records:
+        line = {"generation": generation.index, "steps": [first, first + per_generation - 1], **r,
+                "rewards": dict(zip(names, r["rewards"], strict=True))}
+        line.pop("counted_tokens")
+        lines.append(json.dumps(line, ensure_ascii=False, allow_nan=True))
+    jsonl = directory / f"generation_{generation.index:06d}.jsonl"
+    tmp = jsonl.with_name(jsonl.name + ".tmp")
+    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    os.replace(tmp, jsonl)
+    log_completions(run, generation.index, records[:rl.logged_completions], names)
+
+
+def load_generation(run: Run, index: int) -> Generation | None:
+    """The buffer of ``generation`` this rank saved (None when there is none: the run resumed
+    in another layout, and the generation is sampled again)."""
+    path = buffer_path(run, index)
+    if not path.is_file():
+        if run.env.is_main:
+            print(f"rollouts: no buffer of generation {index} for this layout; sampling it again", flush=True)
+        return None
+    saved = torch.load(path, weights_only=False)
+    return Generation(index, saved["batches"], saved["tokens_per_step"], saved["metrics"])
+
+
+def log_completions(run: Run, index: int, records: list[dict[str, Any]], names: list[str]) -> None:
+    """A few of the generation's completions as an MLflow table (prompt, completion, rewards, advantage)."""
+    run_id = run.config.mlflow_run_id or os.environ.get("LLMFLOW_MLFLOW_RUN_ID")
+    if not run_id or not records:
+        return
+    from mlflow import MlflowClient
+
+    table = {"generation": [index] * len(records), "prompt": [r["prompt"] for r in records],
+             "completion": [r["text"] for r in records], "advantage": [r["advantage"] for r in records],
+             "truncated": [r["truncated"] for r in records],
+             **{f"reward/{name}": [r["rewards"][i] for r in records] for i, name in enumerate(names)}}
+    MlflowClient().log_table(run_id, table, f"completions/generation_{index:06d}.json")
+
