@@ -674,8 +674,8 @@ def _stage_plan(model: ModelConfig, shape: TrainShape, pp_rank: int) -> tuple[li
         # the output projection's gradients.
         rows = min(max(1, CHUNK_LOGIT_ELEMENTS // model.vocab_size), tokens)
         loss = rows * model.vocab_size * (d + 12) + d * tokens * h + d * vh * (lora is None)
-        terms.append(Term("loss: per-token cross-entropy of the preference objective, one chunk of logits "
-                          "recomputed in backward", int(loss), FORWARD))
+        terms.append(Term("loss: per-token cross-entropy of a sequence objective (dpo, simpo, orpo, grpo), one "
+                          "chunk of logits recomputed in backward", int(loss), FORWARD))
     elif last:
         head_trains = lora is None
         held_losses = shape.accumulation if shape.pp > 1 and shape.pp_schedule == "GPipe" else 1

@@ -39,6 +39,7 @@ from llmflow.models import ModelConfig
 from llmflow.models.context_parallel import context_parallel_problems, sequence_split_problems
 from llmflow.train.config import TrainConfig
 from llmflow.train.data import pretrain_prefix
+from llmflow.train.grpo.checks import longest_sequence, rl_problems
 from llmflow.train.memory import (
     DEVICE_MEMORY_ENV,
     MemoryPlan,
@@ -48,6 +49,7 @@ from llmflow.train.memory import (
     train_plan,
     train_shape,
 )
+from llmflow.train.objectives import objective_for
 from llmflow.train.routing import aux_loss_coefficient
 from llmflow.weights import hf_config_of, is_checkpoint, latest_step_dir, read_meta, resolve_step_dir
 
@@ -191,7 +193,10 @@ def _data_manifest(path: str, kind: str) -> tuple[dict[str, Any] | None, str | N
 
 def data_problems(config: TrainConfig, model: ModelConfig | None) -> list[str]:
     """Why the data cannot train the model: missing datasets, a vocabulary larger than the
-    model's (from the tokenize manifest), too few tokens for one sample."""
+    model's (from the tokenize manifest), too few tokens for one sample; for prompts (grpo)
+    the file's rows, prompts too long for a completion, rewards that do not import."""
+    if config.data.kind == "prompts":
+        return rl_problems(config, model)
     problems = []
     if config.data.kind == "pretrain" and config.seq_length is None:
         problems.append("seq_length is required for pretraining")
@@ -375,6 +380,8 @@ def settings_problems(config: TrainConfig, world: int, model: ModelConfig | None
         problems += sequence_split_problems(seq_length, config.cp, config.cp_algo)
     problems += batch_problems(config.global_batch_size, config.micro_batch_size, dp)
     problems += moe_problems(config, model)
+    problems += objective_for(config.method).problems(config, ParallelLayout.of_world(
+        world, config.pp, config.tp, config.dp, cp=config.cp)) if not problems else []
     return problems + pipeline_problems(config, dp, model.num_hidden_layers if model is not None else None)
 
 
@@ -392,9 +399,12 @@ def moe_problems(config: TrainConfig, model: ModelConfig | None) -> list[str]:
 
 def training_seq_length(config: TrainConfig) -> int | None:
     """Tokens per sample: ``seq_length`` for pretraining, the tokenized dataset's (its
-    tokenize manifest) for sft and preference data; None when unknown."""
+    tokenize manifest) for sft and preference data, the longest prompt and completion for
+    prompts; None when unknown."""
     if config.data.kind == "pretrain":
         return config.seq_length
+    if config.data.kind == "prompts":
+        return longest_sequence(config)
     manifest, _ = _data_manifest(config.data.paths[0], config.data.kind)
     return (manifest or {}).get("seq_length") or config.seq_length
 

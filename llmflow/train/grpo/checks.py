@@ -1,0 +1,53 @@
+"""What ``llmflow train`` checks of a ``method: grpo`` config before launch, one line per
+problem: the prompt file's rows, prompts that leave no room for a completion in the model's
+context, reward functions that do not import."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmflow.data.readers import InputError
+from llmflow.data.templates import TemplateError
+from llmflow.data.tokenizer import TokenizeError
+from llmflow.models import ModelConfig
+from llmflow.train.config import TrainConfig
+from llmflow.train.grpo.prompts import prompt_problems, read_prompt_rows, render_prompts
+from llmflow.train.grpo.rewards import reward_problems
+from llmflow.weights import tokenizer_dir
+
+
+def rl_problems(config: TrainConfig, model: ModelConfig | None) -> list[str]:
+    """Why ``config``'s prompts and rewards cannot train ``model`` (empty when they can)."""
+    rl, path = config.rl, Path(config.data.paths[0])
+    problems = reward_problems(rl.rewards)
+    if not path.is_file():
+        return [f"data {path}: no such prompts file", *problems]
+    tokenizer = tokenizer_dir(config.model)
+    if tokenizer is None:
+        return [f"model {config.model}: no tokenizer (tokenizer.json) beside it to render the prompts", *problems]
+    room = None
+    if model is not None:
+        room = model.max_position_embeddings - rl.max_completion_length
+        if room < 1:
+            full = (f"rl.max_completion_length={rl.max_completion_length} leaves no room for a prompt in the "
+                    f"model's context of {model.max_position_embeddings} positions")
+            return [full, *problems]
+    found = prompt_problems(path, tokenizer, rl.template, room)
+    if room is not None:  # the limit's reason, said once
+        found = [f"{line} (the model's {model.max_position_embeddings} positions less rl.max_completion_length "
+                 f"{rl.max_completion_length})" if "over max_prompt_tokens" in line else line for line in found]
+    return found + problems
+
+
+def longest_sequence(config: TrainConfig) -> int | None:
+    """The longest prompt of ``config``'s prompts plus ``rl.max_completion_length``: the
+    memory plan's sequence length (None when the prompts cannot be read)."""
+    tokenizer = tokenizer_dir(config.model)
+    if tokenizer is None:
+        return None
+    try:
+        rows = read_prompt_rows(config.data.paths[0])
+        prompts = render_prompts(rows, tokenizer, config.rl.template)
+    except (InputError, TemplateError, TokenizeError, OSError):
+        return None
+    return max(len(p) for p in prompts) + config.rl.max_completion_length
