@@ -82,11 +82,12 @@ another machine than this one (a config's ``device_memory_gb`` takes precedence)
 CHUNK_LOGIT_ELEMENTS = 2**26
 """Elements of one chunk of logits in the fused cross-entropy (kernels/cross_entropy.py)."""
 
-LOAD, ALWAYS, FORWARD, BACKWARD, UPDATE = "load", "always", "compute", "backward end", "optimizer step"
+LOAD, ALWAYS, FORWARD, BACKWARD, UPDATE, ROLLOUT = (
+    "load", "always", "compute", "backward end", "optimizer step", "rollout")
 """When a term is held: while loading, always, while the model computes (training: from the
 forward pass until backward frees it; generation: the prompt's pass), at the end of the
-backward pass (the embedding's gradient), at the optimizer step."""
-MOMENTS = (LOAD, FORWARD, BACKWARD, UPDATE)
+backward pass (the embedding's gradient), at the optimizer step, while GRPO samples."""
+MOMENTS = (LOAD, FORWARD, BACKWARD, UPDATE, ROLLOUT)
 
 
 @dataclass(frozen=True)
@@ -491,6 +492,21 @@ def _moe_bytes(model: ModelConfig, d: int, lora: LoraConfig | None, trains: Call
 
 
 @dataclass(frozen=True)
+class RolloutShape:
+    """What a GRPO run's rollouts hold on one rank (``seq_length`` is the longest prompt plus
+    max_completion_length)."""
+
+    rows: int
+    """Completions sampled at once (the KV cache's rows)."""
+    buffered: int
+    """Completions of the generation batch this rank keeps (ids, old and reference log-probs)."""
+    reference: bool
+    """Whether a frozen reference model is held (beta > 0 with full weights)."""
+    kl: bool
+    """Whether reference log-probs are kept (beta > 0)."""
+
+
+@dataclass(frozen=True)
 class TrainShape:
     """The settings of a training run the plan depends on (TrainConfig's, resolved)."""
 
@@ -526,8 +542,10 @@ class TrainShape:
     cp_algo: str = "ulysses"
     """How attention reaches the other cp ranks' positions: "ulysses" or "ring" (TrainConfig's)."""
     per_token_loss: bool = False
-    """Whether the objective takes every token's cross-entropy (dpo, simpo, orpo), computed a
+    """Whether the objective takes every token's cross-entropy (dpo, simpo, orpo, grpo), computed a
     chunk of rows at a time and recomputed in backward, instead of the fused summed loss."""
+    rollout: RolloutShape | None = None
+    """GRPO: what its rollouts and generation buffer hold."""
 
     @property
     def sharded(self) -> bool:
@@ -686,9 +704,36 @@ def _stage_plan(model: ModelConfig, shape: TrainShape, pp_rank: int) -> tuple[li
         terms.append(Term(f"loss: fused cross-entropy buffers x {held_losses} micro-batch(es)", int(loss), FORWARD))
     if first and lora is None:
         terms += _backward_end(model, shape, sum(unit), sum(local), root, last)
+    if shape.rollout is not None:
+        terms += _rollout_terms(model, shape, indices, weights, over)
     where = f"pipeline rank {pp_rank} of {shape.pp}: " if shape.pp > 1 else ""
     desc = f"{where}{layers} layers{', embedding' if first else ''}{', output projection' if last else ''}"
     return terms, desc
+
+
+def _rollout_terms(model: ModelConfig, shape: TrainShape, indices: list[int], weights: int, over: str) -> list[Term]:
+    """What GRPO adds: the rollout's KV cache and logits (while it samples, the weights
+    gathered layer by layer as in a forward pass), the generation buffer of this rank's
+    completions (ids, targets, masks, old and reference log-probs) and, with beta > 0 and
+    full weights, the frozen reference model sharded as the policy."""
+    r, d, length = shape.rollout, shape.dtype_bytes, shape.seq_length
+    attention = sum(not model.is_linear_layer(i) for i in indices)
+    kv = model.num_key_value_heads * model.head_dim
+    dtype = "bf16" if d == 2 else "fp32"
+    terms = [
+        Term(f"rollout KV cache: {dtype}, {r.rows} completions x {length} positions x {attention} layers",
+             2 * d * attention * r.rows * kv * length, ROLLOUT),
+        Term("rollout logits and sampling: fp32 [completions, vocab]", 4 * 4 * r.rows * model.vocab_size, ROLLOUT),
+        Term(f"generation buffer: {r.buffered} completions x {length} positions (ids, targets, masks, "
+             f"old{' and reference' if r.kl else ''} log-probs)", r.buffered * length * (8 * 3 + 4 * (2 + r.kl)),
+             ALWAYS),
+    ]
+    if r.reference:
+        terms.append(Term(f"reference model (beta > 0): fp32 weights, {over}", weights, ALWAYS))
+    if shape.sharded:
+        layer = max(layer_params(model, shape.tp, i) for i in indices)
+        terms.append(Term(f"weights gathered by FSDP2 while sampling, {dtype}: one layer", d * layer, ROLLOUT))
+    return terms
 
 
 def _backward_end(model: ModelConfig, shape: TrainShape, body: int, local: int, root: int, last: bool) -> list[Term]:
@@ -941,8 +986,18 @@ def train_shape(config: TrainConfig, world_size: int, seq_length: int, device_ty
         virtual_stages=config.virtual_stages, num_layer_list=config.num_layer_list,
         documents=config.data.kind != "pretrain" or config.data.document_attention,
         ep=config.ep, source=model_source(config.model), cp=layout.cp,
-        cp_algo=config.cp_algo, per_token_loss=config.method != "next_token",
+        cp_algo=config.cp_algo, per_token_loss=config.method != "next_token", rollout=rollout_shape(config, layout.dp),
     )
+
+
+def rollout_shape(config: TrainConfig, dp: int) -> RolloutShape | None:
+    """A GRPO run's ``RolloutShape`` on each of ``dp`` ranks (None for the other methods)."""
+    if config.method != "grpo":
+        return None
+    rl = config.rl
+    buffered = config.global_batch_size * rl.steps_per_generation // dp
+    return RolloutShape(rows=min(rl.rollout_batch_size or buffered, buffered), buffered=buffered,
+                        reference=bool(rl.beta) and config.lora is None, kl=bool(rl.beta))
 
 
 def model_source(path: str | os.PathLike) -> str:

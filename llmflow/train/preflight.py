@@ -196,7 +196,7 @@ def data_problems(config: TrainConfig, model: ModelConfig | None) -> list[str]:
     model's (from the tokenize manifest), too few tokens for one sample; for prompts (grpo)
     the file's rows, prompts too long for a completion, rewards that do not import."""
     if config.data.kind == "prompts":
-        return rl_problems(config, model)
+        return rl_problems(config.rl, config.data.paths[0], config.model, model)
     problems = []
     if config.data.kind == "pretrain" and config.seq_length is None:
         problems.append("seq_length is required for pretraining")
@@ -404,7 +404,7 @@ def training_seq_length(config: TrainConfig) -> int | None:
     if config.data.kind == "pretrain":
         return config.seq_length
     if config.data.kind == "prompts":
-        return longest_sequence(config)
+        return longest_sequence(config.rl, config.data.paths[0], config.model)
     manifest, _ = _data_manifest(config.data.paths[0], config.data.kind)
     return (manifest or {}).get("seq_length") or config.seq_length
 

@@ -10,21 +10,22 @@ from llmflow.data.readers import InputError
 from llmflow.data.templates import TemplateError
 from llmflow.data.tokenizer import TokenizeError
 from llmflow.models import ModelConfig
-from llmflow.train.config import TrainConfig
+from llmflow.train.grpo.config import RLConfig
 from llmflow.train.grpo.prompts import prompt_problems, read_prompt_rows, render_prompts
 from llmflow.train.grpo.rewards import reward_problems
 from llmflow.weights import tokenizer_dir
 
 
-def rl_problems(config: TrainConfig, model: ModelConfig | None) -> list[str]:
-    """Why ``config``'s prompts and rewards cannot train ``model`` (empty when they can)."""
-    rl, path = config.rl, Path(config.data.paths[0])
+def rl_problems(rl: RLConfig, prompts: str | Path, model_path: str | Path, model: ModelConfig | None) -> list[str]:
+    """Why the ``prompts`` file and ``rl``'s rewards cannot train ``model`` (read from
+    ``model_path``; empty when they can)."""
+    path = Path(prompts)
     problems = reward_problems(rl.rewards)
     if not path.is_file():
         return [f"data {path}: no such prompts file", *problems]
-    tokenizer = tokenizer_dir(config.model)
+    tokenizer = tokenizer_dir(model_path)
     if tokenizer is None:
-        return [f"model {config.model}: no tokenizer (tokenizer.json) beside it to render the prompts", *problems]
+        return [f"model {model_path}: no tokenizer (tokenizer.json) beside it to render the prompts", *problems]
     room = None
     if model is not None:
         room = model.max_position_embeddings - rl.max_completion_length
@@ -39,15 +40,14 @@ def rl_problems(config: TrainConfig, model: ModelConfig | None) -> list[str]:
     return found + problems
 
 
-def longest_sequence(config: TrainConfig) -> int | None:
-    """The longest prompt of ``config``'s prompts plus ``rl.max_completion_length``: the
+def longest_sequence(rl: RLConfig, prompts: str | Path, model_path: str | Path) -> int | None:
+    """The longest prompt of the ``prompts`` file plus ``rl.max_completion_length``: the
     memory plan's sequence length (None when the prompts cannot be read)."""
-    tokenizer = tokenizer_dir(config.model)
+    tokenizer = tokenizer_dir(model_path)
     if tokenizer is None:
         return None
     try:
-        rows = read_prompt_rows(config.data.paths[0])
-        prompts = render_prompts(rows, tokenizer, config.rl.template)
+        rendered = render_prompts(read_prompt_rows(prompts), tokenizer, rl.template)
     except (InputError, TemplateError, TokenizeError, OSError):
         return None
-    return max(len(p) for p in prompts) + config.rl.max_completion_length
+    return max(len(p) for p in rendered) + rl.max_completion_length
