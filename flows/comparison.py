@@ -1,4 +1,5 @@
-"""Tonight's scores beside the last registered model's and the previous run's of the same
+"""Tonight's scores (the base model's, the SFT model's when an alignment stage followed it,
+and the final model's) beside the last registered model's and the previous run's of the same
 deployment (last night's, for the nightly schedule), each change with its standard error,
 and the regressions: a benchmark that fell by more than two standard errors of the change
 since the previous run."""
@@ -22,7 +23,11 @@ class ComparisonRow:
 
     benchmark: str
     before: float
+    """The base model's score."""
+    sft: float | None
+    """The SFT model's score when an alignment stage followed it (None: the SFT model is the final model)."""
     after: float
+    """The final model's score: the aligned model's, else the SFT model's."""
     after_stderr: float | None
     registered: float | None
     """The last registered model's score (before tonight's registration)."""
@@ -68,7 +73,8 @@ def registered_scores(name: str) -> dict[str, float]:
 
 def compare(benchmarks: list[str], scores: dict[str, float], previous: dict[str, float],
             registered: dict[str, float]) -> list[ComparisonRow]:
-    """A row per benchmark from tonight's ``scores`` ({b}_before, {b}_after, {b}_after_stderr)."""
+    """A row per benchmark from tonight's ``scores`` ({b}_before, {b}_sft when there was an
+    alignment stage, {b}_after, {b}_after_stderr)."""
     rows = []
     for b in benchmarks:
         after, stderr = scores[f"{b}_after"], scores.get(f"{b}_after_stderr")
@@ -79,8 +85,8 @@ def compare(benchmarks: list[str], scores: dict[str, float], previous: dict[str,
             errors = [e for e in (stderr, previous.get(f"{b}_after_stderr")) if e is not None]
             change_stderr = math.sqrt(sum(e * e for e in errors)) if errors and stderr is not None else None
         regression = change is not None and change_stderr is not None and change < -REGRESSION_SIGMAS * change_stderr
-        rows.append(ComparisonRow(b, scores[f"{b}_before"], after, stderr, registered.get(f"{b}_after"), last, change,
-                                  change_stderr, regression))
+        rows.append(ComparisonRow(b, scores[f"{b}_before"], scores.get(f"{b}_sft"), after, stderr,
+                                  registered.get(f"{b}_after"), last, change, change_stderr, regression))
     return rows
 
 

@@ -1,12 +1,13 @@
 """The finetune-and-eval flow: a base model finetuned on instruction data, exported, tried
-on prompts, and scored before and after on a list of benchmarks (MMLU by default); the
+on prompts, and every stage's model scored on a list of benchmarks (MMLU by default); the
 result registered in MLflow when the gate benchmark's score passes the gate (by default: no
-worse than the base model's).
+worse than the model its last stage started from).
 
-With ``method`` dpo, simpo or orpo the finetuned model is then aligned on preference pairs
-(DPO's reference log-probs computed by a stage of their own), its implicit reward's accuracy
-on held-out pairs measured before and after alignment, and the aligned model is the one
-answered with, scored, gated and registered.
+With ``method`` dpo, simpo or orpo the finetuned (SFT) model is then aligned on preference
+pairs (DPO's reference log-probs computed by a stage of their own), its implicit reward's
+accuracy on held-out pairs measured before and after alignment, and the aligned model is the
+one answered with and registered; the base, SFT and aligned models' scores are compared side
+by side, and the gate holds the aligned model to the SFT model's (``gate_against``).
 
 Run it from the Prefect UI (deployment ``finetune-eval``), nightly on a schedule, or with
 ``llmflow demo``. Every stage is cached on its inputs: a retried run skips what finished,
@@ -15,6 +16,8 @@ and training resumes from its last checkpoint.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +47,7 @@ from llmflow.infer.batch import InferConfig
 from llmflow.tasks.common import StageArtifact
 from llmflow.tasks.export import export_task
 from llmflow.tasks.infer import infer_task
-from llmflow.tasks.register import register_model_task, registry_gate
+from llmflow.tasks.register import RegistryGate, register_model_task, registry_gate
 from llmflow.tasks.tokenize import tokenize_instruction_task, tokenize_preference_task
 from llmflow.tasks.train import pair_logps_task, train_task
 from llmflow.train.config import DataConfig, OptimConfig
@@ -52,17 +55,19 @@ from llmflow.train.reference import LOGPS, reward_accuracy
 from llmflow.weights.export import ExportConfig
 
 FLOW = "finetune-eval"
+GATE_MODELS = {"before": "base", "sft": "SFT"}
+"""The gate's reference models, by their scores' suffix, as its reason names them."""
 
 
 @flow(name=FLOW, log_prints=True)
 @flow_parameters(FinetuneEvalParams)
 def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
     """download -> convert -> tokenize -> benchmarks of the base model -> finetune -> export ->
-    (method dpo, simpo or orpo: tokenize the preference pairs -> the reference log-probs (dpo)
-    -> align -> export -> the held-out pairs' log-probs before and after) -> answers to the
-    prompts -> benchmarks of the finetuned (aligned) model -> register, when the gate
-    benchmark's scores pass the gate; returns the scores, the gate's verdict and where the
-    outputs are."""
+    benchmarks of the finetuned (SFT) model -> (method dpo, simpo or orpo: tokenize the
+    preference pairs -> the reference log-probs (dpo) -> align -> export -> the held-out pairs'
+    log-probs before and after -> benchmarks of the aligned model) -> answers to the prompts ->
+    register, when the gate benchmark's scores pass the gate; returns the scores, the gate's
+    verdict and where the outputs are."""
     with stages.open_flow_run(FLOW, params) as run:
         workspace, refresh, sources = run.workspace, run.refresh, run.sources
         megatron = stages.megatron_checkpoint(params.model)
@@ -70,13 +75,7 @@ def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
         model_dir = sources.model(params.megatron_hf if megatron else params.model, params.revision)
         check_layout(model_dir, params.train, params.launch)
         data = sources.instruction_data(params.data, params.data_files)
-        pairs = {}
-        if params.method != "sft":
-            check_layout(model_dir, params.preference.train, params.launch)  # type: ignore[arg-type]
-            preference = params.preference
-            pairs = {"train": sources.preference_data(preference.data, preference.data_files, "train"),
-                     "heldout": sources.preference_data(preference.heldout_data, preference.heldout_data_files,
-                                                        "heldout")}
+        aligner = ALIGNMENTS[params.method](run, params, model_dir) if params.method != "sft" else None
         name = stages.slug(params.model)
 
         checkpoint = stages.run_convert(run, model_dir, name, megatron=megatron)
@@ -88,9 +87,10 @@ def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
             template=params.template, seq_length=params.seq_length, pack=params.pack,
             out=workspace / "data" / name / f"{stages.slug(params.data)}-{data_tag}",
         ), refresh=refresh)
+        benchmarks = functools.partial(stages.run_benchmarks, run, params.evaluation, params.benchmark_data,
+                                       params.benchmarks)
         # Scored before training: an unchanged base model's scores come from cache.
-        before = stages.run_benchmarks(run, params.evaluation, params.benchmark_data, params.benchmarks, base_model,
-                                       f"base-{name}")
+        before = benchmarks(base_model, f"base-{name}")
         # The run directory is named by everything the weights depend on: a changed input gets
         # a fresh run instead of "resuming" a finished one.
         inputs_tag = stages.settings_tag(params.train, checkpoint.manifest.get("files"), tokenized.manifest.get("files"))
@@ -98,16 +98,18 @@ def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
         trained = stages.run(train_task, params.train.train_config(
             Path(checkpoint.path), workspace / "runs" / run_name, DataConfig(kind="sft", paths=[tokenized.path]),
         ), nproc=params.train.nproc, nnodes=params.train.nnodes, launch=params.launch, refresh=refresh)
-        exported = stages.run(export_task, ExportConfig(
-            ckpt=Path(trained.path), out=workspace / "models" / run_name, merge_lora=params.train.lora is not None,
-        ), refresh=refresh)
         lora = params.train.lora is not None
+        exported = stages.run(export_task, ExportConfig(
+            ckpt=Path(trained.path), out=workspace / "models" / run_name, merge_lora=lora,
+        ), refresh=refresh)
+        finetuned = benchmarks(exported.path, run_name)
+        scored = {"before": before, "after": finetuned}
         alignment = None
-        if params.method != "sft":
-            alignment = align(run, params, pairs, model_dir, exported, run_name)
-            trained, exported, run_name = alignment.trained, alignment.exported, alignment.run_name
-            lora = params.preference.train.lora is not None
+        if aligner:
+            alignment = aligner(exported, run_name)
+            trained, exported, run_name, lora = alignment.trained, alignment.exported, alignment.run_name, alignment.lora
             tracking.log_metrics(run.mlflow_run, alignment.rewards)
+            scored = {"before": before, "sft": finetuned, "after": benchmarks(exported.path, run_name)}
         megatron_export = None
         if params.megatron_export:
             target = params.megatron_export
@@ -124,20 +126,14 @@ def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
                 out=workspace / "generations" / run_name, template=params.template or "tokenizer",
                 max_new_tokens=params.max_new_tokens,
             ), refresh=refresh).path
-        after = stages.run_benchmarks(run, params.evaluation, params.benchmark_data, params.benchmarks,
-                                      exported.path, run_name)
-        scores = {f"{b}_{when}{key}": scored[b].manifest[f"accuracy{key}"] for b in params.benchmarks
-                  for when, scored in (("before", before), ("after", after)) for key in ("", "_stderr")
-                  if scored[b].manifest.get(f"accuracy{key}") is not None}
+        scores = stage_scores(params.benchmarks, scored)
         tracking.log_metrics(run.mlflow_run, scores)
         rows = compare(params.benchmarks, scores, previous_run_metrics(FLOW, deployment.name or "", run.mlflow_run),
                        registered_scores(params.registered_model) if params.registered_model else {})
         publish_comparison(run.mlflow_run, rows)
         registered = gate = None
         if params.registered_model:
-            gated = params.gate_benchmark
-            gate = registry_gate(scores[f"{gated}_before"], scores[f"{gated}_after"], params.register_min_gain,
-                                 BENCHMARK_TITLES[gated])
+            gate = registry_verdict(params, scores)
             tracking.set_tags(run.mlflow_run, gate.tags())
             print(f"registry gate: {gate.reason}")
             if gate.passed:
@@ -160,34 +156,81 @@ def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
     return result
 
 
+def stage_scores(benchmarks: list[str], scored: dict[str, dict[str, StageArtifact]]) -> dict[str, float]:
+    """``{benchmark}_{stage}`` and ``{benchmark}_{stage}_stderr`` of each stage's evaluation
+    stages (``scored``: by stage (before, sft, after), the artifacts by benchmark)."""
+    return {f"{b}_{stage}{key}": artifacts[b].manifest[f"accuracy{key}"] for b in benchmarks
+            for stage, artifacts in scored.items() for key in ("", "_stderr")
+            if artifacts[b].manifest.get(f"accuracy{key}") is not None}
+
+
+def registry_verdict(params: FinetuneEvalParams, scores: dict[str, float]) -> RegistryGate:
+    """The registry gate of the final model's ``params.gate_benchmark`` score (``scores`` as
+    ``stage_scores`` gives them): held against the SFT model's when an alignment stage followed
+    it and ``params.gate_against`` is previous, else against the base model's; with an
+    alignment stage the reason names both models."""
+    benchmark = params.gate_benchmark
+    aligned = f"{benchmark}_sft" in scores
+    against = "sft" if aligned and params.gate_against == "previous" else "before"
+    return registry_gate(scores[f"{benchmark}_{against}"], scores[f"{benchmark}_after"], params.register_min_gain,
+                         BENCHMARK_TITLES[benchmark], (GATE_MODELS[against], params.method) if aligned else None)
+
+
 @dataclass
 class Alignment:
-    """What the alignment stages left: the aligned run and its export, the SFT model it
-    started from, the reference log-probs (dpo) and the held-out reward scores."""
+    """What an alignment method's stages left, whatever the method: the aligned run and its
+    export (the flow's final model from then on), the SFT model it started from, the held-out
+    scores before and after alignment, and the method's own outputs."""
 
     method: str
     trained: StageArtifact
     exported: StageArtifact
     run_name: str
+    lora: bool
+    """The aligned run trained a LoRA adapter (its exports merge it)."""
     sft: StageArtifact
-    reference: StageArtifact | None
     rewards: dict[str, float]
-    """reward_accuracy_before/_after, reward_margin_before/_after and heldout_pairs."""
+    """Held-out scores, logged to MLflow, tagged on the registered version and returned (the
+    preference alignment's: reward_accuracy_before/_after, reward_margin_before/_after and heldout_pairs)."""
+    outputs: dict[str, str | None]
+    """The method's own outputs in the flow result (the preference alignment's: reference, the
+    dpo reference log-probs' directory)."""
 
     def result(self) -> dict[str, Any]:
         """The flow result's entries of the alignment."""
-        return {**self.rewards, "method": self.method, "sft_model": self.sft.path,
-                "reference": self.reference.path if self.reference else None}
+        return {**self.rewards, "method": self.method, "sft_model": self.sft.path, **self.outputs}
 
 
-def align(run: stages.FlowRun, params: FinetuneEvalParams, pairs: dict[str, list[Path]], tokenizer: Path,
-          sft: StageArtifact, sft_name: str) -> Alignment:
-    """The alignment stages after the SFT model's export ``sft`` (its run named ``sft_name``):
-    the preference pairs' files (``pairs``: train and heldout) tokenized with ``tokenizer`` and
-    the flow's template, (dpo) the SFT model's log-probs of the training pairs as the
-    reference, the ``params.method`` run from the SFT model, its export, and both models'
-    log-probs of the held-out pairs, whose implicit rewards give the reward accuracy before
-    and after."""
+Aligner = Callable[[StageArtifact, str], Alignment]
+"""An alignment method's stages, ready to run on the SFT model's export (and its run's name)."""
+
+
+def preference_alignment(run: stages.FlowRun, params: FinetuneEvalParams, model_dir: Path) -> Aligner:
+    """The preference alignment (method dpo, simpo or orpo): its layout checked against the
+    model ``model_dir`` and the pairs' sources found (downloaded) now, before any heavy stage;
+    its stages (``align_on_pairs``) left to the function returned."""
+    preference = params.preference
+    check_layout(model_dir, preference.train, params.launch)  # type: ignore[arg-type]
+    pairs = {"train": run.sources.preference_data(preference.data, preference.data_files, "train"),
+             "heldout": run.sources.preference_data(preference.heldout_data, preference.heldout_data_files,
+                                                    "heldout")}
+    return functools.partial(align_on_pairs, run, params, pairs, model_dir)
+
+
+ALIGNMENTS: dict[str, Callable[[stages.FlowRun, FinetuneEvalParams, Path], Aligner]] = dict.fromkeys(
+    ("dpo", "simpo", "orpo"), preference_alignment)
+"""Each alignment method, by ``method``: called with the flow run, its parameters and the base
+model's directory before any heavy stage (its checks, its sources), it returns its stages."""
+
+
+def align_on_pairs(run: stages.FlowRun, params: FinetuneEvalParams, pairs: dict[str, list[Path]], tokenizer: Path,
+                   sft: StageArtifact, sft_name: str) -> Alignment:
+    """The preference alignment's stages after the SFT model's export ``sft`` (its run named
+    ``sft_name``): the preference pairs' files (``pairs``: train and heldout) tokenized with
+    ``tokenizer`` and the flow's template, (dpo) the SFT model's log-probs of the training
+    pairs as the reference, the ``params.method`` run from the SFT model, its export, and both
+    models' log-probs of the held-out pairs, whose implicit rewards give the reward accuracy
+    before and after."""
     workspace, refresh, preference = run.workspace, run.refresh, params.preference
     settings = preference.train
     name = stages.slug(params.model)
@@ -237,7 +280,8 @@ def align(run: stages.FlowRun, params: FinetuneEvalParams, pairs: dict[str, list
     rewards["heldout_pairs"] = float(scored["after"]["pairs"])
     print(f"held-out reward accuracy ({params.method}, {scored['after']['pairs']} pairs): "
           f"{rewards['reward_accuracy_before']:.4f} before, {rewards['reward_accuracy_after']:.4f} after")
-    return Alignment(params.method, trained, exported, run_name, sft, reference, rewards)
+    return Alignment(params.method, trained, exported, run_name, settings.lora is not None, sft, rewards,
+                     {"reference": reference.path if reference else None})
 
 
 def publish_comparison(mlflow_run: str, rows: list[ComparisonRow]) -> None:

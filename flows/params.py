@@ -338,22 +338,29 @@ class FinetuneEvalParams(_SequenceSplit):
     train: TrainParams = TrainParams()
     """Finetuning settings."""
     method: Method = "sft"
-    """sft: instruction finetuning alone; dpo, simpo or orpo: the finetuned model then aligned
-    on the preference pairs (see preference) by that objective, and the aligned model is the one
-    answered with, scored after, gated and registered."""
+    """sft: instruction finetuning alone; dpo, simpo or orpo: the finetuned (SFT) model then
+    aligned on the preference pairs (see preference) by that objective, and the aligned model is
+    the one answered with, scored after (the SFT model scored between), gated and registered."""
     preference: PreferenceParams = PreferenceParams()
     """Preference pairs and alignment settings (used with method dpo, simpo or orpo)."""
     launch: LaunchSettings = LaunchSettings()
     """Where the training workers run: torchrun on the worker's machine, a Slurm job or a
     Kubernetes job (auto: the work pool's LLMFLOW_LAUNCHER job variable, else local)."""
     evaluation: EvalParams = EvalParams()
-    """Evaluation settings, the same for the base and the finetuned model (evaluation.data is MMLU's)."""
+    """Evaluation settings, the same for every stage's model (evaluation.data is MMLU's)."""
     benchmarks: list[Benchmark] = Field(default_factory=lambda: ["mmlu"], min_length=1)
-    """Benchmarks scored before and after finetuning: mmlu, ceval, cmmlu, boolq, agieval, gsm8k, bbh, humaneval."""
+    """Benchmarks scored on every stage's model (the base, the SFT and, with an alignment
+    method, the aligned model): mmlu, ceval, cmmlu, boolq, agieval, gsm8k, bbh, humaneval."""
     benchmark_data: BenchmarkSources = BenchmarkSources()
     """Data of the benchmarks other than MMLU."""
     gate_benchmark: Benchmark = "mmlu"
     """The benchmark whose headline score the registry gate holds to register_min_gain (one of benchmarks)."""
+    gate_against: Literal["previous", "base"] = "previous"
+    """The model the registry gate holds the final model's gate_benchmark score against.
+    previous (the default): the model the last stage started from: the SFT model with method
+    dpo, simpo or orpo, so that an alignment losing what the finetune gained is not registered;
+    the base model with sft. base: the base model whatever the method (an aligned model then
+    need only beat the base model)."""
     version: str | None = None
     """Data version or date the finetune belongs to. Empty: the run's scheduled date, so a
     nightly run never reuses yesterday's finetune while the base model's stages still come
@@ -368,8 +375,9 @@ class FinetuneEvalParams(_SequenceSplit):
     registered_model: str | None = "llmflow-finetuned"
     """MLflow registered model that receives the exported model as a new version (empty: skip)."""
     register_min_gain: float | None = 0.0
-    """Register only when the gate benchmark's score after minus before is at least this: 0 when
-    the finetune scores no worse than its base model, 0.01 for a gain of a point; empty: register always."""
+    """Register only when the final model's gate benchmark score minus the gate_against model's
+    is at least this: 0 when it scores no worse than that model, 0.01 for a gain of a point;
+    empty: register always."""
 
     @model_validator(mode="after")
     def _gate_is_scored(self) -> FinetuneEvalParams:

@@ -52,16 +52,21 @@ def alignment_markdown(result: dict[str, Any]) -> list[str]:
 
 
 def comparison_markdown(rows: list[dict[str, Any]]) -> list[str]:
-    """The comparison table (flows/comparison.py's rows) and its verdict as markdown lines."""
+    """The comparison table (flows/comparison.py's rows) and its verdict as markdown lines: the
+    base, SFT and aligned models' scores side by side when an alignment stage followed the SFT
+    model, else before and after."""
     def cell(value: float | None, sign: bool = False) -> str:
         return "-" if value is None else f"{value:+.4f}" if sign else f"{value:.4f}"
 
-    lines = ["| benchmark | before | after | registered | previous run | change | ± |", "|---|---|---|---|---|---|---|"]
+    aligned = any(r["sft"] is not None for r in rows)
+    models = ["base", "SFT", "aligned"] if aligned else ["before", "after"]
+    header = ["benchmark", *models, "registered", "previous run", "change", "±"]
+    lines = [f"| {' | '.join(header)} |", "|" + "---|" * len(header)]
     for r in rows:
+        scores = [r["before"], *([r["sft"]] if aligned else []), r["after"], r["registered"], r["previous"]]
         flag = " **regression**" if r["regression"] else ""
-        lines.append(f"| {BENCHMARK_TITLES[r['benchmark']]} | {cell(r['before'])} | {cell(r['after'])} | "
-                     f"{cell(r['registered'])} | {cell(r['previous'])} | {cell(r['change'], sign=True)}{flag} | "
-                     f"{cell(r['change_stderr'])} |")
+        lines.append(f"| {BENCHMARK_TITLES[r['benchmark']]} | {' | '.join(cell(v) for v in scores)} | "
+                     f"{cell(r['change'], sign=True)}{flag} | {cell(r['change_stderr'])} |")
     fell = [BENCHMARK_TITLES[r["benchmark"]] for r in rows if r["regression"]]
     verdict = (f"Regression since the previous run (more than two standard errors of the change): {', '.join(fell)}"
                if fell else "No regression since the previous run.")

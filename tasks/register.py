@@ -1,5 +1,5 @@
 """Prefect task of the register stage: an exported model into the MLflow model registry,
-behind the gate that keeps models which score worse than their base model out of it."""
+behind the gate that keeps models which score worse than the model they were trained from out of it."""
 
 from __future__ import annotations
 
@@ -38,11 +38,15 @@ class RegistryGate(BaseModel):
         return {GATE_TAG: state, REASON_TAG: self.reason}
 
 
-def registry_gate(before: float, after: float, min_gain: float | None, benchmark: str = "MMLU") -> RegistryGate:
-    """The gate for a model scoring ``after`` on ``benchmark`` whose base model scored
-    ``before``: it passes when ``after - before`` is at least ``min_gain``; ``min_gain`` None
-    passes always."""
-    scores = f"{benchmark} {before:.4f} -> {after:.4f} ({after - before:+.4f})"
+def registry_gate(before: float, after: float, min_gain: float | None, benchmark: str = "MMLU",
+                  models: tuple[str, str] | None = None) -> RegistryGate:
+    """The gate for a model scoring ``after`` on ``benchmark`` whose reference model (its base
+    model, or the SFT model an aligned model started from) scored ``before``: it passes when
+    ``after - before`` is at least ``min_gain``; ``min_gain`` None passes always. ``models``
+    names the two in the reason (("SFT", "dpo"): "MMLU SFT 0.7200 -> dpo 0.3800"); None: the
+    base model and its finetune, unnamed."""
+    reference, model = (f"{name} " for name in models) if models else ("", "")
+    scores = f"{benchmark} {reference}{before:.4f} -> {model}{after:.4f} ({after - before:+.4f})"
     if min_gain is None:
         return RegistryGate(passed=True, reason=f"{scores}; registered whatever the score", rule="always")
     passed = after - before >= min_gain - SCORE_TOLERANCE

@@ -2,8 +2,10 @@
 stages those of ``make demo``: the finetune lifting the model's 5-shot MMLU accuracy well
 above chance, the preference pairs tokenized, the finetuned model's reference log-probs
 computed by their own stage and read by the alignment run, the held-out reward accuracy
-measured before and after, and a rerun served from cache; and the parameter checks that
-refuse a bad alignment setting before any stage runs.
+measured before and after, the base, SFT and aligned models benchmarked side by side and the
+registry gate holding the aligned model to the SFT model, and a rerun served from cache; the
+parameter checks that refuse a bad alignment setting before any stage runs; and the
+comparison and the gate of a three-stage run, in-process.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from mlflow import MlflowClient
 from prefect_helpers import flow_run_logs, mlflow_runs, task_states
 from pydantic import ValidationError
 
-from llmflow.evaluate.benchmarks import MMLU
-from llmflow.evaluate.engine import EvalConfig, evaluate
-from llmflow.flows.finetune_eval import FinetuneEvalParams, finetune_eval
+from llmflow.flows.comparison import compare, comparison_table
+from llmflow.flows.finetune_eval import FinetuneEvalParams, finetune_eval, registry_verdict, stage_scores
+from llmflow.flows.summary import summary_markdown
+from llmflow.tasks.common import StageArtifact
+from llmflow.tasks.register import GATE_TAG, REASON_TAG
 from llmflow.train.reference import LOGPS
 
 
@@ -54,7 +58,7 @@ and 0.865 measured (seeds 1234 and 7; 0.823 after 60 steps, 0.938 after 150); 0.
 def dpo_params(workspace: Path, **overrides) -> FinetuneEvalParams:
     """The finetune of the demo's headline (``FINETUNE_STEPS`` of packed rows), then 100 steps
     of the flow's DPO defaults on rows of 128 tokens (every sample pair fits); MMLU 5-shot on
-    every question, no prompts, no registry."""
+    every question, no prompts, the registry gate at its defaults (against the SFT model)."""
     base = {
         "workspace": str(workspace),
         "version": "test",
@@ -64,7 +68,7 @@ def dpo_params(workspace: Path, **overrides) -> FinetuneEvalParams:
                   "optim": {"lr": 5e-3, "min_lr": 5e-4, "warmup_steps": 20, "decay": "linear"}},
         "preference": {"seq_length": 128, "train": {"steps": 100, "save_interval": None}},
         "prompts": [],
-        "registered_model": None,
+        "registered_model": "test-aligned",
     }
     return FinetuneEvalParams.model_validate(base | overrides)
 
@@ -78,22 +82,23 @@ def test_finetune_lifts_mmlu_then_dpo_raises_the_heldout_reward_accuracy_and_rer
     assert state.is_completed(), state.message
     result = state.result()
 
-    # The finetune (the flow's export of it) well above chance on the 150 questions the flow
-    # scored (its own sample assets), from the base model's score near chance.
+    # Every stage's model benchmarked: the finetune (the flow's export of it) well above chance
+    # on the 150 questions of the sample assets, from the base model's score near chance.
     assert result["mmlu_before"] < 0.35
-    evaluate(MMLU, EvalConfig(model=Path(result["sft_model"]), data=tmp_path / "ws" / "sample" / "mmlu" / "csv",
-                              out=tmp_path / "sft-mmlu", shots=5))
-    finetuned = json.loads((tmp_path / "sft-mmlu" / "results.json").read_text())["accuracy"]
-    assert finetuned >= AFTER_AT_LEAST, (result["mmlu_before"], finetuned)
+    assert result["mmlu_sft"] >= AFTER_AT_LEAST, (result["mmlu_before"], result["mmlu_sft"])
+    assert 0 <= result["mmlu_after"] <= 1
 
     flow_run_id = state.state_details.flow_run_id
     states = task_states(flow_run_id)
+    # The aligned model is registered only when it scores no worse than the SFT model.
+    passed = result["mmlu_after"] >= result["mmlu_sft"]
     assert states == {
         "sample": ["Completed"], "convert": ["Completed"], "tokenize-instruction": ["Completed"],
-        "eval-mmlu": ["Completed", "Completed"], "train": ["Completed", "Completed"],
+        "eval-mmlu": ["Completed", "Completed", "Completed"], "train": ["Completed", "Completed"],
         "export": ["Completed", "Completed"], "tokenize-preference": ["Completed", "Completed"],
         # the reference (training pairs, SFT model), then the held-out pairs before and after
         "reference-logps": ["Completed", "Completed", "Completed"],
+        **({"register": ["Completed"]} if passed else {}),
     }
 
     # The held-out reward accuracy: zero before (the SFT model against itself), far above chance after.
@@ -104,8 +109,30 @@ def test_finetune_lifts_mmlu_then_dpo_raises_the_heldout_reward_accuracy_and_rer
     parent = MlflowClient(prefect_env["mlflow_uri"]).get_run(result["mlflow_run"])
     for key in ("reward_accuracy_before", "reward_accuracy_after", "reward_margin_before", "reward_margin_after"):
         assert parent.data.metrics[key] == pytest.approx(result[key], abs=1e-6), key
-    summary = Path(MlflowClient(prefect_env["mlflow_uri"]).download_artifacts(result["mlflow_run"], "summary.md", str(tmp_path)))
-    assert f"| reward accuracy | 0.0000 | {result['reward_accuracy_after']:.4f} |" in summary.read_text()
+    client = MlflowClient(prefect_env["mlflow_uri"])
+    summary = Path(client.download_artifacts(result["mlflow_run"], "summary.md", str(tmp_path))).read_text()
+    assert f"| reward accuracy | 0.0000 | {result['reward_accuracy_after']:.4f} |" in summary
+
+    # The base, SFT and aligned models side by side: the metrics, the comparison (the flow
+    # result's, MLflow's table, the summary's) and the gate, held against the SFT model.
+    for key in ("mmlu_before", "mmlu_sft", "mmlu_after"):
+        assert parent.data.metrics[key] == pytest.approx(result[key], abs=1e-6), key
+    assert parent.data.metrics["mmlu_sft_stderr"] > 0
+    (row,) = result["comparison"]
+    assert [row[k] for k in ("before", "sft", "after")] == pytest.approx(
+        [result[k] for k in ("mmlu_before", "mmlu_sft", "mmlu_after")], abs=1e-6)
+    table = json.loads(Path(client.download_artifacts(result["mlflow_run"], "comparison.json", str(tmp_path))).read_text())
+    assert table["columns"][:4] == ["benchmark", "before", "sft", "after"]
+    assert "| benchmark | base | SFT | aligned | registered | previous run | change | ± |" in summary
+    assert (f"| MMLU | {result['mmlu_before']:.4f} | {result['mmlu_sft']:.4f} | {result['mmlu_after']:.4f} |"
+            in summary)
+    loss = result["mmlu_after"] - result["mmlu_sft"]
+    reason = (f"MMLU SFT {result['mmlu_sft']:.4f} -> dpo {result['mmlu_after']:.4f} ({loss:+.4f}) "
+              + ("meets the minimum gain +0.0000" if passed else "is below the minimum gain +0.0000: not registered"))
+    assert result["gate"] == {"passed": passed, "reason": reason, "rule": "min_gain=0"}
+    assert parent.data.tags[GATE_TAG] == ("passed" if passed else "failed") and parent.data.tags[REASON_TAG] == reason
+    assert f"- registry gate (min_gain=0): {'passed' if passed else 'failed'}: {reason}\n" in summary
+    assert (result["registered"] is not None) == passed
 
     # The stages' outputs: the reference log-probs of the training pairs under the SFT model,
     # read (not computed again) by the alignment run; the aligned model is the flow's model.
@@ -131,8 +158,8 @@ def test_finetune_lifts_mmlu_then_dpo_raises_the_heldout_reward_accuracy_and_rer
     assert again.is_completed(), again.message
     assert {s for runs in task_states(again.state_details.flow_run_id).values() for s in runs} == {"Cached"}
     assert (reference / "manifest.json").stat().st_mtime_ns == stamp
-    assert {k: again.result()[k] for k in ("reward_accuracy_before", "reward_accuracy_after", "model")} == {
-        k: result[k] for k in ("reward_accuracy_before", "reward_accuracy_after", "model")}
+    kept = ("reward_accuracy_before", "reward_accuracy_after", "mmlu_sft", "mmlu_after", "gate", "model")
+    assert {k: again.result()[k] for k in kept} == {k: result[k] for k in kept}
 
 
 def test_a_bad_alignment_setting_is_refused_naming_the_field(tmp_path):
@@ -164,3 +191,51 @@ def test_an_impossible_alignment_layout_stops_the_flow_before_any_heavy_stage(pr
     with pytest.raises(LayoutError, match="num_attention_heads=.* is not divisible by tp=3"):
         state.result()
     assert set(task_states(state.state_details.flow_run_id)) == {"sample"}
+
+
+SCORES = {"mmlu_before": 0.207, "mmlu_before_stderr": 0.033, "mmlu_sft": 0.72, "mmlu_sft_stderr": 0.037,
+          "mmlu_after": 0.38, "mmlu_after_stderr": 0.04}
+"""A dpo run on the sample set: the alignment lost 34 of the 51 points the finetune gained."""
+
+
+def test_the_scores_are_named_by_the_stage_whose_model_was_evaluated():
+    def scored(accuracy: float) -> dict[str, StageArtifact]:
+        return {"mmlu": StageArtifact(stage="eval-mmlu", path="/ws/eval",
+                                      manifest={"accuracy": accuracy, "accuracy_stderr": 0.03})}
+
+    scores = stage_scores(["mmlu"], {"before": scored(0.2), "sft": scored(0.7), "after": scored(0.4)})
+    assert scores == {"mmlu_before": 0.2, "mmlu_before_stderr": 0.03, "mmlu_sft": 0.7, "mmlu_sft_stderr": 0.03,
+                      "mmlu_after": 0.4, "mmlu_after_stderr": 0.03}
+
+
+def test_the_gate_holds_an_aligned_model_to_the_sft_model_unless_told_the_base(tmp_path):
+    held = registry_verdict(dpo_params(tmp_path), SCORES)
+    assert not held.passed
+    assert held.reason == "MMLU SFT 0.7200 -> dpo 0.3800 (-0.3400) is below the minimum gain +0.0000: not registered"
+    base = registry_verdict(dpo_params(tmp_path, gate_against="base"), SCORES)
+    assert base.passed and base.reason == "MMLU base 0.2070 -> dpo 0.3800 (+0.1730) meets the minimum gain +0.0000"
+    # With sft alone the previous model is the base model, and the reason names neither.
+    finetune = {"mmlu_before": 0.207, "mmlu_after": 0.72}
+    for against in ("previous", "base"):
+        gate = registry_verdict(dpo_params(tmp_path, method="sft", gate_against=against), finetune)
+        assert gate.passed and gate.reason == "MMLU 0.2070 -> 0.7200 (+0.5130) meets the minimum gain +0.0000"
+    boolq = registry_verdict(dpo_params(tmp_path, method="simpo", benchmarks=["mmlu", "boolq"], gate_benchmark="boolq",
+                                        register_min_gain=0.01),
+                             {**SCORES, "boolq_before": 0.5, "boolq_sft": 0.6, "boolq_after": 0.61})
+    assert boolq.passed and boolq.reason == "BoolQ SFT 0.6000 -> simpo 0.6100 (+0.0100) meets the minimum gain +0.0100"
+
+
+def test_the_comparison_shows_the_base_sft_and_aligned_models_side_by_side():
+    (row,) = compare(["mmlu"], SCORES, {"mmlu_after": 0.4, "mmlu_after_stderr": 0.04}, {"mmlu_after": 0.5})
+    assert (row.before, row.sft, row.after, row.registered, row.previous) == (0.207, 0.72, 0.38, 0.5, 0.4)
+    (table,) = comparison_table([row])
+    assert list(table)[:4] == ["benchmark", "before", "sft", "after"]
+    markdown = summary_markdown("finetune-eval", {"comparison": [table]}, "run-id")
+    assert ("| benchmark | base | SFT | aligned | registered | previous run | change | ± |\n|---|---|---|---|---|---|---|---|\n"
+            "| MMLU | 0.2070 | 0.7200 | 0.3800 | 0.5000 | 0.4000 | -0.0200 | 0.0566 |\n") in markdown
+    # A finetune alone has no SFT score of its own: its final model's is "after".
+    (finetune,) = compare(["mmlu"], {"mmlu_before": 0.207, "mmlu_after": 0.72}, {}, {})
+    assert finetune.sft is None
+    markdown = summary_markdown("finetune-eval", {"comparison": comparison_table([finetune])}, "run-id")
+    assert "| benchmark | before | after | registered | previous run | change | ± |\n" in markdown
+    assert "| MMLU | 0.2070 | 0.7200 | - | - | - | - |\n" in markdown
