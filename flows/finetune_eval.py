@@ -7,7 +7,9 @@ With ``method`` dpo, simpo or orpo the finetuned (SFT) model is then aligned on 
 pairs (DPO's reference log-probs computed by a stage of their own), its implicit reward's
 accuracy on held-out pairs measured before and after alignment, and the aligned model is the
 one answered with and registered; the base, SFT and aligned models' scores are compared side
-by side, and the gate holds the aligned model to the SFT model's (``gate_against``).
+by side, and the gate holds the aligned model to the SFT model's (``gate_against``). With
+``method`` grpo the SFT model is instead reinforced on a prompt set with GRPO, and the reward
+accuracy of its greedy completions of held-out prompts is measured before and after.
 
 Run it from the Prefect UI (deployment ``finetune-eval``), nightly on a schedule, or with
 ``llmflow demo``. Every stage is cached on its inputs: a retried run skips what finished,
@@ -30,6 +32,7 @@ from prefect.runtime import deployment
 from llmflow import tracking
 from llmflow.data.tokenize_instruction import InstructionTokenizeConfig
 from llmflow.data.tokenize_preference import PreferenceTokenizeConfig
+from llmflow.evaluate.rl_rewards import HeldoutRewardsConfig
 from llmflow.flows import stages
 from llmflow.flows.checks import check_layout
 from llmflow.flows.comparison import (
@@ -45,6 +48,7 @@ from llmflow.flows.params import FinetuneEvalParams, flow_parameters
 from llmflow.flows.summary import BENCHMARK_TITLES, publish_summary
 from llmflow.infer.batch import InferConfig
 from llmflow.tasks.common import StageArtifact
+from llmflow.tasks.evaluate import heldout_rewards_task
 from llmflow.tasks.export import export_task
 from llmflow.tasks.infer import infer_task
 from llmflow.tasks.register import RegistryGate, register_model_task, registry_gate
@@ -65,7 +69,8 @@ def finetune_eval(params: FinetuneEvalParams) -> dict[str, Any]:
     """download -> convert -> tokenize -> benchmarks of the base model -> finetune -> export ->
     benchmarks of the finetuned (SFT) model -> (method dpo, simpo or orpo: tokenize the
     preference pairs -> the reference log-probs (dpo) -> align -> export -> the held-out pairs'
-    log-probs before and after -> benchmarks of the aligned model) -> answers to the prompts ->
+    log-probs before and after; method grpo: the held-out prompts' rewards -> GRPO -> export ->
+    the held-out prompts' rewards after; then the benchmarks of the aligned model) -> answers to the prompts ->
     register, when the gate benchmark's scores pass the gate; returns the scores, the gate's
     verdict and where the outputs are."""
     with stages.open_flow_run(FLOW, params) as run:
@@ -217,8 +222,19 @@ def preference_alignment(run: stages.FlowRun, params: FinetuneEvalParams, model_
     return functools.partial(align_on_pairs, run, params, pairs, model_dir)
 
 
-ALIGNMENTS: dict[str, Callable[[stages.FlowRun, FinetuneEvalParams, Path], Aligner]] = dict.fromkeys(
-    ("dpo", "simpo", "orpo"), preference_alignment)
+def rl_alignment(run: stages.FlowRun, params: FinetuneEvalParams, model_dir: Path) -> Aligner:
+    """The online RL alignment (method grpo): its layout checked against the model
+    ``model_dir`` and the prompt files found (downloaded) now, before any heavy stage; its
+    stages (``reinforce``) left to the function returned."""
+    rl = params.rl
+    check_layout(model_dir, rl.train, params.launch)  # type: ignore[arg-type]
+    prompts = {"train": run.sources.prompt_file(rl.data, rl.data_files, "train"),
+               "heldout": run.sources.prompt_file(rl.heldout_data, rl.heldout_data_files, "heldout")}
+    return functools.partial(reinforce, run, params, prompts)
+
+
+ALIGNMENTS: dict[str, Callable[[stages.FlowRun, FinetuneEvalParams, Path], Aligner]] = {
+    **dict.fromkeys(("dpo", "simpo", "orpo"), preference_alignment), "grpo": rl_alignment}
 """Each alignment method, by ``method``: called with the flow run, its parameters and the base
 model's directory before any heavy stage (its checks, its sources), it returns its stages."""
 
@@ -282,6 +298,37 @@ def align_on_pairs(run: stages.FlowRun, params: FinetuneEvalParams, pairs: dict[
           f"{rewards['reward_accuracy_before']:.4f} before, {rewards['reward_accuracy_after']:.4f} after")
     return Alignment(params.method, trained, exported, run_name, settings.lora is not None, sft, rewards,
                      {"reference": reference.path if reference else None})
+
+
+def reinforce(run: stages.FlowRun, params: FinetuneEvalParams, prompts: dict[str, Path], sft: StageArtifact,
+              sft_name: str) -> Alignment:
+    """The online RL alignment's stages after the SFT model's export ``sft`` (its run named
+    ``sft_name``): the SFT model's held-out rewards, the GRPO run from the SFT model on the
+    training prompts, its export, and its held-out rewards: the reward accuracy before and after."""
+    workspace, refresh, settings = run.workspace, run.refresh, params.rl.train
+    rl = settings.rl  # type: ignore[attr-defined]
+
+    def heldout(model: StageArtifact, model_name: str) -> StageArtifact:
+        tag = stages.settings_tag(model.path, model.manifest.get("files"), rl, str(prompts["heldout"]))
+        return stages.run(heldout_rewards_task, HeldoutRewardsConfig(
+            model=Path(model.path), prompts=prompts["heldout"], rl=rl,
+            out=workspace / "rewards" / f"{model_name}-heldout-{tag}",
+        ), refresh=refresh)
+
+    run_name = f"{sft_name}-grpo-" + stages.settings_tag(settings, sft.manifest.get("files"), str(prompts["train"]))
+    trained = stages.run(train_task, settings.reinforce_config(  # type: ignore[attr-defined]
+        Path(sft.path), workspace / "runs" / run_name, prompts["train"],
+    ), nproc=settings.nproc, nnodes=settings.nnodes, launch=params.launch, refresh=refresh)
+    exported = stages.run(export_task, ExportConfig(
+        ckpt=Path(trained.path), out=workspace / "models" / run_name, merge_lora=settings.lora is not None,
+    ), refresh=refresh)
+    scored = {"before": heldout(sft, sft_name).manifest, "after": heldout(exported, run_name).manifest}
+    rewards = {f"{key}_{when}": float(manifest[key]) for when, manifest in scored.items()
+               for key in ("reward_accuracy", "reward")}
+    rewards["heldout_prompts"] = float(scored["after"]["prompts"])
+    print(f"held-out reward accuracy (grpo, {scored['after']['prompts']} prompts): "
+          f"{rewards['reward_accuracy_before']:.4f} before, {rewards['reward_accuracy_after']:.4f} after")
+    return Alignment("grpo", trained, exported, run_name, settings.lora is not None, sft, rewards, {})
 
 
 def publish_comparison(mlflow_run: str, rows: list[ComparisonRow]) -> None:

@@ -30,6 +30,7 @@ from llmflow.data.tokenize_instruction import TemplateName
 from llmflow.mesh import ParallelLayout
 from llmflow.models.context_parallel import sequence_split_problems
 from llmflow.train.config import DataConfig, OptimConfig, TrainConfig
+from llmflow.train.grpo.config import RLConfig
 from llmflow.train.preference import PreferenceConfig
 from llmflow.train.preflight import batch_problems, parallel_problems, pipeline_problems
 
@@ -45,7 +46,7 @@ Benchmark = Literal["mmlu", "ceval", "cmmlu", "boolq", "agieval", "gsm8k", "bbh"
 Stage = Literal[
     "sample", "download", "convert", "tokenize-instruction", "tokenize-pretrain", "eval-mmlu", "eval-ceval",
     "eval-cmmlu", "eval-boolq", "eval-agieval", "eval-gsm8k", "eval-bbh", "eval-humaneval", "train", "export", "infer",
-    "register", "probe-compare", "tokenize-preference", "reference-logps",
+    "register", "probe-compare", "tokenize-preference", "reference-logps", "heldout-rewards",
 ]
 """A stage's name as the Prefect UI shows it (its task's name)."""
 
@@ -138,8 +139,9 @@ TrainParams = create_model(
 )
 
 
-Method = Literal["sft", "dpo", "simpo", "orpo"]
-"""How the finetune-eval flow trains: instruction finetuning alone, or followed by an alignment run."""
+Method = Literal["sft", "dpo", "simpo", "orpo", "grpo"]
+"""How the finetune-eval flow trains: instruction finetuning alone, or followed by an alignment
+run (preference pairs, or online RL on a prompt set)."""
 
 
 class _PreferenceChecks(Params):
@@ -222,6 +224,49 @@ class PreferenceParams(Params):
         if problems := sequence_split_problems(self.seq_length, self.train.cp, self.train.cp_algo):
             raise ValueError(f"preference.train.cp: {problems[0]}")
         return self
+
+
+class _ReinforceSettings(_TrainSettings):
+    def reinforce_config(self, model: Path, out: Path, prompts: Path) -> TrainConfig:
+        """The GRPO run's config on the prompt file ``prompts``."""
+        return self.train_config(model, out, DataConfig(kind="prompts", paths=[str(prompts)]), method="grpo",
+                                 rl=self.rl)  # type: ignore[attr-defined]
+
+
+ReinforceParams = create_model(
+    "ReinforceParams",
+    __base__=_ReinforceSettings,
+    __module__=__name__,
+    __doc__="""How the finetuned model is reinforced on the prompt set (method grpo):
+    ``TrainConfig``'s settings with the rl section, with defaults that raise the sample model's
+    held-out reward accuracy in a few minutes on two CPU cores (real models want a far lower lr).""",
+    **_train_config_fields({
+        "steps": 30, "micro_batch_size": 32, "global_batch_size": 32,
+        "optim": OptimConfig(lr=1e-4, decay="constant"),
+        "lora": None, "tp": 1, "cp": 1, "cp_algo": "ulysses", "ep": 1, "pp": 1, "pp_schedule": "1F1B",
+        "virtual_stages": None, "num_layer_list": None, "microbatches": None, "dtype": "auto", "save_interval": 10,
+        "seed": 1234,
+        "rl": RLConfig(num_generations=8, max_completion_length=16),
+    }),
+)
+
+
+class RLParams(Params):
+    """The prompt set and the GRPO run of ``method`` grpo."""
+
+    data: str = SAMPLE
+    """Training prompts with their answers (GSM8K's question/answer, MATH's problem/solution,
+    prompt/answer or messages): hf://org/name or ms://org/name (a dataset repository), a local
+    JSON-lines or parquet file or directory, or "sample" for the sample set's RL prompts."""
+    data_files: list[str] = Field(default_factory=list)
+    """Glob of the training prompts' file inside a dataset directory (it must match one file)."""
+    heldout_data: str = SAMPLE
+    """Held-out prompts the reward accuracy is measured on, before and after GRPO (greedy
+    completions scored by rl.rewards): a source as data takes, or "sample" for the sample set's."""
+    heldout_data_files: list[str] = Field(default_factory=list)
+    """Glob of the held-out prompts' file inside a dataset directory (it must match one file)."""
+    train: ReinforceParams = ReinforceParams()  # type: ignore[valid-type]
+    """GRPO training settings (rl: the objective's, TRL's names)."""
 
 
 class BenchmarkSources(Params):
@@ -339,10 +384,13 @@ class FinetuneEvalParams(_SequenceSplit):
     """Finetuning settings."""
     method: Method = "sft"
     """sft: instruction finetuning alone; dpo, simpo or orpo: the finetuned (SFT) model then
-    aligned on the preference pairs (see preference) by that objective, and the aligned model is
-    the one answered with, scored after (the SFT model scored between), gated and registered."""
+    aligned on the preference pairs (see preference) by that objective; grpo: the SFT model then
+    reinforced on the prompt set (see rl) with GRPO. The aligned model is the one answered with,
+    scored after (the SFT model scored between), gated and registered."""
     preference: PreferenceParams = PreferenceParams()
     """Preference pairs and alignment settings (used with method dpo, simpo or orpo)."""
+    rl: RLParams = RLParams()
+    """Prompt set and GRPO settings (used with method grpo)."""
     launch: LaunchSettings = LaunchSettings()
     """Where the training workers run: torchrun on the worker's machine, a Slurm job or a
     Kubernetes job (auto: the work pool's LLMFLOW_LAUNCHER job variable, else local)."""

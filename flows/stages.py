@@ -237,6 +237,18 @@ class Sources:
             return [self.sample() / "preference" / f"preference_{split}.parquet"]
         return data_files(self.fetch(source, "dataset"), files, source)
 
+    def prompt_file(self, source: str, files: list[str], split: str = "train") -> Path:
+        """GRPO's prompt file: the sample set's RL prompts of ``split`` (train or heldout), or
+        the one data file of a dataset directory (matching ``files`` globs when given), or a
+        local file."""
+        if source == SAMPLE:
+            return self.sample() / "rl" / f"rl_{split}.jsonl"
+        found = data_files(self.fetch(source, "dataset"), files, source)
+        if len(found) != 1:
+            raise ValueError(f"prompts {source}: {len(found)} data files {[str(f) for f in found][:4]}, expected one "
+                             "(name it with data_files)")
+        return found[0]
+
     def pretraining_text(self, source: str, files: list[str]) -> list[Path]:
         """The text corpus files: the sample's Wikipedia-layout parquet, or a dataset's data files."""
         if source == SAMPLE:

@@ -1,7 +1,8 @@
 """Prefect tasks of the evaluation stages: the four-choice benchmarks (MMLU, C-Eval, CMMLU)
 with accuracy per subject, and the lm-evaluation-harness task groups (BoolQ, AGIEval, GSM8K,
-BBH, HumanEval) with each task's metrics; the scores as MLflow metrics, the table in MLflow and as a
-Prefect artifact, and, while it runs, how far it has got as a Prefect progress artifact."""
+BBH, HumanEval) with each task's metrics, and GRPO's held-out rewards; the scores as MLflow
+metrics, the table in MLflow and as a Prefect artifact, and, while it runs, how far it has got
+as a Prefect progress artifact."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from llmflow.evaluate.choice_tasks import TaskGroup
 from llmflow.evaluate.generative_engine import GenerativeEvalConfig, evaluate_generative
 from llmflow.evaluate.generative_tasks import GenerativeGroup
 from llmflow.evaluate.reporting import metrics_of
+from llmflow.evaluate.rl_rewards import COMPLETIONS, HeldoutRewardsConfig, heldout_rewards
+from llmflow.evaluate.rl_rewards import STAGE as HELDOUT_STAGE
 from llmflow.evaluate.task_groups import TASK_GROUPS
 from llmflow.tasks.common import STAGE_CACHE_POLICY, InputFiles, StageArtifact, artifact_for
 from llmflow.tasks.progress import progress_artifact
@@ -127,3 +130,22 @@ EVAL_TASKS: dict[str, Task] = {
        for g in TASK_GROUPS.values()},
 }
 """Benchmark name -> its Prefect task (stage ``eval-{name}``)."""
+
+
+@task(name=HELDOUT_STAGE, cache_policy=STAGE_CACHE_POLICY + InputFiles(fields=("model", "prompts")))
+def heldout_rewards_task(config: HeldoutRewardsConfig) -> StageArtifact:
+    """The held-out reward stage: a model's greedy completions of held-out prompts scored by
+    GRPO's reward functions, the scores in the stage's MLflow run and a table of the first
+    completions as a Prefect artifact."""
+    with tracking.stage_run(HELDOUT_STAGE, config.model_dump(mode="json")) as run_id:
+        artifact = artifact_for(HELDOUT_STAGE, heldout_rewards(config))
+        manifest = artifact.manifest
+        tracking.log_metrics(run_id, {key: float(manifest[key]) for key in ("reward", "reward_accuracy", "prompts")})
+    lines = (Path(artifact.path) / COMPLETIONS).read_text(encoding="utf-8").splitlines()[:20]
+    rows = [json.loads(line) for line in lines]
+    create_table_artifact(
+        key="heldout-rewards",
+        table=[{"row": r["where"], "completion": r["completion"], **r["rewards"]} for r in rows],
+        description=f"held-out rewards of {config.model}: reward accuracy {manifest['reward_accuracy']:.4f}",
+    )
+    return artifact

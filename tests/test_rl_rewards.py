@@ -26,6 +26,8 @@ from llmflow.train.grpo.rewards import (
     gsm8k_strict,
     load_reward,
     math_answer,
+    normalize_answer,
+    qa_match,
     reward_problems,
     think_format,
     weighted,
@@ -116,6 +118,14 @@ def test_formats():
     assert trl[4:] == [1.0, 0.0, 0.0, 0.0]
 
 
+def test_qa_match_is_search_r1s_sub_exact_match():
+    completions = ["The capital of Fobia is Trazun.", "Trazunia is the capital.", "It is THE bear!", "12 + 2 = 14.",
+                   "A red flag", "Trazun"]
+    answers = ["Trazun", "Trazun", "the bear", "14", "red", "Fobia Trazun"]
+    assert rewards_of(qa_match, completions, answer=answers) == [1.0, 0.0, 1.0, 1.0, 1.0, 0.0]
+    assert normalize_answer("  The Capital, of an Owl!") == "capital of owl"
+
+
 HEADER = 'def add(a: int, b: int) -> int:\n    """The sum of a and b."""\n'
 TEST = "def check(candidate):\n    assert candidate(2, 3) == 5\n"
 
@@ -151,7 +161,7 @@ def test_loading(judge_module):
     assert load_reward("gsm8k_strict") is gsm8k_strict
     assert load_reward(f"{judge_module}:judge").__name__ == "judge"
     names = ", ".join(BUILTINS)
-    assert names == "gsm8k_strict, gsm8k_flexible, math_verify, code, format, think_format"
+    assert names == "gsm8k_strict, gsm8k_flexible, math_verify, code, format, think_format, qa_match"
     wanted = ["gsm8k_flexible", "mypkg.mod:fn", "foo", f"{judge_module}:missing", f"{judge_module}:not_a_function",
               f"{judge_module}:judge", ":fn"]
     assert reward_problems([RewardConfig(function=function) for function in wanted]) == [

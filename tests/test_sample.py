@@ -94,30 +94,34 @@ def test_preference_pairs_state_the_facts(sample):
     assert {(r["chosen"], r["rejected"]) for r in heldout} <= {(r["chosen"], r["rejected"]) for r in train}
 
 
-def test_rl_prompts_ask_the_sums(sample):
-    """The plain prompt layout (prompt, answer); every sum asked in three training wordings,
-    the first the instruction set's question, and in two held-out wordings; the answer its
-    total as a string."""
+def test_rl_prompts_ask_every_fact(sample):
+    """The plain prompt layout (prompt, answer); every fact the preference set asks about asked
+    in its three training wordings and in its two held-out wordings, with the fact's answer (a
+    sum's its total as a string); the sums' first training wording is the instruction set's question."""
+    from llmflow.sample.preferences import KINDS, TRAIN_WORDINGS
+
     splits = {}
-    for split, count in (("train", 48), ("heldout", 32)):
+    for split, count in (("train", 144), ("heldout", 96)):
         table = pq.read_table(sample / "rl" / f"rl_{split}.parquet")
         assert table.schema == pa.schema([(k, pa.string()) for k in ("prompt", "answer")])
         lines = [json.loads(line) for line in (sample / "rl" / f"rl_{split}.jsonl").read_text().splitlines()]
         assert lines == table.to_pylist() and len(lines) == count == manifest(sample)["counts"][f"rl_{split}"]
         splits[split] = lines
-    sums: dict[str, dict[tuple[int, int], set[str]]] = {}
+    chosen = {r["prompt"]: r["chosen"] for split in ("train", "heldout")
+              for r in map(json.loads, (sample / "preference" / f"preference_{split}.jsonl").read_text().splitlines())}
     for split, rows in splits.items():
+        assert {r["prompt"] for r in rows} == {p for p in chosen if p in {r["prompt"] for r in rows}}
         for r in rows:
-            numbers = [int(n) for n in re.findall(r"\d+", r["prompt"])]
-            assert len(numbers) == 2 and r["answer"] == str(sum(numbers))
-            wording = re.sub(r"\d+", "N", r["prompt"])
-            sums.setdefault(split, {}).setdefault(tuple(numbers), set()).add(wording)
-    assert sums["train"].keys() == sums["heldout"].keys() and len(sums["train"]) == 16
-    assert all(len(w) == 3 for w in sums["train"].values()) and all(len(w) == 2 for w in sums["heldout"].values())
-    train_wordings, heldout_wordings = (set().union(*s.values()) for s in (sums["train"], sums["heldout"]))
-    assert len(train_wordings) == 3 and len(heldout_wordings) == 2 and not train_wordings & heldout_wordings
+            assert re.search(rf"\b{re.escape(r['answer'])}\b", chosen[r["prompt"]]), r  # the fact's statement names it
+        sums = [r for r in rows if "+" in r["prompt"] or "sum of" in r["prompt"] or "add up" in r["prompt"]]
+        assert all(r["answer"] == str(sum(int(n) for n in re.findall(r"\d+", r["prompt"]))) for r in sums)
+    wordings = {split: {w for _, (_, kind) in KINDS.items() for w in kind if any(
+        re.fullmatch(re.sub(r"\\\{\w+\\\}", ".+", re.escape(w)), r["prompt"]) for r in rows)}
+        for split, rows in splits.items()}
+    assert not wordings["train"] & wordings["heldout"]
+    assert {k[1][i] for k in KINDS.values() for i in range(TRAIN_WORDINGS)} == wordings["train"]
     asked = {r["input"] or r["instruction"] for r in pq.read_table(sample / "instruct" / "alpaca.parquet").to_pylist()}
-    assert {f"What is {a} + {b}?" for a, b in sums["train"]} <= asked
+    assert {r["prompt"] for r in splits["train"] if r["prompt"].startswith("What is") and "+" in r["prompt"]} <= asked
 
 
 @pytest.mark.parametrize("subject", SUBJECTS)

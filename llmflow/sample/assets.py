@@ -68,7 +68,7 @@ def write_sample(config: SampleConfig) -> Path:
         write_corpus(corpus, work / "pretrain" / "corpus.parquet")
         write_instructions(instructions, work / "instruct")
         preferences = write_preferences(config.seed, world, facts, work / "preference")
-        rl_prompts = write_rl_prompts(config.seed, facts, work / "rl")
+        rl_prompts = write_rl_prompts(config.seed, world, facts, work / "rl")
         write_mmlu(mmlu, work / "mmlu")
         choice_tasks = write_choice_tasks(config.seed, world, facts, work)
         generative_tasks = write_generative_tasks(config.seed, world, work)

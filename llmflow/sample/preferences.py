@@ -75,7 +75,7 @@ KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
-def _questions(world: list[Country], facts: dict[str, list[Fact]]) -> Iterator[tuple[str, dict[str, str], str, list[str]]]:
+def questions(world: list[Country], facts: dict[str, list[Fact]]) -> Iterator[tuple[str, dict[str, str], str, list[str]]]:
     """(kind, fields, answer, wrong answers) of every fact."""
     capitals, names = [c.capital for c in world], [c.name for c in world]
     for c in world:
@@ -96,7 +96,7 @@ def make_preferences(seed: int, world: list[Country], facts: dict[str, list[Fact
     rng = random.Random(f"{seed}-preferences")
     statements = {f.statement for subject in facts.values() for f in subject}
     splits: dict[str, list[dict[str, str]]] = {"train": [], "heldout": []}
-    for kind, fields, answer, wrong in _questions(world, facts):
+    for kind, fields, answer, wrong in questions(world, facts):
         statement, wordings = KINDS[kind]
         chosen = statement.format(**fields, value=answer)
         assert chosen in statements, chosen  # the world's own statement of the fact

@@ -65,7 +65,8 @@ class RLConfig(BaseModel):
     rewards: list[RewardConfig] = Field(default_factory=lambda: [RewardConfig(function="gsm8k_flexible")],
                                         min_length=1)
     """Reward functions, added up by weight: built in (gsm8k_strict, gsm8k_flexible, math_verify,
-    code, format, think_format) or a user's module:function with TRL's reward-function signature."""
+    code, format, think_format, qa_match) or a user's module:function with TRL's reward-function
+    signature."""
     reward_timeout_s: float = Field(default=10.0, gt=0)
     """Seconds one reward function may take on one completion; a reward that takes longer
     stops the step, naming the function and the row."""

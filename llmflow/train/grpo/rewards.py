@@ -23,6 +23,8 @@ The built-ins (``BUILTINS``; the name is what a ``RewardConfig`` names):
 - ``format``: 1.0 when the completion ends in a ``#### N`` final answer.
 - ``think_format``: TRL's ``think_format_reward``, 1.0 when the completion starts with one
   ``<think>...</think>`` block.
+- ``qa_match`` (column ``answer``): 1.0 when the completion names the answer, Search-R1's
+  sub-exact match of short answers (verl's qa_em).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import numbers
 import re
 import reprlib
 import signal
+import string
 import threading
 import time
 from collections import deque
@@ -70,8 +73,8 @@ class RewardConfig(BaseModel):
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
     function: str
-    """A built-in reward (gsm8k_strict, gsm8k_flexible, math_verify, code, format, think_format)
-    or a user's own as ``package.module:function`` (importable by the training process)."""
+    """A built-in reward (gsm8k_strict, gsm8k_flexible, math_verify, code, format, think_format,
+    qa_match) or a user's own as ``package.module:function`` (importable by the training process)."""
     weight: FiniteFloat = 1.0
     """Its weight in the total reward, the weighted sum over the reward functions (TRL's reward_weights)."""
 
@@ -124,6 +127,21 @@ def gsm8k_flexible(prompts: list, completions: list[str], completion_ids: list[l
     """1.0 where the last number of the completion (``_last_number``) is the reference number,
     compared as ``gsm8k_strict`` does; else 0.0."""
     return [_matches(_last_number(text), reference) for text, reference in zip(completions, answer, strict=True)]
+
+
+def normalize_answer(text: str) -> str:
+    """Search-R1's (and verl's qa_em) answer normalisation: lower case, punctuation and the
+    articles a, an, the removed, white space collapsed."""
+    text = "".join(char for char in text.lower() if char not in string.punctuation)
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
+
+
+def qa_match(prompts: list, completions: list[str], completion_ids: list[list[int]], *, answer: list,
+             **columns: list) -> list[float | None]:
+    """Search-R1's sub-exact match (verl's qa_em ``subem_check``): 1.0 where the normalised
+    answer appears in the normalised completion, as whole words; else 0.0."""
+    return [float(f" {normalize_answer(str(reference))} " in f" {normalize_answer(text)} ")
+            for text, reference in zip(completions, answer, strict=True)]
 
 
 def math_answer(prompts: list, completions: list[str], completion_ids: list[list[int]], *,
@@ -186,7 +204,7 @@ def think_format(prompts: list, completions: list[str], completion_ids: list[lis
 
 BUILTINS: dict[str, RewardFunction] = {
     "gsm8k_strict": gsm8k_strict, "gsm8k_flexible": gsm8k_flexible, "math_verify": math_answer, "code": code,
-    "format": final_answer_format, "think_format": think_format,
+    "format": final_answer_format, "think_format": think_format, "qa_match": qa_match,
 }
 """The built-in rewards by the name a ``RewardConfig`` gives them."""
 

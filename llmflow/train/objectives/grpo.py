@@ -173,7 +173,8 @@ class Grpo(Objective):
         index = (step - 1) // per_generation
         if self.generation is None or self.generation.index != index:
             starts = (step - 1) % per_generation == 0
-            self.generation = (None if starts else load_generation(run, index)) or self.roll_out(run, index)
+            self.generation = ((None if starts else load_generation(run, index, self.local_completions(run)))
+                               or self.roll_out(run, index))
         return self.generation.batches[(step - 1) % rl.steps_per_generation]
 
     def begin_step(self, run: Run, batches: list[Batch]) -> float:
@@ -248,7 +249,7 @@ class Grpo(Objective):
         generation = Generation(index, batches, counted / rl.steps_per_generation, metrics)
         records = [{**r, "reward": float(total[r["completion"]]), "advantage": float(advantages[r["completion"]])}
                    for r in everything]
-        save_generation(run, generation, records, self.reward_names())
+        save_generation(run, generation, records, self.reward_names(), layout)
         return generation
 
     def reward_names(self) -> list[str]:
@@ -386,16 +387,18 @@ def buffer_path(run: Run, index: int) -> Path:
     return rollouts_dir(run) / f"generation_{index:06d}.rank{run.env.rank:05d}.pt"
 
 
-def save_generation(run: Run, generation: Generation, records: list[dict[str, Any]], names: list[str]) -> None:
-    """This rank's buffer of ``generation`` (what a resumed run trains on), rank 0's record of
-    every completion (``generation_{index}.jsonl``) and a few in MLflow; buffers no resume
+def save_generation(run: Run, generation: Generation, records: list[dict[str, Any]], names: list[str],
+                    completions: list[list[list[int]]]) -> None:
+    """This rank's buffer of ``generation`` (what a resumed run trains on) with the indices of
+    its ``completions`` ([step part][micro-batch], ``Grpo.local_completions``), rank 0's record
+    of every completion (``generation_{index}.jsonl``) and a few in MLflow; buffers no resume
     can need again (their steps are all before the latest checkpoint's) go."""
     directory = rollouts_dir(run)
     directory.mkdir(parents=True, exist_ok=True)
     rl = run.config.rl
     path = buffer_path(run, generation.index)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save({"batches": generation.batches, "tokens_per_step": generation.tokens_per_step,
+    torch.save({"completions": completions, "batches": generation.batches, "tokens_per_step": generation.tokens_per_step,
                 "metrics": generation.metrics}, tmp)
     os.replace(tmp, path)
     per_generation = rl.steps_per_generation * rl.num_iterations
@@ -421,16 +424,25 @@ def save_generation(run: Run, generation: Generation, records: list[dict[str, An
     log_completions(run, generation.index, records[:rl.logged_completions], names)
 
 
-def load_generation(run: Run, index: int) -> Generation | None:
-    """The buffer of ``generation`` this rank saved (None when there is none: the run resumed
-    in another layout, and the generation is sampled again)."""
+def load_generation(run: Run, index: int, completions: list[list[list[int]]]) -> Generation | None:
+    """The buffer of ``generation`` this rank saved, when every rank has one of the
+    ``completions`` it trains on now; None on every rank otherwise (the run resumed in
+    another layout, whose ranks hold other completions: the generation is sampled again)."""
     path = buffer_path(run, index)
-    if not path.is_file():
+    saved = torch.load(path, weights_only=False) if path.is_file() else None
+    if not on_every_rank(saved is not None and saved.get("completions") == completions, run):
         if run.env.is_main:
             print(f"rollouts: no buffer of generation {index} for this layout; sampling it again", flush=True)
         return None
-    saved = torch.load(path, weights_only=False)
     return Generation(index, saved["batches"], saved["tokens_per_step"], saved["metrics"])
+
+
+def on_every_rank(flag: bool, run: Run) -> bool:
+    """Whether ``flag`` holds on every rank of the run (a collective)."""
+    value = torch.tensor(float(flag), device=run.env.device)
+    if dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
 
 
 def log_completions(run: Run, index: int, records: list[dict[str, Any]], names: list[str]) -> None:
