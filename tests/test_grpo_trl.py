@@ -30,7 +30,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarnin
               pytest.mark.filterwarnings("ignore::UserWarning")]
 
 ATOL = 1e-5
-"""Largest |difference| of an advantage, a logged metric or a parameter element (fp32)."""
+"""Largest |difference| of an advantage, a parameter element or a logged metric (fp32; a
+metric above 1 relative to its size)."""
 SEED = 1234
 ADAM_EPS = 1e-4
 """AdamW's epsilon on both sides: at the default 1e-8, Adam's first steps move an element by
@@ -176,7 +177,8 @@ def compare(mine, trl, rl: dict, lora: dict | None) -> None:
     assert len(trl_metrics) == 3
     for step, (a, b) in enumerate(zip(our_metrics, trl_metrics, strict=True), start=1):
         for name in METRICS + (("kl",) if rl.get("beta") else ()):
-            assert abs(a[name] - b[name]) <= ATOL, (step, name, a[name], b[name])
+            # relative past 1: the kl of a policy far from its reference reaches 10 and more
+            assert abs(a[name] - b[name]) <= ATOL * max(1.0, abs(b[name])), (step, name, a[name], b[name])
     assert any(m["clip_ratio/region_mean"] > 0 for m in our_metrics), "no ratio was clipped: the check is too weak"
     trained = [name for name in our_params if lora is None or "lora_" in name]
     assert trained

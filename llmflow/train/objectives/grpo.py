@@ -281,7 +281,7 @@ class Grpo(Objective):
         if self._rl.soft_punish_cache:
             matrix = np.concatenate([matrix, [[self.overlong(len(sampled[c][0]))] for c in order]], axis=1)
         masked = self._rl.mask_truncated_completions
-        return [{"completion": c, "where": rows[c].where, "prompt": self.tokenizer.decode(rows[c].prompt_ids),
+        return [{"completion": c, "where": rows[c].where, "prompt": self.tokenizer.decode(rows[c].prompt_ids, skip_special_tokens=False),
                  "completion_ids": sampled[c][0], "text": text, "rewards": matrix[i].tolist(),
                  "truncated": sampled[c][2], "length": len(sampled[c][0]),
                  "counted_tokens": 0 if masked and sampled[c][2] else len(sampled[c][0])}
