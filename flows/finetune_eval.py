@@ -315,6 +315,7 @@ def reinforce(run: stages.FlowRun, params: FinetuneEvalParams, prompts: dict[str
             out=workspace / "rewards" / f"{model_name}-heldout-{tag}",
         ), refresh=refresh)
 
+    before = heldout(sft, sft_name).manifest
     run_name = f"{sft_name}-grpo-" + stages.settings_tag(settings, sft.manifest.get("files"), str(prompts["train"]))
     trained = stages.run(train_task, settings.reinforce_config(  # type: ignore[attr-defined]
         Path(sft.path), workspace / "runs" / run_name, prompts["train"],
@@ -322,7 +323,7 @@ def reinforce(run: stages.FlowRun, params: FinetuneEvalParams, prompts: dict[str
     exported = stages.run(export_task, ExportConfig(
         ckpt=Path(trained.path), out=workspace / "models" / run_name, merge_lora=settings.lora is not None,
     ), refresh=refresh)
-    scored = {"before": heldout(sft, sft_name).manifest, "after": heldout(exported, run_name).manifest}
+    scored = {"before": before, "after": heldout(exported, run_name).manifest}
     rewards = {f"{key}_{when}": float(manifest[key]) for when, manifest in scored.items()
                for key in ("reward_accuracy", "reward")}
     rewards["heldout_prompts"] = float(scored["after"]["prompts"])

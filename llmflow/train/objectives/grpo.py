@@ -446,7 +446,8 @@ def on_every_rank(flag: bool, run: Run) -> bool:
 
 
 def log_completions(run: Run, index: int, records: list[dict[str, Any]], names: list[str]) -> None:
-    """A few of the generation's completions as an MLflow table (prompt, completion, rewards, advantage)."""
+    """A few of the generation's completions appended to the run's MLflow table ``completions.json``
+    (generation, prompt, completion, rewards, advantage)."""
     run_id = run.config.mlflow_run_id or os.environ.get("LLMFLOW_MLFLOW_RUN_ID")
     if not run_id or not records:
         return
@@ -456,5 +457,6 @@ def log_completions(run: Run, index: int, records: list[dict[str, Any]], names: 
              "completion": [r["text"] for r in records], "advantage": [r["advantage"] for r in records],
              "truncated": [r["truncated"] for r in records],
              **{f"reward/{name}": [r["rewards"][i] for r in records] for i, name in enumerate(names)}}
-    MlflowClient().log_table(run_id, table, f"completions/generation_{index:06d}.json")
+    # One table, appended to (each table file would add an entry to a run tag MLflow cuts at 8000 characters).
+    MlflowClient().log_table(run_id, table, "completions.json")
 
