@@ -42,9 +42,10 @@ def summary_markdown(flow: str, result: dict[str, Any], mlflow_run: str) -> str:
 
 
 HELDOUT_SCORES = {
-    "heldout_pairs": ("held-out preference pairs", (("reward_accuracy", "reward accuracy"),
-                                                    ("reward_margin", "reward margin"))),
-    "heldout_prompts": ("held-out prompts", (("reward_accuracy", "reward accuracy"), ("reward", "mean reward"))),
+    "heldout_pairs": ("held-out preference pairs", "held-out pairs",
+                      (("reward_accuracy", "reward accuracy"), ("reward_margin", "reward margin"))),
+    "heldout_prompts": ("held-out prompts", "held-out prompts",
+                        (("reward_accuracy", "reward accuracy"), ("reward", "mean reward"))),
 }
 """What each kind of alignment measures on its held-out set (by the count its result holds):
 the preference pairs' implicit reward, or the prompts' greedy completions' rewards (grpo)."""
@@ -55,10 +56,10 @@ def alignment_markdown(result: dict[str, Any]) -> list[str]:
     kind = next((key for key in HELDOUT_SCORES if key in result), None)
     if kind is None or "reward_accuracy_after" not in result:
         return []
-    what, scores = HELDOUT_SCORES[kind]
+    what, column, scores = HELDOUT_SCORES[kind]
     rows = [f"| {label} | {result[f'{key}_before']:.4f} | {result[f'{key}_after']:.4f} |" for key, label in scores]
     return [f"Alignment ({result['method']}) on {int(result[kind])} {what}:", "",
-            f"| {what} | before | after |", "|---|---|---|", *rows, ""]
+            f"| {column} | before | after |", "|---|---|---|", *rows, ""]
 
 
 def comparison_markdown(rows: list[dict[str, Any]]) -> list[str]:

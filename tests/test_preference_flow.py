@@ -211,7 +211,7 @@ def test_a_bad_alignment_setting_is_refused_naming_the_field(tmp_path):
         dpo_params(tmp_path, preference={"train": {"nproc": 3, "tp": 2}})
     with pytest.raises(ValidationError, match=r"preference\.train\.cp: seq_length=100 is not divisible by cp=8"):
         dpo_params(tmp_path, preference={"seq_length": 100, "train": {"nproc": 8, "cp": 8}})
-    with pytest.raises(ValidationError, match=r"method\n.*'sft', 'dpo', 'simpo' or 'orpo'"):
+    with pytest.raises(ValidationError, match=r"method\n.*'sft', 'dpo', 'simpo', 'orpo' or 'grpo'"):
         dpo_params(tmp_path, method="ppo")
     assert dpo_params(tmp_path, method="orpo").preference.train.preference.beta == 0.1
 
