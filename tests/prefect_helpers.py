@@ -52,15 +52,24 @@ def flow_run_artifacts(flow_run_id, kind: str) -> list:
             flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), type=ArtifactFilterType(any_=[kind])))
 
 
-def task_states(flow_run_id) -> dict[str, list[str]]:
-    """Task name -> the state names of its runs in the flow run, in start order."""
+def task_states(flow_run_id, wait_s: float = 30.0) -> dict[str, list[str]]:
+    """Task name -> the state names of its runs in the flow run, in start order. The server
+    records a task run from its events, so a run may show without a state for a moment after
+    its flow run finished: read again until every run has one (``wait_s`` at most)."""
+    import time
+
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.client.schemas.sorting import TaskRunSort
 
+    deadline = time.monotonic() + wait_s
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
-                                     sort=TaskRunSort.EXPECTED_START_TIME_ASC)
+        while True:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                                         sort=TaskRunSort.EXPECTED_START_TIME_ASC)
+            if all(run.state is not None for run in runs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
     states: dict[str, list[str]] = {}
     for run in runs:
         states.setdefault(run.name.rsplit("-", 1)[0], []).append(run.state.name)

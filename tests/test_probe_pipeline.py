@@ -148,7 +148,8 @@ def _check_whole_comparison(rows, out: Path, mode: str, level: str = "mix") -> N
         if message == REPEATED:  # the rotary tables the second stage computes again
             assert parts == [["rank1", parts[0][1], 1]] and "in rotary_cos_sin" in stack[0], row.leaf.name
         elif message == OUTSIDE:  # the training loop's and the schedule's own tensor work
-            assert "llmflow/train/loop.py" in stack[0] or "models/pipeline.py" in stack[0], row.leaf.name
+            assert any(place in stack[0] for place in ("llmflow/train/run.py", "llmflow/train/loop.py",
+                                                       "models/pipeline.py")), row.leaf.name
         else:  # statistics of the tied weight's gradient parts do not give their sum
             assert mode != "tensor" and row.leaf.entry.startswith(TIED_GRADIENT), row.leaf.name
             assert message.startswith(SHARED_GRADIENT.format(stages=[0, 1], why="")), message
