@@ -292,17 +292,23 @@ def describe(row: dict, args: argparse.Namespace) -> str:
             f"of chosen | rejected | padding)")
 
 
-def report(row: dict, args: argparse.Namespace, loads: list[float], load_after: float) -> list[str]:
-    """The History entry (markdown lines)."""
+def trl_heading(name: str, threads: int, loads: list[float], load_after: float) -> str:
+    """The History heading of a benchmark against TRL: the date, machine, libraries, threads and load."""
     import transformers
     import trl
 
-    runs = row["runs"]
     load = ", ".join(f"{x:.1f}" for x in loads)
+    return (f"### {name} ({time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+            f"transformers {transformers.__version__}, trl {trl.__version__}, {threads} threads, "
+            f"load average {load} at the rounds' starts, {load_after:.1f} after)")
+
+
+def report(row: dict, args: argparse.Namespace, loads: list[float], load_after: float) -> list[str]:
+    """The History entry (markdown lines)."""
+
+    runs = row["runs"]
     lines = [
-        (f"### dpo ({time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-         f"transformers {transformers.__version__}, trl {trl.__version__}, {runs['llmflow'][0]['threads']} threads, "
-         f"load average {load} at the rounds' starts, {load_after:.1f} after)"),
+        trl_heading("dpo", runs['llmflow'][0]['threads'], loads, load_after),
         "",
         (f"`python -m bench.dpo --rounds {args.rounds} --steps {args.steps} --warmup {args.warmup} --pairs {args.pairs} "
          f"--prompt {args.prompt} --response {args.response}`: one DPO step (sigmoid, beta {BETA}), fp32, full "
