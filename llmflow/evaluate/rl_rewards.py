@@ -57,7 +57,7 @@ def heldout_rewards(config: HeldoutRewardsConfig) -> Path:
                                config.batch_size)
     with RewardScorer(rl.rewards, rl.reward_timeout_s, rl.reward_workers) as scorer:
         matrix = scorer.score([row.prompt for row in rows], [r.text for r in results], [r.tokens for r in results],
-                              [{k: v for k, v in row.columns.items() if k != "prompt"} for row in rows],
+                              [row.reward_columns() for row in rows],
                               [row.where for row in rows])
     total = weighted(matrix, scorer.weights)
     correct = np.all(np.isnan(matrix) | (matrix == 1.0), axis=1) & ~np.isnan(matrix).all(axis=1)

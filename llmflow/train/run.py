@@ -192,11 +192,12 @@ def pipeline_run(run: Run, batches: list[Batch], schedule_call) -> list[torch.Te
     return losses
 
 
-def all_reduce_over(tensor: torch.Tensor, *groups: Any) -> torch.Tensor:
-    """``tensor`` summed in place over each group of ``groups`` that exists (None: a dimension of size 1)."""
+def all_reduce_over(tensor: torch.Tensor, *groups: Any, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+    """``tensor`` reduced in place by ``op`` (a sum by default) over each group of ``groups``
+    that exists (None: a dimension of size 1)."""
     for group in groups:
         if group is not None:
-            dist.all_reduce(tensor, group=group)
+            dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
 

@@ -4,6 +4,7 @@ context, reward functions that do not import."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from llmflow.data.readers import InputError
@@ -43,11 +44,22 @@ def rl_problems(rl: RLConfig, prompts: str | Path, model_path: str | Path, model
 def longest_sequence(rl: RLConfig, prompts: str | Path, model_path: str | Path) -> int | None:
     """The longest prompt of the ``prompts`` file plus ``rl.max_completion_length``: the
     memory plan's sequence length (None when the prompts cannot be read)."""
+    try:
+        stat = Path(prompts).stat()
+    except OSError:
+        return None
+    longest = _longest_prompt(str(prompts), stat.st_size, stat.st_mtime_ns, str(model_path), rl.template)
+    return longest + rl.max_completion_length if longest is not None else None
+
+
+@functools.lru_cache(maxsize=8)
+def _longest_prompt(prompts: str, size: int, mtime_ns: int, model_path: str, template: str) -> int | None:
+    """The longest rendered prompt of a file, read once per content (its size and modification
+    time in the key): the memory plan asks for it again for every layout it tries."""
     tokenizer = tokenizer_dir(model_path)
     if tokenizer is None:
         return None
     try:
-        rendered = render_prompts(read_prompt_rows(prompts), tokenizer, rl.template)
-    except (InputError, TemplateError, TokenizeError, OSError):
+        return max(len(p) for p in render_prompts(read_prompt_rows(prompts), tokenizer, template))
+    except (InputError, TemplateError, TokenizeError):
         return None
-    return max(len(p) for p in rendered) + rl.max_completion_length

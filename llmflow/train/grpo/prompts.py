@@ -81,6 +81,11 @@ class PromptRow:
     prompt_ids: list[int] = field(default_factory=list)
     """The rendered prompt's token ids (``render_prompts``)."""
 
+    def reward_columns(self) -> dict[str, Any]:
+        """The columns reward functions get as keyword arguments: all but the prompt (passed
+        apart, as TRL passes it)."""
+        return {k: v for k, v in self.columns.items() if k != "prompt"}
+
 
 def read_prompt_rows(path: str | Path) -> list[PromptRow]:
     """Every prompt of a JSON-lines or parquet file, the whole file read and checked first:

@@ -199,9 +199,7 @@ class Grpo(Objective):
 
     def end_step(self, run: Run) -> dict[str, float]:
         sums = all_reduce_over(torch.stack(self.stats).sum(0), run.topo.dp_group)
-        extremes = torch.stack(self.extremes).amax(0)
-        if run.topo.dp_group is not None:
-            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=run.topo.dp_group)
+        extremes = all_reduce_over(torch.stack(self.extremes).amax(0), run.topo.dp_group, op=dist.ReduceOp.MAX)
         low, high, region, count, kl, tokens = sums.tolist()
         metrics = dict(zip(CLIP_SUMS, (x / max(count, 1.0) for x in (low, high, region)), strict=True))
         metrics["clip_ratio/low_min"] = -float(extremes[0]) if torch.isfinite(extremes[0]) else 0.0
@@ -242,9 +240,9 @@ class Grpo(Objective):
         total = (rewards * weights).nansum(dim=1)
         total[torch.isnan(rewards).all(dim=1)] = float("nan")
         advantages, zero_std = group_advantages(total, rl.num_generations, rl.scale_rewards)
-        batches, drift, entropy = self.prepare_batches(run, layout, sampled, rows, advantages)
+        batches, sums, drift = self.prepare_batches(run, layout, sampled, rows, advantages)
         counted = sum(r["counted_tokens"] for r in everything)
-        metrics = self.rollout_metrics(everything, rewards, total, zero_std, drift, entropy, run)
+        metrics = self.rollout_metrics(everything, rewards, total, zero_std, sums, drift, run)
         metrics["time/rollout_s"] = time.perf_counter() - started
         generation = Generation(index, batches, counted / rl.steps_per_generation, metrics)
         records = [{**r, "reward": float(total[r["completion"]]), "advantage": float(advantages[r["completion"]])}
@@ -275,8 +273,8 @@ class Grpo(Objective):
     def score(self, order: list[int], rows: dict[int, PromptRow], sampled: dict[int, Any]) -> list[dict[str, Any]]:
         """This rank's completions' records with every reward (NaN where not applicable)."""
         texts = [self.tokenizer.decode(sampled[c][0], skip_special_tokens=True) for c in order]
-        columns = [{k: v for k, v in rows[c].columns.items() if k != "prompt"} for c in order]
-        matrix = self.scorer.score([rows[c].prompt for c in order], texts, [sampled[c][0] for c in order], columns,
+        matrix = self.scorer.score([rows[c].prompt for c in order], texts, [sampled[c][0] for c in order],
+                                   [rows[c].reward_columns() for c in order],
                                    [rows[c].where for c in order])
         if self._rl.soft_punish_cache:
             matrix = np.concatenate([matrix, [[self.overlong(len(sampled[c][0]))] for c in order]], axis=1)
@@ -299,11 +297,11 @@ class Grpo(Objective):
                         rows: dict[int, PromptRow], advantages: torch.Tensor
                         ) -> tuple[list[list[Batch]], torch.Tensor, torch.Tensor]:
         """The micro-batches of every step part with the old (and reference) log-probs from the
-        trainer's forward; the largest and summed sampler-vs-trainer log-prob difference and
-        the summed entropy [sum, tokens] of the counted tokens."""
+        trainer's forward; this rank's sums [sampler-vs-trainer log-prob difference, completion
+        tokens, entropy of the counted tokens, counted tokens] and the largest difference."""
         model = run.parts[0]
-        drift = torch.zeros(3, dtype=torch.float64)  # max, sum, tokens
-        entropy = torch.zeros(2, dtype=torch.float64)
+        sums = torch.zeros(4, dtype=torch.float64)
+        drift = torch.zeros((), dtype=torch.float64)
         batches = []
         for part in layout:
             part_batches = []
@@ -313,22 +311,20 @@ class Grpo(Objective):
                 nll, token_entropy = model(**inputs, loss_reduction="none", return_entropy=True,
                                            **self.model_kwargs())
                 old = -nll.float().cpu()
-                targets = batch["targets"]
+                scored = (batch["targets"] != -100).float()
                 counted = torch.tensor([0.0 if self._rl.mask_truncated_completions and sampled[c][2] else 1.0
                                         for c in micro]).unsqueeze(1)
-                mask = (targets != -100).float() * counted
-                sampler = scatter_tokens([sampled[c][1] for c in micro], targets)
-                difference = (old - sampler).abs() * (targets != -100)
-                drift[0] = max(drift[0], difference.max().double())
-                drift[1] += difference.sum().double()
-                drift[2] += (targets != -100).sum()
-                entropy += torch.tensor([(token_entropy.float().cpu() * mask).sum(), mask.sum()], dtype=torch.float64)
+                mask = scored * counted
+                difference = (old - scatter_tokens([sampled[c][1] for c in micro], batch["targets"])).abs() * scored
+                drift = torch.maximum(drift, difference.max().double())
+                sums += torch.stack([difference.sum(), scored.sum(), (token_entropy.float().cpu() * mask).sum(),
+                                     mask.sum()]).double()
                 batch |= {"old_logps": old, "mask": mask, "advantages": advantages[micro].clone()}
                 if self._rl.beta:
                     batch["ref_logps"] = self.reference_logps(run, inputs)
                 part_batches.append(batch)
             batches.append(part_batches)
-        return batches, drift, entropy
+        return batches, sums, drift
 
     def reference_logps(self, run: Run, inputs: Batch) -> torch.Tensor:
         """The reference model's log-probs of a micro-batch: the base under LoRA, else the frozen copy."""
@@ -339,13 +335,11 @@ class Grpo(Objective):
             return -model(**inputs, loss_reduction="none", **self.model_kwargs()).float().cpu()
 
     def rollout_metrics(self, records: list[dict[str, Any]], rewards: torch.Tensor, total: torch.Tensor,
-                        zero_std: torch.Tensor, drift: torch.Tensor, entropy: torch.Tensor, run: Run) -> dict[str, float]:
-        """TRL's generation metrics of the whole generation batch."""
-        drift = all_reduce_over(drift[1:].clone(), run.topo.dp_group).tolist() + [drift[0].item()]
-        largest = torch.tensor(drift[2])
-        if run.topo.dp_group is not None:
-            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=run.topo.dp_group)
-        entropy = all_reduce_over(entropy.clone(), run.topo.dp_group).tolist()
+                        zero_std: torch.Tensor, sums: torch.Tensor, drift: torch.Tensor, run: Run) -> dict[str, float]:
+        """TRL's generation metrics of the whole generation batch (``sums`` and ``drift``: this
+        rank's, as ``prepare_batches`` gives them)."""
+        difference, scored, entropy, counted = all_reduce_over(sums, run.topo.dp_group).tolist()
+        largest = all_reduce_over(drift, run.topo.dp_group, op=dist.ReduceOp.MAX).item()
         lengths = torch.tensor([float(r["length"]) for r in records])
         truncated = torch.tensor([r["truncated"] for r in records])
         ended = lengths[~truncated] if (~truncated).any() else torch.zeros(1)
@@ -357,9 +351,9 @@ class Grpo(Objective):
             "completions/mean_terminated_length": ended.mean().item(),
             "completions/min_terminated_length": ended.min().item(),
             "completions/max_terminated_length": ended.max().item(),
-            "entropy": entropy[0] / max(entropy[1], 1.0),
-            "sampling/sampling_logp_difference/mean": drift[0] / max(drift[1], 1.0),
-            "sampling/sampling_logp_difference/max": float(largest),
+            "entropy": entropy / max(counted, 1.0),
+            "sampling/sampling_logp_difference/mean": difference / max(scored, 1.0),
+            "sampling/sampling_logp_difference/max": largest,
         }
         for i, name in enumerate(self.reward_names()):
             metrics[f"rewards/{name}/mean"] = torch.nanmean(rewards[:, i]).item()
