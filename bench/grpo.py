@@ -390,9 +390,10 @@ def report(row: dict, args: argparse.Namespace, loads: list[float], load_after: 
          f"alternating, each run after waiting for the other jobs to leave the CPUs idle; figures over "
          f"{rounds_used(row)} (other jobs under {QUIET_CORES} cores during both runs of a round); step time = "
          f"median of {args.steps} steps after {args.warmup} warm-up. Rollout: TRL's "
-         f"`_generate_and_score_completions`, llmflow's `time/rollout_s` (sampling, rewards, the old log-probs' "
-         f"forward); sampling: TRL's `_generate_single_turn`, llmflow's `sample_rows`; update: llmflow's "
-         f"`time/update_s` (forward + backward)."),
+         f"`_generate_and_score_completions`, llmflow's `time/rollout_s` (sampling, rewards; on-policy, "
+         f"as here, neither side runs a scoring forward for the old log-probs); sampling: TRL's "
+         f"`_generate_single_turn`, llmflow's `sample_rows`; update: llmflow's `time/update_s` (forward, with the "
+         f"entropy from the loss's chunks, + backward)."),
         "",
         ("| side | step s median (min-max) | rollout s | of which sampling s | rest of the step s | update s "
          "| first step s | setup s | completion length | peak RSS MiB | other jobs, cores |"),

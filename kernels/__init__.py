@@ -21,7 +21,7 @@ __all__ = [
     "linear_cross_entropy",
     "rms_norm",
     "swiglu",
-    "token_entropy",
+    "token_cross_entropy",
     "use_kernels",
 ]
 
@@ -128,10 +128,12 @@ def linear_cross_entropy(
     return kernels_for(hidden.device.type).linear_cross_entropy(hidden, weight, labels, ignore_index, reduction)
 
 
-def token_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Entropy of the softmax of ``hidden @ weight.T`` at every token whose label is not
-    ignored (0 elsewhere), without gradient; a replicated DTensor weight as for the loss."""
-    return cross_entropy.token_entropy(hidden, _replicated_local(weight), labels, ignore_index)
+def token_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                        ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token's cross-entropy of ``hidden @ weight.T`` and the entropy of its softmax (a
+    metric, without gradient), both [tokens] and 0 where the label is ignored, from the fused
+    chunks on every device; a replicated DTensor weight as for the loss."""
+    return cross_entropy.token_cross_entropy(hidden, _replicated_local(weight), labels, ignore_index, with_entropy=True)
 
 
 def _replicated_local(weight: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,6 @@ during the forward pass, so the backward pass only scales what is already there.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 # Elements of one chunk's fp32 logits (2**26 floats = 256 MiB): ~440 tokens per chunk at
 # Qwen's vocabulary, large enough for efficient matmuls (measured fastest on CPU).
@@ -126,9 +124,9 @@ def linear_cross_entropy(
         raise ValueError(
             f"expected hidden [tokens, hidden] and labels [tokens], got {tuple(hidden.shape)} and {tuple(labels.shape)}"
         )
-    rows = chunk_rows or _chunk_rows(weight.shape[0])
     if reduction == "none":
-        return _token_cross_entropy(hidden, weight, labels, ignore_index, rows)
+        return token_cross_entropy(hidden, weight, labels, ignore_index, chunk_rows=chunk_rows)
+    rows = chunk_rows or _chunk_rows(weight.shape[0])
     grad_on = torch.is_grad_enabled()
     return _LinearCrossEntropy.apply(
         hidden, weight, labels, ignore_index, reduction, rows,
@@ -136,36 +134,71 @@ def linear_cross_entropy(
     )
 
 
-def _chunk_token_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    logits = torch.matmul(h, weight.t()).float()
-    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="none")
+class _TokenLinearCrossEntropy(torch.autograd.Function):
+    """Every token's loss [tokens] (0 where its label is ignored) and, as a metric without
+    gradient, the entropy of its predicted distribution. Only the rows whose label is kept
+    are projected (a prompt's positions, a batch's padding cost nothing). Each token's loss
+    has its own gradient weight (the caller's objective weighs sequences), so the gradient
+    cannot be folded in during the forward pass as above: backward projects each chunk again,
+    once the weights are known, and keeps one chunk's logits alive at a time in either pass."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ignore_index, chunk_rows, with_entropy):
+        hidden, weight = hidden.detach(), weight.detach()
+        kept = (labels != ignore_index).nonzero().squeeze(1)
+        rows_kept, targets = hidden.index_select(0, kept), labels.index_select(0, kept)
+        loss = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        entropy = torch.zeros_like(loss) if with_entropy else None
+        buffers: dict[str, torch.Tensor] = {}
+        for start in range(0, kept.numel(), chunk_rows):
+            end = min(start + chunk_rows, kept.numel())
+            log_probs = _chunk_log_probs(rows_kept[start:end], weight, buffers)
+            index = kept[start:end]
+            loss[index] = -log_probs.gather(1, targets[start:end].unsqueeze(1)).squeeze(1)
+            if entropy is not None:
+                if "probs" not in buffers:
+                    buffers["probs"] = torch.empty(log_probs.shape, dtype=torch.float32, device=log_probs.device)
+                probs = torch.exp(log_probs, out=_leading_rows(buffers["probs"], end - start))
+                entropy[index] = -probs.mul_(log_probs).sum(-1)
+        ctx.rows = (rows_kept, targets, kept, hidden.shape, chunk_rows)
+        ctx.save_for_backward(weight)
+        if entropy is None:
+            return loss
+        ctx.mark_non_differentiable(entropy)
+        return loss, entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_entropy_grad):
+        rows_kept, targets, kept, shape, chunk_rows = ctx.rows
+        (weight,) = ctx.saved_tensors
+        want_h, want_w = ctx.needs_input_grad[:2]
+        grad_hidden = torch.zeros(shape, dtype=rows_kept.dtype, device=rows_kept.device) if want_h else None
+        grad_weight = None
+        if want_w:  # filled by the first chunk's matmul unless there is none
+            grad_weight = (torch.empty if kept.numel() else torch.zeros)(weight.shape, dtype=torch.float32,
+                                                                           device=weight.device)
+        weights = grad_loss.index_select(0, kept).float()
+        buffers: dict[str, torch.Tensor] = {}
+        for start in range(0, kept.numel(), chunk_rows):
+            end = min(start + chunk_rows, kept.numel())
+            h = rows_kept[start:end]
+            # d(loss)/d(logits) = softmax - one_hot(target), each row times its loss's gradient.
+            grad_logits = _chunk_log_probs(h, weight, buffers).exp_()
+            grad_logits[torch.arange(end - start, device=h.device), targets[start:end]] -= 1.0
+            grad_logits = grad_logits.mul_(weights[start:end].unsqueeze(1)).to(h.dtype)
+            if grad_hidden is not None:
+                grad_hidden.index_copy_(0, kept[start:end], grad_logits @ weight)
+            if grad_weight is not None:
+                _accumulate_weight_grad(grad_weight, grad_logits, h, first=start == 0)
+        dw = grad_weight.to(weight.dtype) if grad_weight is not None else None
+        return grad_hidden, dw, None, None, None, None
 
 
-def _token_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int,
-                         chunk_rows: int) -> torch.Tensor:
-    """Every token's cross-entropy [tokens]. The gradient of each token's loss differs (the
-    caller's objective weighs sequences), so the fused forward-time gradient above cannot
-    serve: each chunk is recomputed in backward instead (activation checkpointing), which
-    keeps one chunk's logits alive at a time in either pass."""
-    track = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    losses = []
-    for start in range(0, hidden.shape[0], chunk_rows):
-        end = min(start + chunk_rows, hidden.shape[0])
-        args = (hidden[start:end], weight, labels[start:end], ignore_index)
-        losses.append(checkpoint(_chunk_token_cross_entropy, *args, use_reentrant=False) if track
-                      else _chunk_token_cross_entropy(*args))
-    return torch.cat(losses)
-
-
-@torch.no_grad()
-def token_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
-                  chunk_rows: int | None = None) -> torch.Tensor:
-    """The entropy of the softmax of ``hidden @ weight.T`` at every token [tokens] (0 where
-    ``labels`` is ignored), a chunk of logits at a time; a metric, without gradient."""
+def token_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+                        with_entropy: bool = False, chunk_rows: int | None = None
+                        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Every token's cross-entropy of ``hidden @ weight.T`` [tokens] (0 where ignored), a chunk
+    of logits at a time; ``with_entropy`` also returns the entropy of each kept token's
+    softmax (0 elsewhere), from the same logits, without gradient."""
     rows = chunk_rows or _chunk_rows(weight.shape[0])
-    out = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-    for start in range(0, hidden.shape[0], rows):
-        end = min(start + rows, hidden.shape[0])
-        log_probs = torch.log_softmax(torch.matmul(hidden[start:end], weight.t()).float(), dim=-1)
-        out[start:end] = -(log_probs.exp() * log_probs).sum(-1)
-    return out.masked_fill(labels == ignore_index, 0.0)
+    return _TokenLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, rows, with_entropy)

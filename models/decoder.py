@@ -131,14 +131,14 @@ class CausalLM(nn.Module):
             logits = self.lm_head(h)
             return logits if real is None else logits[..., :real]
         weight = self.lm_head.weight if real is None else self.lm_head.weight[:real]
-        loss = kernels.linear_cross_entropy(h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1), reduction=loss_reduction)
+        rows, targets = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+        if return_entropy:
+            loss, entropy = kernels.token_cross_entropy(rows, weight, targets)
+            return loss.view(labels.shape).clone(), entropy.view(labels.shape)
+        loss = kernels.linear_cross_entropy(rows, weight, targets, reduction=loss_reduction)
         if loss_reduction != "none":
             return loss
-        loss = loss.view(labels.shape).clone()  # a fresh tensor, not a view: FSDP2 hooks its module's output for backward
-        if return_entropy:
-            entropy = kernels.token_entropy(h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1))
-            return loss, entropy.view(labels.shape)
-        return loss
+        return loss.view(labels.shape).clone()  # a fresh tensor, not a view: FSDP2 hooks its module's output for backward
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:

@@ -6,13 +6,15 @@ from __future__ import annotations
 import torch
 
 
-def left_pad(prompts: list[list[int]], max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Input ids [B, P] (left-padded with 0), position ids [B, P + max_new_tokens] starting
-    at 0 at each row's first real token, and document ids (pads 0, real tokens 1) of the same
-    shape, or None when no row is padded."""
+def left_pad(prompts: list[list[int]], max_new_tokens: int, multiple: int = 1
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Input ids [B, P] (left-padded with 0, P the longest prompt rounded up to a multiple of
+    ``multiple``), position ids [B, P + max_new_tokens] starting at 0 at each row's first real
+    token, and document ids (pads 0, real tokens 1) of the same shape, or None when no row is
+    padded."""
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    width = max(len(p) for p in prompts)
+    width = -(-max(len(p) for p in prompts) // multiple) * multiple
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     real = torch.ones(len(prompts), width + max_new_tokens, dtype=torch.long)
     for i, p in enumerate(prompts):
@@ -21,7 +23,6 @@ def left_pad(prompts: list[list[int]], max_new_tokens: int) -> tuple[torch.Tenso
     positions = (real.cumsum(dim=1) - 1).clamp(min=0)
     padded = any(len(p) < width for p in prompts)
     return ids, positions, real if padded else None
-
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

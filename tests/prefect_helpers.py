@@ -54,8 +54,9 @@ def flow_run_artifacts(flow_run_id, kind: str) -> list:
 
 def task_states(flow_run_id, wait_s: float = 30.0) -> dict[str, list[str]]:
     """Task name -> the state names of its runs in the flow run, in start order. The server
-    records a task run from its events, so a run may show without a state for a moment after
-    its flow run finished: read again until every run has one (``wait_s`` at most)."""
+    records a task run from its events, so a run may show without a state, or still Running,
+    for a moment after its flow run finished: read again until every run's state is final
+    (``wait_s`` at most)."""
     import time
 
     from prefect.client.orchestration import get_client
@@ -67,7 +68,7 @@ def task_states(flow_run_id, wait_s: float = 30.0) -> dict[str, list[str]]:
         while True:
             runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
                                          sort=TaskRunSort.EXPECTED_START_TIME_ASC)
-            if all(run.state is not None for run in runs) or time.monotonic() > deadline:
+            if all(run.state is not None and run.state.is_final() for run in runs) or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
     states: dict[str, list[str]] = {}

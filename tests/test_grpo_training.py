@@ -1,6 +1,6 @@
 """``method: grpo`` end to end on the sample model (fp32, CPU, gloo): the sampler's log-probs
-are the trainer's, sampling does not depend on the batch a completion is drawn in, data- and
-expert-parallel ranks train what one process does, and a run killed during a rollout or an
+are the trainer's, sampling does not depend on the batch a completion is drawn in, data-,
+tensor- and expert-parallel ranks train what one process does, and a run killed during a rollout or an
 update resumes onto exactly the uninterrupted run.
 
 The rollouts sample for real (temperature 1.0 in training) with a reward that differs
@@ -248,18 +248,25 @@ def test_the_rollouts_record_every_completion_and_the_step_lines_their_rewards(a
     assert (out / "rollouts" / "generation_000001.jsonl").is_file()
 
 
+LAYOUTS = {"dp2": {"dp": 2, "micro_batch_size": 2}, "tp2": {"tp": 2}}
+"""Two ranks: each sampling and training half of every micro-batch, or both sampling and
+training all of it with the heads and feed-forward columns split between them (the residual
+stream split along the sequence)."""
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
-def test_two_data_parallel_ranks_train_what_one_process_does(assets, one_process, tmp_path, loss_type):
-    """dp=2, each rank sampling and training half of every micro-batch: the same completions,
-    rewards and advantages as one process, the same losses and gradient norms, and the same
-    weights after the 5 steps (clipping on the steps after the first of a generation)."""
+def test_two_ranks_train_what_one_process_does(assets, one_process, tmp_path, loss_type, layout):
+    """dp=2 or tp=2: the same completions, rewards and advantages as one process, the same
+    losses and gradient norms, and the same weights after the 5 steps (clipping on the steps
+    after the first of a generation)."""
     out, want = one_process(loss_type)
-    got = train(grpo_config(assets, tmp_path / "dp2", loss_type, dp=2, micro_batch_size=2), nproc=2)
+    got = train(grpo_config(assets, tmp_path / layout, loss_type, **LAYOUTS[layout]), nproc=2)
     assert sorted(got) == list(range(1, STEPS + 1))
     assert_same_steps(got, want)
     for generation in (0, 1):
-        assert records(tmp_path / "dp2", generation) == records(out, generation)
-    assert_same_weights(weights(tmp_path / "dp2"), weights(out), atol=1e-5)
+        assert records(tmp_path / layout, generation) == records(out, generation)
+    assert_same_weights(weights(tmp_path / layout), weights(out), atol=1e-5)
 
 
 def test_expert_parallel_ranks_train_what_one_process_does(assets, moe_model, tmp_path):

@@ -9,7 +9,8 @@ ratios move away from 1 and clip; one micro-batch per step on one process (TRL's
 per_device_train_batch_size = the step's completions). TRL's dataset holds the prompts in the
 order llmflow's seeded prompt order visits them, unshuffled. Compared: every completion's
 advantage, each step's loss, kl and clip ratios (TRL's logged metrics), and every parameter
-after the 3 steps.
+after the 3 steps. One case is on-policy (``num_iterations: 1``, a generation per step), where
+both sides skip the scoring forward; its entropy is compared too.
 """
 
 from __future__ import annotations
@@ -135,9 +136,8 @@ def theirs(assets, out: Path, rl: dict, lora: dict | None, adapters: dict) -> tu
         output_dir=str(out), use_cpu=True, bf16=False, seed=SEED, per_device_train_batch_size=BATCH,
         num_generations=GENERATIONS, max_steps=3, learning_rate=0.02, lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, report_to=[], save_strategy="no", shuffle_dataset=False,
-        num_iterations=2, max_completion_length=MAX_COMPLETION, reward_weights=[1.0, 0.5], optim="adamw_torch",
-        adam_epsilon=ADAM_EPS,
-        dataloader_num_workers=0, **rl,
+        max_completion_length=MAX_COMPLETION, reward_weights=[1.0, 0.5], optim="adamw_torch",
+        adam_epsilon=ADAM_EPS, dataloader_num_workers=0, **({"num_iterations": 2} | rl),
     )
     trainer = GRPOTrainer(
         model=str(assets["model"]), reward_funcs=[grpo_rewards.parity, grpo_rewards.length], args=args,
@@ -164,7 +164,11 @@ CASES = {
     "grpo-sequence-none": {"loss_type": "grpo", "importance_sampling_level": "sequence", "scale_rewards": "none"},
     "dapo-clip-higher-masked": {"loss_type": "dapo", "epsilon_high": 0.28, "mask_truncated_completions": True},
     "bnpo-kl-batch": {"loss_type": "bnpo", "beta": 0.04, "scale_rewards": "batch", "temperature": 0.8},
+    "on-policy-kl": {"loss_type": "grpo", "beta": 0.04, "num_iterations": 1, "temperature": 0.8},
 }
+"""Every case but ``on-policy-kl`` trains two steps on each generation (``num_iterations`` 2).
+On-policy, both sides skip the scoring forward: the ratio is taken against the loss forward's
+own detached log-probs (1 everywhere, nothing clips), and that forward's entropy is logged."""
 METRICS = ("loss", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
            "clip_ratio/high_max")
 
@@ -175,11 +179,15 @@ def compare(mine, trl, rl: dict, lora: dict | None) -> None:
     # TRL keeps the completions of its last logging window: generation 1's.
     np.testing.assert_allclose(our_advantages[-BATCH:], trl_advantages, atol=ATOL, rtol=0)
     assert len(trl_metrics) == 3
+    on_policy = rl.get("num_iterations") == 1
     for step, (a, b) in enumerate(zip(our_metrics, trl_metrics, strict=True), start=1):
-        for name in METRICS + (("kl",) if rl.get("beta") else ()):
+        for name in METRICS + (("kl",) if rl.get("beta") else ()) + (("entropy",) if on_policy else ()):
             # relative past 1: the kl of a policy far from its reference reaches 10 and more
             assert abs(a[name] - b[name]) <= ATOL * max(1.0, abs(b[name])), (step, name, a[name], b[name])
-    assert any(m["clip_ratio/region_mean"] > 0 for m in our_metrics), "no ratio was clipped: the check is too weak"
+    if on_policy:
+        assert all(m["clip_ratio/region_mean"] == 0 for m in our_metrics)
+    else:
+        assert any(m["clip_ratio/region_mean"] > 0 for m in our_metrics), "no ratio was clipped: the check is too weak"
     trained = [name for name in our_params if lora is None or "lora_" in name]
     assert trained
     for name in trained:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import llmflow.kernels as K
 from llmflow.kernels import FUSED, REFERENCE, dispatch
-from llmflow.kernels.cross_entropy import linear_cross_entropy
+from llmflow.kernels.cross_entropy import linear_cross_entropy, token_cross_entropy
 from llmflow.kernels.masks import attention_mask, needs_explicit_mask
 from llmflow.models.blocks.rotary import rotary_cos_sin
 
@@ -385,6 +385,48 @@ def test_linear_cross_entropy_per_token_values_and_grads(chunk_rows):
         per_token = linear_cross_entropy(hidden, weight, labels, reduction="none", chunk_rows=chunk_rows)
     close(per_token, _torch_ce(hidden, weight, labels, "none"))
     assert (per_token[labels == -100] == 0).all()
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 3])
+def test_token_cross_entropy_with_entropy(chunk_rows):
+    """The per-token losses and their entropies from the same chunks (online RL's loss
+    forward): the losses and a weighted sum's gradients as torch's, each kept token's entropy
+    as its softmax's, 0 and no gradient at ignored tokens."""
+    hidden, weight, labels = _ce_inputs(seed=5)
+    weights = torch.rand(labels.shape, generator=gen(2))
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    loss, entropy = token_cross_entropy(h, w, labels, with_entropy=True, chunk_rows=chunk_rows)
+    assert not entropy.requires_grad
+    (loss * weights).sum().backward()
+    _, egh, egw = _ce_loss_and_grads(lambda *a: (_torch_ce(*a, "none") * weights).sum(), hidden, weight, labels)
+    close(loss.detach(), _torch_ce(hidden, weight, labels, "none"))
+    close(h.grad, egh)
+    close(w.grad, egw)
+    log_probs = torch.log_softmax(hidden @ weight.T, dim=-1)
+    expected = torch.where(labels != -100, -(log_probs.exp() * log_probs).sum(-1), 0.0)
+    close(entropy, expected)
+    assert (h.grad[labels == -100] == 0).all()
+
+
+def test_token_cross_entropy_of_ignored_tokens_only():
+    hidden, weight, _ = _ce_inputs()
+    labels = torch.full((N_TOK,), -100)
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    loss, entropy = token_cross_entropy(h, w, labels, with_entropy=True)
+    loss.sum().backward()
+    assert (loss == 0).all() and (entropy == 0).all() and (h.grad == 0).all() and (w.grad == 0).all()
+
+
+def test_token_cross_entropy_bf16_grads():
+    hidden, weight, labels = _ce_inputs(seed=9)
+    weights = torch.rand(labels.shape, generator=gen(3))
+    h, w = hidden.bfloat16().requires_grad_(True), weight.bfloat16().requires_grad_(True)
+    (token_cross_entropy(h, w, labels, chunk_rows=5) * weights).sum().backward()
+    h2, w2 = hidden.bfloat16().requires_grad_(True), weight.bfloat16().requires_grad_(True)
+    (F.cross_entropy((h2 @ w2.T).float(), labels, reduction="none") * weights).sum().backward()
+    assert h.grad.dtype == w.grad.dtype == torch.bfloat16
+    close(h.grad.float(), h2.grad.float(), atol=1e-2, rtol=2e-2)
+    close(w.grad.float(), w2.grad.float(), atol=1e-2, rtol=2e-2)
 
 
 def test_linear_cross_entropy_whole_sequences_ignored():

@@ -166,7 +166,7 @@ def setup(config: TrainConfig) -> Run:
     problems = batch_problems(config.global_batch_size, config.micro_batch_size, layout.dp)
     problems += pipeline_problems(config, layout.dp, model.config.num_hidden_layers)
     problems += moe_problems(config, model.config)
-    problems += objective.problems(config, layout)
+    problems += objective.problems(config, layout, model.config)
     if problems:
         raise ValueError("; ".join(problems))
     samples = objective.samples(config)

@@ -718,7 +718,7 @@ def _rollout_terms(model: ModelConfig, shape: TrainShape, indices: list[int], we
     full weights, the frozen reference model sharded as the policy."""
     r, d, length = shape.rollout, shape.dtype_bytes, shape.seq_length
     attention = sum(not model.is_linear_layer(i) for i in indices)
-    kv = model.num_key_value_heads * model.head_dim
+    kv = model.num_key_value_heads // shape.tp * model.head_dim  # a tensor-parallel rank caches its own heads
     dtype = "bf16" if d == 2 else "fp32"
     terms = [
         Term(f"rollout KV cache: {dtype}, {r.rows} completions x {length} positions x {attention} layers",

@@ -381,7 +381,7 @@ def settings_problems(config: TrainConfig, world: int, model: ModelConfig | None
     problems += batch_problems(config.global_batch_size, config.micro_batch_size, dp)
     problems += moe_problems(config, model)
     problems += objective_for(config.method).problems(config, ParallelLayout.of_world(
-        world, config.pp, config.tp, config.dp, cp=config.cp)) if not problems else []
+        world, config.pp, config.tp, config.dp, cp=config.cp), model) if not problems else []
     return problems + pipeline_problems(config, dp, model.num_hidden_layers if model is not None else None)
 
 

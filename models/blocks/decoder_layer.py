@@ -34,7 +34,8 @@ class DecoderLayer(nn.Module):
         document_ids: torch.Tensor | None,
         cache: tuple[KVCache, str] | None = None,
     ) -> torch.Tensor:
-        # Tensor-parallel plans give self_attn fixed input layouts: pass a cache only when there is one.
-        cached = (cache,) if cache is not None else ()
-        x = x + getattr(self, self.mixer_name)(self.input_layernorm(x), cos, sin, document_ids, *cached)
+        mixer, h = getattr(self, self.mixer_name), self.input_layernorm(x)
+        # A cache by keyword, and only when there is one: a tensor-parallel plan gives the mixer's
+        # positional inputs fixed layouts, and a training step's calls stay as a probe records them.
+        x = x + (mixer(h, cos, sin, document_ids) if cache is None else mixer(h, cos, sin, document_ids, cache=cache))
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -11,6 +11,13 @@ distribution the loss scores (TRL's).
 Every rank takes the same number of decoding steps (until no rank has a row still going):
 the sharded model's collectives (FSDP's gathers, expert parallelism's all-to-alls) run on
 every rank of their groups at each step.
+
+Under tensor parallelism the training plan shards the residual stream along the sequence,
+so every forward must hold a multiple of tp positions (``sequence_multiple``): the prompts
+are left-padded to one, and each decoding step feeds the new token followed by tp - 1
+copies of it, reads the logits of the first and takes the copies back out of the KV cache.
+Causal attention keeps the copies out of the real token's logits, and the next step
+overwrites their cache positions; each rank's share of the work is still one token's.
 """
 
 from __future__ import annotations
@@ -72,26 +79,34 @@ def _any_running(running: bool, device: torch.device) -> bool:
 
 
 @torch.no_grad()
-def sample(model: CausalLM, prompts: list[list[int]], seeds: list[int], settings: SamplerSettings) -> Completions:
-    """Sample one completion of each prompt (``seeds``: each one's sampling seed). Collective:
-    every rank of the run calls it the same number of times."""
+def sample(model: CausalLM, prompts: list[list[int]], seeds: list[int], settings: SamplerSettings,
+           sequence_multiple: int = 1) -> Completions:
+    """Sample one completion of each prompt (``seeds``: each one's sampling seed), every
+    forward over a multiple of ``sequence_multiple`` positions (the tensor-parallel size).
+    Collective: every rank of the run calls it the same number of times."""
     device = next(model.parameters()).device
     rows = len(prompts)
     tokens: list[list[int]] = [[] for _ in range(rows)]
     logps: list[list[float]] = [[] for _ in range(rows)]
     done = [False] * rows
     uniforms = completion_uniforms(seeds, settings.max_new_tokens)
-    ids, positions, documents = left_pad(prompts, settings.max_new_tokens)
+    copies = sequence_multiple - 1
+    ids, positions, documents = left_pad(prompts, settings.max_new_tokens + copies, sequence_multiple)
     step_input, positions = ids.to(device), positions.to(device)
     documents = documents.to(device) if documents is not None else None
-    cache = KVCache(ids.shape[1] + settings.max_new_tokens)
+    cache = KVCache(positions.shape[1])
     for t in range(settings.max_new_tokens):
         if not _any_running(not all(done), device):
             break
         span = slice(cache.filled, cache.filled + step_input.shape[1])
         logits = model(step_input, position_ids=positions[:, span],
                        document_ids=documents[:, span] if documents is not None else None,
-                       kv_cache=cache, logits_to_keep=1)[:, -1, :settings.vocab_size].float()
+                       kv_cache=cache, logits_to_keep=sequence_multiple)
+        if t:  # a decoding step: the new token's logits, its copies out of the cache
+            logits, cache.filled = logits[:, 0], cache.filled - copies
+        else:
+            logits = logits[:, -1]
+        logits = logits[:, :settings.vocab_size].float()
         scaled = logits / settings.temperature
         log_probs = F.log_softmax(scaled, dim=-1)
         probs = filter_top_k_top_p(scaled, settings.top_k, settings.top_p).softmax(dim=-1)
@@ -103,6 +118,6 @@ def sample(model: CausalLM, prompts: list[list[int]], seeds: list[int], settings
             tokens[i].append(token)
             logps[i].append(logp)
             done[i] = token in settings.eos_token_ids
-        step_input = chosen.unsqueeze(1)
+        step_input = chosen.unsqueeze(1).expand(-1, sequence_multiple)
     truncated = [not (row and row[-1] in settings.eos_token_ids) for row in tokens]
     return Completions(tokens, logps, truncated)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from llmflow.data.instruction_dataset import InstructionDataset
+from llmflow.models import ModelConfig
 from llmflow.train.config import TrainConfig
 from llmflow.train.data import check_token_ids, collate
 from llmflow.train.run import Batch, Run
@@ -39,8 +40,9 @@ class Objective:
         """The run's data, addressed by global sample index."""
         raise NotImplementedError
 
-    def problems(self, config: TrainConfig, layout: Any) -> list[str]:
-        """Why this objective cannot train ``config`` in ``layout`` (checked before the model loads)."""
+    def problems(self, config: TrainConfig, layout: Any, model: ModelConfig | None) -> list[str]:
+        """Why this objective cannot train ``config`` in ``layout`` on ``model`` (None when its
+        config cannot be read; checked before the model loads)."""
         return []
 
     def prepare(self, run: Run) -> None:

@@ -13,6 +13,11 @@ advantages; then each rank scores its completions with the trainer's forward (th
 log-probs, the entropy, and under ``beta > 0`` the reference's) and keeps that buffer in
 ``{out}/rollouts/`` with the generation's record, so that a run resumed inside a generation
 trains on what the uninterrupted run trained on.
+
+On-policy (one step per generation, ``num_iterations`` 1, TRL's default) the weights that
+sampled are the weights the step differentiates, so the scoring forward is skipped, as in
+TRL: the old log-probs are the loss forward's own, detached (every ratio 1), and that forward
+also gives the entropy and the sampler-vs-trainer difference.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch.distributed as dist
 
 from llmflow.data.tokenizer import eos_token_ids, load_tokenizer
 from llmflow.models.blocks.rotary import positions_from_documents
-from llmflow.models.config import text_config
+from llmflow.models.config import ModelConfig, text_config
 from llmflow.models.lora import adapters_off
 from llmflow.train.config import TrainConfig
 from llmflow.train.data import ShuffledEpochs
@@ -50,7 +55,7 @@ from llmflow.train.objectives.base import Objective
 from llmflow.train.run import Batch, Run, all_reduce_over, frozen_model, model_inputs, rank_sum_scale
 from llmflow.weights import latest_step_dir, tokenizer_dir
 
-LAYOUTS = "dp and ep (with LoRA or full weights)"
+LAYOUTS = "dp, tp and ep (with LoRA or full weights)"
 """The layouts GRPO's rollouts run in."""
 OVERLONG = "soft_overlong_punishment"
 ROLLOUTS = "rollouts"
@@ -86,7 +91,8 @@ class Generation:
     tokens_per_step: float
     """The generation batch's counted completion tokens over its steps (dapo's normaliser)."""
     metrics: dict[str, float]
-    """The generation's rewards, lengths, entropy and sampler drift (TRL's names)."""
+    """The generation's rewards and lengths, with the entropy and sampler drift of its scoring
+    forward when it has one (TRL's names)."""
 
 
 def completion_seed(seed: int, generation: int, completion: int) -> int:
@@ -94,11 +100,11 @@ def completion_seed(seed: int, generation: int, completion: int) -> int:
     return int(np.random.SeedSequence([seed, generation, completion]).generate_state(1)[0])
 
 
-def completion_batch(prompts: list[list[int]], completions: list[list[int]]) -> Batch:
-    """Prompt-and-completion rows, right-padded (the padding a document of its own), whose
-    targets are the completion tokens."""
+def completion_batch(prompts: list[list[int]], completions: list[list[int]], multiple: int = 1) -> Batch:
+    """Prompt-and-completion rows, right-padded (the padding a document of its own) to a
+    multiple of ``multiple`` positions, whose targets are the completion tokens."""
     sequences = [p + c for p, c in zip(prompts, completions, strict=True)]
-    width = max(len(s) for s in sequences)
+    width = -(-max(len(s) for s in sequences) // multiple) * multiple
     input_ids = torch.zeros(len(sequences), width, dtype=torch.long)
     targets = torch.full_like(input_ids, -100)
     documents = torch.ones_like(input_ids)
@@ -133,20 +139,36 @@ class Grpo(Objective):
         self.counts: StepCounts | None = None
         self.stats: list[torch.Tensor] = []
         self.extremes: list[torch.Tensor] = []
+        self.sampled: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """On-policy: each micro-batch's ``sampler_sums`` from the loss forward."""
         self.started = 0.0
 
     def samples(self, config: TrainConfig) -> PromptSet:
         return PromptSet(config)
 
-    def problems(self, config: TrainConfig, layout: Any) -> list[str]:
-        unsupported = [f"{name}={size}" for name, size in (("tp", layout.tp), ("pp", layout.pp), ("cp", layout.cp))
-                       if size > 1]
+    def problems(self, config: TrainConfig, layout: Any, model: ModelConfig | None) -> list[str]:
+        unsupported = [f"{name}={size}" for name, size in (("pp", layout.pp), ("cp", layout.cp)) if size > 1]
         if unsupported:
             return [f"method grpo: {', '.join(unsupported)} is not supported; GRPO's rollouts run at {LAYOUTS}"]
+        linear = model is not None and any(model.is_linear_layer(i) for i in range(model.num_hidden_layers))
+        if layout.tp > 1 and linear:
+            # A decoding step under tp also feeds tp - 1 copies of the token (rollout.py); attention
+            # takes them back out of its KV cache, a linear-attention layer's recurrent state cannot.
+            return [(f"method grpo: tp={layout.tp} rollouts need attention layers only, and {model.model_type} "
+                     "has linear-attention layers; use dp or ep")]
         return []
 
     def model_kwargs(self) -> dict[str, Any]:
+        return {**self.scoring(), "return_entropy": self.on_policy}
+
+    def scoring(self) -> dict[str, Any]:
+        """The forward's keyword arguments that score completions as the sampler drew them."""
         return {"temperature": self._rl.temperature}
+
+    @property
+    def on_policy(self) -> bool:
+        """Whether every step trains on a generation sampled by its own weights."""
+        return self._rl.num_iterations == 1 and self._rl.steps_per_generation == 1
 
     def prepare(self, run: Run) -> None:
         self._rl = run.config.rl
@@ -181,14 +203,20 @@ class Grpo(Objective):
         layout = run.topo.layout
         self.counts = StepCounts(float(run.config.global_batch_size), self.generation.tokens_per_step,
                                  float(run.accumulation * layout.dp))
-        self.stats, self.extremes, self.started = [], [], time.perf_counter()
+        self.stats, self.extremes, self.sampled, self.started = [], [], [], time.perf_counter()
         return 1.0
 
-    def micro_loss(self, run: Run, output: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def micro_loss(self, run: Run, output: Any, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         device = run.env.device
         mask, advantages = batch["mask"].to(device), batch["advantages"].to(device)
         reference = batch["ref_logps"].to(device) if batch.get("ref_logps") is not None else None
-        terms = token_terms(-output, batch["old_logps"].to(device), reference, advantages, mask, self._rl)
+        if self.on_policy:
+            nll, entropy = output
+            old = -nll.detach()
+            self.sampled.append(sampler_sums(old.float().cpu(), entropy.float().cpu(), batch))
+        else:
+            nll, old = output, batch["old_logps"].to(device)
+        terms = token_terms(-nll, old, reference, advantages, mask, self._rl)
         loss = aggregate(terms.losses, mask, self._rl, self.counts)
         with torch.no_grad():
             sums, count, lowest, highest = clip_statistics(terms.ratio, advantages, mask, self._rl)
@@ -207,6 +235,8 @@ class Grpo(Objective):
         if self._rl.beta:
             metrics["kl"] = kl / max(tokens, 1.0)
         metrics["time/update_s"] = time.perf_counter() - self.started
+        if self.sampled:
+            metrics |= sampler_metrics(self.sampled, run)
         return metrics | self.generation.metrics
 
     def step_line(self, metrics: dict[str, float]) -> str:
@@ -240,9 +270,11 @@ class Grpo(Objective):
         total = (rewards * weights).nansum(dim=1)
         total[torch.isnan(rewards).all(dim=1)] = float("nan")
         advantages, zero_std = group_advantages(total, rl.num_generations, rl.scale_rewards)
-        batches, sums, drift = self.prepare_batches(run, layout, sampled, rows, advantages)
+        batches, scored = self.prepare_batches(run, layout, sampled, rows, advantages)
         counted = sum(r["counted_tokens"] for r in everything)
-        metrics = self.rollout_metrics(everything, rewards, total, zero_std, sums, drift, run)
+        metrics = self.rollout_metrics(everything, rewards, total, zero_std, run)
+        if scored:
+            metrics |= sampler_metrics(scored, run)
         metrics["time/rollout_s"] = time.perf_counter() - started
         generation = Generation(index, batches, counted / rl.steps_per_generation, metrics)
         records = [{**r, "reward": float(total[r["completion"]]), "advantage": float(advantages[r["completion"]])}
@@ -263,7 +295,8 @@ class Grpo(Objective):
             for start in range(0, len(order), chunk):
                 part = order[start:start + chunk]
                 done = sample(model, [rows[c].prompt_ids for c in part],
-                              [completion_seed(run.config.seed, index, c) for c in part], self.sampler)
+                              [completion_seed(run.config.seed, index, c) for c in part], self.sampler,
+                              sequence_multiple=run.topo.layout.tp)
                 for c, tokens, logps, cut in zip(part, done.tokens, done.logps, done.truncated, strict=True):
                     out[c] = (tokens, logps, cut)
         finally:
@@ -295,51 +328,44 @@ class Grpo(Objective):
     @torch.no_grad()
     def prepare_batches(self, run: Run, layout: list[list[list[int]]], sampled: dict[int, Any],
                         rows: dict[int, PromptRow], advantages: torch.Tensor
-                        ) -> tuple[list[list[Batch]], torch.Tensor, torch.Tensor]:
+                        ) -> tuple[list[list[Batch]], list[tuple[torch.Tensor, torch.Tensor]]]:
         """The micro-batches of every step part with the old (and reference) log-probs from the
-        trainer's forward; this rank's sums [sampler-vs-trainer log-prob difference, completion
-        tokens, entropy of the counted tokens, counted tokens] and the largest difference."""
+        trainer's forward (on-policy: the sampler's log-probs, for the loss forward to compare),
+        and each scored micro-batch's ``sampler_sums``."""
         model = run.parts[0]
-        sums = torch.zeros(4, dtype=torch.float64)
-        drift = torch.zeros((), dtype=torch.float64)
+        scored = []
         batches = []
         for part in layout:
             part_batches = []
             for micro in part:
-                batch = completion_batch([rows[c].prompt_ids for c in micro], [sampled[c][0] for c in micro])
-                inputs = model_inputs(run, batch)
-                nll, token_entropy = model(**inputs, loss_reduction="none", return_entropy=True,
-                                           **self.model_kwargs())
-                old = -nll.float().cpu()
-                scored = (batch["targets"] != -100).float()
+                batch = completion_batch([rows[c].prompt_ids for c in micro], [sampled[c][0] for c in micro],
+                                         run.topo.layout.tp)
                 counted = torch.tensor([0.0 if self._rl.mask_truncated_completions and sampled[c][2] else 1.0
                                         for c in micro]).unsqueeze(1)
-                mask = scored * counted
-                difference = (old - scatter_tokens([sampled[c][1] for c in micro], batch["targets"])).abs() * scored
-                drift = torch.maximum(drift, difference.max().double())
-                sums += torch.stack([difference.sum(), scored.sum(), (token_entropy.float().cpu() * mask).sum(),
-                                     mask.sum()]).double()
-                batch |= {"old_logps": old, "mask": mask, "advantages": advantages[micro].clone()}
+                batch |= {"mask": (batch["targets"] != -100).float() * counted, "advantages": advantages[micro].clone(),
+                          "sampler_logps": scatter_tokens([sampled[c][1] for c in micro], batch["targets"])}
+                inputs = model_inputs(run, batch)
+                if not self.on_policy:
+                    nll, token_entropy = model(**inputs, loss_reduction="none", return_entropy=True, **self.scoring())
+                    batch["old_logps"] = -nll.float().cpu()
+                    scored.append(sampler_sums(batch["old_logps"], token_entropy.float().cpu(), batch))
                 if self._rl.beta:
                     batch["ref_logps"] = self.reference_logps(run, inputs)
                 part_batches.append(batch)
             batches.append(part_batches)
-        return batches, sums, drift
+        return batches, scored
 
     def reference_logps(self, run: Run, inputs: Batch) -> torch.Tensor:
         """The reference model's log-probs of a micro-batch: the base under LoRA, else the frozen copy."""
         if self.reference is not None:
-            return -self.reference(**inputs, loss_reduction="none", **self.model_kwargs()).float().cpu()
+            return -self.reference(**inputs, loss_reduction="none", **self.scoring()).float().cpu()
         model = run.parts[0]
         with adapters_off(model):
-            return -model(**inputs, loss_reduction="none", **self.model_kwargs()).float().cpu()
+            return -model(**inputs, loss_reduction="none", **self.scoring()).float().cpu()
 
     def rollout_metrics(self, records: list[dict[str, Any]], rewards: torch.Tensor, total: torch.Tensor,
-                        zero_std: torch.Tensor, sums: torch.Tensor, drift: torch.Tensor, run: Run) -> dict[str, float]:
-        """TRL's generation metrics of the whole generation batch (``sums`` and ``drift``: this
-        rank's, as ``prepare_batches`` gives them)."""
-        difference, scored, entropy, counted = all_reduce_over(sums, run.topo.dp_group).tolist()
-        largest = all_reduce_over(drift, run.topo.dp_group, op=dist.ReduceOp.MAX).item()
+                        zero_std: torch.Tensor, run: Run) -> dict[str, float]:
+        """TRL's generation metrics of the whole generation batch: rewards and lengths."""
         lengths = torch.tensor([float(r["length"]) for r in records])
         truncated = torch.tensor([r["truncated"] for r in records])
         ended = lengths[~truncated] if (~truncated).any() else torch.zeros(1)
@@ -351,14 +377,33 @@ class Grpo(Objective):
             "completions/mean_terminated_length": ended.mean().item(),
             "completions/min_terminated_length": ended.min().item(),
             "completions/max_terminated_length": ended.max().item(),
-            "entropy": entropy / max(counted, 1.0),
-            "sampling/sampling_logp_difference/mean": difference / max(scored, 1.0),
-            "sampling/sampling_logp_difference/max": largest,
         }
         for i, name in enumerate(self.reward_names()):
             metrics[f"rewards/{name}/mean"] = torch.nanmean(rewards[:, i]).item()
             metrics[f"rewards/{name}/std"] = nanstd(rewards[:, i]).item()
         return metrics
+
+
+def sampler_sums(trainer_logps: torch.Tensor, entropy: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """A micro-batch's sums [sampler-vs-trainer log-prob difference, completion tokens, entropy
+    of the counted tokens, counted tokens] and its largest difference, from the trainer's
+    log-probs and entropies [B, W] of its completion tokens."""
+    scored = (batch["targets"] != -100).float()
+    difference = (trainer_logps - batch["sampler_logps"]).abs() * scored
+    mask = batch["mask"]
+    sums = torch.stack([difference.sum(), scored.sum(), (entropy * mask).sum(), mask.sum()]).double()
+    return sums, difference.max().double()
+
+
+def sampler_metrics(parts: list[tuple[torch.Tensor, torch.Tensor]], run: Run) -> dict[str, float]:
+    """The entropy and sampler-drift metrics (TRL's names) of every rank's micro-batches'
+    ``sampler_sums`` (``parts``: this rank's)."""
+    sums = all_reduce_over(torch.stack([s for s, _ in parts]).sum(0), run.topo.dp_group)
+    largest = all_reduce_over(torch.stack([m for _, m in parts]).max(), run.topo.dp_group, op=dist.ReduceOp.MAX)
+    difference, scored, entropy, counted = sums.tolist()
+    return {"entropy": entropy / max(counted, 1.0),
+            "sampling/sampling_logp_difference/mean": difference / max(scored, 1.0),
+            "sampling/sampling_logp_difference/max": largest.item()}
 
 
 def gather_records(records: list[dict[str, Any]], group: Any) -> list[dict[str, Any]]:
