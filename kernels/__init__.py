@@ -7,6 +7,7 @@ import torch
 
 from llmflow.kernels import cross_entropy
 from llmflow.kernels.dispatch import FUSED, REFERENCE, KernelSet, kernels_for, use_kernels
+from llmflow.kernels.reference import soft_cap
 
 __all__ = [
     "FUSED",
@@ -16,10 +17,12 @@ __all__ = [
     "attention",
     "causal_conv1d",
     "gated_delta_rule",
+    "geglu",
     "grouped_mm",
     "kernels_for",
     "linear_cross_entropy",
     "rms_norm",
+    "soft_cap",
     "swiglu",
     "token_cross_entropy",
     "use_kernels",
@@ -41,6 +44,11 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return kernels_for(gate.device.type).swiglu(gate, up)
 
 
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) * up, GELU's tanh approximation (transformers' ``gelu_pytorch_tanh``)."""
+    return kernels_for(gate.device.type).geglu(gate, up)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -48,11 +56,17 @@ def attention(
     scale: float,
     document_ids: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention, q [B, Hq, Sq, D], k/v [B, Hkv, Skv, D] with Hq a multiple of Hkv
-    (GQA). Queries are the last Sq positions. ``document_ids`` [B, Skv] keeps packed
-    documents apart; ``sliding_window`` limits how far back a query looks."""
-    return kernels_for(q.device.type).attention(q, k, v, scale, document_ids, sliding_window)
+    """Causal attention, q [B, Hq, Sq, D], k [B, Hkv, Skv, D] and v [B, Hkv, Skv, Dv] (Dv may
+    differ from D, as in Multi-head Latent Attention) with Hq a multiple of Hkv (GQA); the
+    output is [B, Hq, Sq, Dv]. Queries are the last Sq positions. ``document_ids`` [B, Skv] keeps packed
+    documents apart; ``sliding_window`` limits how far back a query looks. ``sinks`` [Hq] (gpt-oss's
+    attention sinks): each head's logit joins every query's softmax as one more column whose
+    probability is dropped (it attends to nothing), so a query's weights may sum to less than one."""
+    if sinks is None:
+        return kernels_for(q.device.type).attention(q, k, v, scale, document_ids, sliding_window)
+    return kernels_for(q.device.type).attention(q, k, v, scale, document_ids, sliding_window, sinks=sinks)
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -120,20 +134,24 @@ def linear_cross_entropy(
     labels: torch.Tensor,
     ignore_index: int = -100,
     reduction: str = "mean",
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Cross-entropy of ``hidden @ weight.T`` against labels; the fused paths never hold
+    """Cross-entropy of ``hidden @ weight.T`` against labels, of the logits soft-capped to
+    ``softcap * tanh(logits / softcap)`` when ``softcap`` is set; the fused paths never hold
     the logits of all tokens at once. A tensor-parallel run passes the output projection as
     a replicated DTensor; every rank then computes the same loss on its full copy."""
     weight = _replicated_local(weight)
-    return kernels_for(hidden.device.type).linear_cross_entropy(hidden, weight, labels, ignore_index, reduction)
+    return kernels_for(hidden.device.type).linear_cross_entropy(hidden, weight, labels, ignore_index, reduction,
+                                                                softcap=softcap)
 
 
 def token_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                        ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every token's cross-entropy of ``hidden @ weight.T`` and the entropy of its softmax (a
-    metric, without gradient), both [tokens] and 0 where the label is ignored, from the fused
-    chunks on every device; a replicated DTensor weight as for the loss."""
-    return cross_entropy.token_cross_entropy(hidden, _replicated_local(weight), labels, ignore_index, with_entropy=True)
+                        ignore_index: int = -100, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token's cross-entropy of ``hidden @ weight.T`` (soft-capped as for the loss) and the
+    entropy of its softmax (a metric, without gradient), both [tokens] and 0 where the label is
+    ignored, from the fused chunks on every device; a replicated DTensor weight as for the loss."""
+    return cross_entropy.token_cross_entropy(hidden, _replicated_local(weight), labels, ignore_index,
+                                             with_entropy=True, softcap=softcap)
 
 
 def _replicated_local(weight: torch.Tensor) -> torch.Tensor:

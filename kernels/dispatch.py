@@ -19,6 +19,7 @@ class KernelSet:
     rms_norm: Callable
     apply_rotary: Callable
     swiglu: Callable
+    geglu: Callable
     attention: Callable
     linear_cross_entropy: Callable
     grouped_mm: Callable
@@ -31,6 +32,7 @@ REFERENCE = KernelSet(
     reference.rms_norm,
     reference.apply_rotary,
     reference.swiglu,
+    reference.geglu,
     reference.attention,
     reference.linear_cross_entropy,
     reference.grouped_mm,
@@ -42,6 +44,7 @@ FUSED = KernelSet(
     fused.rms_norm,
     fused.apply_rotary,
     fused.swiglu,
+    fused.geglu,
     fused.attention,
     cross_entropy.linear_cross_entropy,
     fused.grouped_mm,
@@ -54,8 +57,9 @@ def _npu_kernels() -> KernelSet:
     from llmflow.kernels import npu
 
     return KernelSet(
-        "npu", npu.rms_norm, npu.apply_rotary, npu.swiglu, npu.attention, cross_entropy.linear_cross_entropy,
-        npu.grouped_mm,
+        # The fused GeGLU: torch ops, which run on the NPU as they are.
+        "npu", npu.rms_norm, npu.apply_rotary, npu.swiglu, fused.geglu, npu.attention,
+        cross_entropy.linear_cross_entropy, npu.grouped_mm,
         # torch_npu documents no gated delta rule or causal conv1d operator: the torch paths.
         gated_delta.torch_gated_delta_rule, gated_delta.fused_causal_conv1d,
     )

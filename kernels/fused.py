@@ -3,10 +3,11 @@
 - RMSNorm through ``F.rms_norm`` (one fused kernel that saves only the input and rstd).
 - Rotary embedding on the two halves directly, without building rotate_half's copy.
 - SwiGLU as an autograd function that saves its two inputs only and recomputes silu in
-  backward (the composite saves three tensors of FFN width).
+  backward (the composite saves three tensors of FFN width); GeGLU (tanh GELU, Gemma) alike.
 - Attention through ``F.scaled_dot_product_attention``: flash/efficient kernels on CUDA,
   the flash CPU kernel on CPU, native GQA, and an explicit mask only when packed
-  documents or a sliding window require one.
+  documents or a sliding window require one. Attention sinks (gpt-oss) go in as an additive
+  float mask over one extra zero key (exact; the kernels that take such a mask, not flash).
 - Cross-entropy fused with the output projection (see cross_entropy.py).
 - The experts of a mixture of experts through ``F.grouped_mm`` (one kernel for every
   expert's rows, CPU and CUDA); shapes or dtypes it does not take go expert by expert.
@@ -55,6 +56,24 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _SwiGLU.apply(gate, up)
 
 
+class _GeGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.gelu(gate, approximate="tanh") * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        grad_up = grad * F.gelu(gate, approximate="tanh")
+        grad_gate = torch.ops.aten.gelu_backward(grad * up, gate, approximate="tanh")
+        return grad_gate, grad_up
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return _GeGLU.apply(gate, up)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -62,13 +81,33 @@ def attention(
     scale: float,
     document_ids: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     q_len, kv_len = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
+    if sinks is not None:
+        return _sink_attention(q, k, v, scale, document_ids, sliding_window, sinks)
     if needs_explicit_mask(q_len, kv_len, document_ids, sliding_window):
         mask = attention_mask(q_len, kv_len, q.device, document_ids, sliding_window)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, is_causal=q_len > 1, scale=scale, enable_gqa=gqa)
+
+
+def _sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    document_ids: torch.Tensor | None, sliding_window: int | None,
+                    sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with a sink logit per head, exactly, through SDPA: one more key of zeros
+    (score 0) whose additive mask is the head's sink, and a value of zeros, so the sink joins
+    every query's softmax and its probability adds nothing to the output."""
+    heads, q_len = q.shape[1], q.shape[2]
+    allowed = attention_mask(q_len, k.shape[2], q.device, document_ids, sliding_window)
+    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
+    bias = bias.expand(allowed.shape[0], heads, q_len, -1)
+    sink = sinks.to(q.dtype).view(1, heads, 1, 1).expand(allowed.shape[0], heads, q_len, 1)
+    k = torch.cat([k, k.new_zeros(*k.shape[:2], 1, k.shape[3])], dim=2)
+    v = torch.cat([v, v.new_zeros(*v.shape[:2], 1, v.shape[3])], dim=2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.cat([bias, sink], dim=-1), scale=scale,
+                                          enable_gqa=heads != k.shape[1])
 
 
 # F.grouped_mm wants every stride a multiple of 16 bytes; CUDA takes bfloat16 only.

@@ -5,6 +5,11 @@ Imported only after torch_npu has loaded (see llmflow.kernels.dispatch). Pitfall
 - ``npu_fusion_attention``'s mask is True where attention is *blocked* (SDPA: True =
   attend); with sparse_mode 2/3 it takes the compressed 2048x2048 upper-triangular mask.
 - ``npu_swiglu`` gates the first half of its input: silu(gate) * up needs [gate, up].
+- ``npu_fusion_attention`` is given values as wide as the queries and keys: narrower ones
+  (Multi-head Latent Attention's) are padded with zero columns, which leave the output's
+  other columns as they are, and the padding's columns are cut off the output.
+- ``npu_fusion_attention`` takes no attention sinks (gpt-oss): attention with sinks runs the
+  reference formula.
 - ``npu_grouped_matmul`` multiplies x by weight as stored ([E, in, out]): the experts' nn.Linear
   layout [E, out, in] goes in transposed; ``group_list_type=1`` reads group_list as counts.
 """
@@ -16,6 +21,7 @@ import functools
 import torch
 import torch_npu  # also registers the npu device
 
+from llmflow.kernels import reference
 from llmflow.kernels.masks import attention_mask
 
 # sparse_mode 3 = "rightDownCausal": causal with queries aligned to the last keys, which is
@@ -58,8 +64,14 @@ def attention(
     scale: float,
     document_ids: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    if sinks is not None:  # npu_fusion_attention takes no per-head extra logit
+        return reference.attention(q, k, v, scale, document_ids, sliding_window, sinks)
     batch, heads, q_len, head_dim = q.shape
+    if v.shape[-1] < head_dim:
+        padded = torch.nn.functional.pad(v, (0, head_dim - v.shape[-1]))
+        return attention(q, k, padded, scale, document_ids, sliding_window)[..., : v.shape[-1]]
     kv_len = k.shape[2]
     if sliding_window is not None and kv_len > sliding_window:
         blocked = ~attention_mask(q_len, kv_len, q.device, document_ids, sliding_window)

@@ -34,6 +34,16 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(logits / cap)``, in transformers' order of operations (Gemma's final-logit
+    soft-capping)."""
+    return torch.tanh(logits / cap) * cap
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -41,6 +51,7 @@ def attention(
     scale: float,
     document_ids: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
@@ -48,8 +59,11 @@ def attention(
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
     mask = attention_mask(q.shape[2], k.shape[2], q.device, document_ids, sliding_window)
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.matmul(probs, v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), v)
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # the sink's share dropped
+    return torch.matmul(probs.to(q.dtype), v)
 
 
 def linear_cross_entropy(
@@ -58,8 +72,11 @@ def linear_cross_entropy(
     labels: torch.Tensor,
     ignore_index: int = -100,
     reduction: str = "mean",
+    softcap: float | None = None,
 ) -> torch.Tensor:
     logits = (hidden @ weight.t()).float()
+    if softcap is not None:
+        logits = soft_cap(logits, softcap)
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction=reduction)
 
 

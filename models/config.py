@@ -4,7 +4,8 @@ and the registry of model families by HF ``model_type``.
 The keys every family shares (shape, rotary, dtype, token ids) are read here; the keys of
 one family (biases, sliding window, ...) by that family's ``read_options``. Both key
 spellings are read: ``rope_theta``/``rope_scaling`` (transformers 4) and ``rope_parameters``
-(transformers 5), ``torch_dtype`` and ``dtype``. A multimodal config.json whose family names a
+(transformers 5; one per layer type for Gemma 3, whose 'full_attention' entry is the shared
+rotary), ``torch_dtype`` and ``dtype``. A multimodal config.json whose family names a
 ``text_config_key`` (Qwen3.5's ``text_config``) is read from that nested config.
 """
 
@@ -19,7 +20,10 @@ from typing import Any
 
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+YARN_KEYS = ("rope_type", "factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+             "mscale", "mscale_all_dim", "truncate")
+"""The keys of a 'yarn' rope scaling, those transformers' ``_compute_yarn_parameters`` reads."""
 ROPE_SHAPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
 """``rope_parameters`` keys that are not a scaling: the rotary part of each head, and the
 multimodal sections (text positions are equal on all three, which makes them ordinary rotary)."""
@@ -57,7 +61,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     """Base of the rotary embedding frequencies."""
     rope_scaling: dict[str, Any] | None = None
-    """Rotary scaling: None, or a dict with rope_type 'linear' or 'llama3' and its factors."""
+    """Rotary scaling: None, or a dict with rope_type 'linear', 'llama3' or 'yarn' and its factors
+    (YaRN's ``original_max_position_embeddings`` always present, resolved as transformers does)."""
     tie_word_embeddings: bool = False
     """Whether the output projection shares the embedding matrix."""
     qkv_bias: bool = False
@@ -79,13 +84,32 @@ class ModelConfig:
     norm_topk_prob: bool = False
     """Renormalise each token's top-k routing weights to sum to one (always in Mixtral)."""
     shared_expert_intermediate_size: int = 0
-    """Width of the shared expert every token also goes through (Qwen2-MoE); 0: none."""
+    """Width of the shared expert every token also goes through (Qwen2-MoE; DeepSeek-V3 and
+    GLM-4.5: ``n_shared_experts`` x ``moe_intermediate_size``); 0: none."""
+    shared_expert_gated: bool = True
+    """The shared expert's output is scaled by sigmoid(``shared_expert_gate``(x)) (Qwen2-MoE,
+    Qwen3-Next: HF's ``mlp.shared_expert``); False: added as it is (DeepSeek-V3, GLM-4.5: HF's
+    ``mlp.shared_experts``)."""
     dense_layers: tuple[int, ...] = ()
-    """Layers of a MoE model whose feed-forward block is dense (``mlp_only_layers``, and the
-    layers ``decoder_sparse_step`` skips), of width ``intermediate_size``."""
+    """Layers of a MoE model whose feed-forward block is dense (``mlp_only_layers``, the
+    layers ``decoder_sparse_step`` skips, the first ``first_k_dense_replace``), of width
+    ``intermediate_size``."""
+    router_scoring: str = "softmax"
+    """How a MoE layer's router scores the experts: 'softmax' (``TopKRouter``: the k largest
+    softmax probabilities) or 'sigmoid' (``GroupLimitedRouter``, DeepSeek-V3, Kimi K2, GLM-4.5:
+    sigmoid scores, ``e_score_correction_bias`` added to choose the experts only, top-k among
+    the best ``topk_group`` of ``n_group`` groups, weights times ``routed_scaling_factor``)."""
+    n_group: int = 1
+    """Groups of consecutive experts the sigmoid router splits each layer's experts into."""
+    topk_group: int = 1
+    """Groups the sigmoid router keeps for a token (the largest sums of their two best biased
+    scores); its k experts are chosen among theirs."""
+    routed_scaling_factor: float = 1.0
+    """Factor on the sigmoid router's routing weights, after their renormalisation."""
     layer_types: tuple[str, ...] = ()
     """Each layer's token mixer: 'full_attention' or 'linear_attention' (a Gated DeltaNet,
-    Qwen3-Next and Qwen3.5); empty: attention on every layer."""
+    Qwen3-Next and Qwen3.5), or 'sliding_attention' (attention within ``sliding_window``, Gemma
+    3, whose 'full_attention' layers have no window); empty: attention on every layer."""
     linear_num_key_heads: int = 0
     """Query/key heads of a Gated DeltaNet layer."""
     linear_num_value_heads: int = 0
@@ -103,9 +127,52 @@ class ModelConfig:
     attention_output_gate: bool = False
     """Attention's q_proj also emits one gate value per output dim; the attention output is
     scaled by their sigmoid before o_proj (Qwen3-Next, Qwen3.5)."""
+    q_lora_rank: int | None = None
+    """Rank of a Multi-head Latent Attention (MLA) layer's query compression (q_a_proj ->
+    q_a_layernorm -> q_b_proj); None: one q_proj (DeepSeek-V3)."""
+    kv_lora_rank: int = 0
+    """Width of MLA's compressed keys and values (kv_a_proj_with_mqa's latent part); 0: the
+    model has no MLA layers."""
+    qk_nope_head_dim: int = 0
+    """Width of the part of an MLA query/key head that rotary leaves alone."""
+    qk_rope_head_dim: int = 0
+    """Width of the rotary part of an MLA query/key head (one key part shared by every head);
+    ``head_dim``, the width of the rotary frequencies, is set to it."""
+    v_head_dim: int = 0
+    """Width of an MLA value head."""
+    rope_interleave: bool = False
+    """Rotary turns adjacent pairs of dims (DeepSeek's layout) instead of the two halves of the
+    rotary part."""
     zero_centered_norms: bool = False
     """Every RMSNorm weight (the layers', q/k and final norms) is stored zero-centred and
-    applied as (1 + weight) (Qwen3-Next, Qwen3.5)."""
+    applied as (1 + weight) (Qwen3-Next, Qwen3.5, Gemma 3)."""
+    sandwich_norms: bool = False
+    """Each layer also normalises attention's and the MLP's outputs before adding them to the
+    residual stream (``post_attention_layernorm``, ``post_feedforward_layernorm``) and the MLP's
+    input by ``pre_feedforward_layernorm`` (Gemma 3); False: ``post_attention_layernorm`` is the
+    MLP's input norm."""
+    hidden_act: str = "silu"
+    """The gated feed-forward block's activation: 'silu' (SwiGLU) or 'gelu_pytorch_tanh' (GELU's
+    tanh approximation, Gemma 3's ``hidden_activation``)."""
+    attention_scale: float | None = None
+    """Softmax scale of the attention scores; None: head_dim ** -0.5 (Gemma 3:
+    ``query_pre_attn_scalar`` ** -0.5)."""
+    sliding_rope_theta: float | None = None
+    """Rotary base of the 'sliding_attention' layers, which no scaling changes (Gemma 3's
+    ``rope_local_base_freq``); None: every layer rotates by ``rope_theta`` and ``rope_scaling``."""
+    embedding_scale: float | None = None
+    """Factor on the embedding's output, rounded to the embedding's dtype first (Gemma 3:
+    sqrt(hidden_size)); None: none."""
+    embedding_padding_idx: int | None = None
+    """The embedding row its lookup passes no gradient to (nn.Embedding's ``padding_idx``: Gemma
+    3's ``pad_token_id``, as its transformers model builds the embedding); None: every row's."""
+    expert_swiglu_alpha: float = 1.702
+    """Sigmoid gain of the clamped SwiGLU of gpt-oss's experts (``swiglu_alpha``)."""
+    expert_swiglu_limit: float = 7.0
+    """Clamp of that SwiGLU's gate (above) and up projection (both sides) (``swiglu_limit``)."""
+    final_logit_softcapping: float | None = None
+    """The logits are capped to ``c * tanh(logits / c)``, in the loss too (Gemma 3's
+    ``final_logit_softcapping``); None: no cap."""
     torch_dtype: str = "float32"
     """dtype the weights were saved in."""
     bos_token_id: int | None = None
@@ -132,6 +199,17 @@ class ModelConfig:
     def is_linear_layer(self, index: int) -> bool:
         """Whether layer ``index`` mixes tokens with a Gated DeltaNet instead of attention."""
         return bool(self.layer_types) and self.layer_types[index] == "linear_attention"
+
+    def is_sliding_layer(self, index: int) -> bool:
+        """Whether ``layer_types`` calls layer ``index`` a 'sliding_attention' layer (Gemma 3)."""
+        return bool(self.layer_types) and self.layer_types[index] == "sliding_attention"
+
+    def layer_window(self, index: int) -> int | None:
+        """The attention window of layer ``index``: ``sliding_window`` on every layer when
+        ``layer_types`` has no 'sliding_attention' layer, else on those only."""
+        if "sliding_attention" not in self.layer_types:
+            return self.sliding_window
+        return self.sliding_window if self.is_sliding_layer(index) else None
 
     @property
     def rope_type(self) -> str:
@@ -234,7 +312,23 @@ class Family:
     ``text_config``); None: they are at the top level."""
     hf_left_out: tuple[tuple[str, str], ...] = ()
     """(checkpoint name prefix, what it holds) of tensors that are no part of the decoder (a
-    vision tower, multi-token prediction layers): loading leaves them out and says so."""
+    vision tower, multi-token prediction layers): loading leaves them out and says so; convert,
+    training and export carry them bit for bit (``llmflow/weights/carried.py``). A tensor under
+    no prefix that has no place in the decoder is refused."""
+    hf_fused_experts: bool = True
+    """The checkpoint's ``experts.gate_up_proj``/``experts.down_proj`` are transformers' fused
+    experts, read into ``GroupedExperts``' stacked projections; False: the family's experts hold
+    those tensors as they are (gpt-oss, under ``hf_renames``)."""
+    unsplit_layouts: tuple[str, ...] = ()
+    """Layout dimensions ("tp", "ep", "cp") whose plans do not split this family's own parts
+    yet: a layout above 1 in one of them is refused before launch, naming them."""
+    unsplit_parts: str = ""
+    """What those plans leave unsplit, for the refusal's message."""
+    hf_extra_layers: str | None = None
+    """What the checkpoint's layers numbered from ``num_hidden_layers`` on hold (the
+    multi-token prediction layer of GLM-4.5, as ``model.layers.{num_hidden_layers}``): left
+    out as ``hf_left_out``'s prefixes are; None: such layers are refused as any tensor with no
+    place in the decoder."""
 
 
 FAMILIES: dict[str, Family] = {}
@@ -283,6 +377,8 @@ def _rope_shape(hf: dict[str, Any]) -> dict[str, Any]:
 def _read_rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling with a 'rope_type' key or None), from either spelling."""
     params = hf.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]  # one per layer type (transformers 5's Gemma 3): the full-attention layers'
     if isinstance(params, dict):
         theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
         scaling = {k: v for k, v in params.items() if k != "rope_theta" and k not in ROPE_SHAPE_KEYS}
@@ -297,4 +393,26 @@ def _read_rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] |
         raise ConfigError(
             f"{source}: rope_type={rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}"
         )
+    if rope_type == "yarn":
+        scaling = _read_yarn(scaling, hf, source)
     return float(theta), (scaling if rope_type != "default" else None)
+
+
+def _read_yarn(scaling: dict[str, Any], hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """A 'yarn' scaling checked key by key, with ``original_max_position_embeddings`` where
+    transformers takes it from: config.json's top-level key first, then the scaling's own, then
+    ``max_position_embeddings``."""
+    unknown = sorted(set(scaling) - set(YARN_KEYS))
+    if unknown:
+        raise ConfigError(f"{source}: rope scaling key {unknown[0]!r} is not one of YaRN's {YARN_KEYS}")
+    numbers = ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+               "mscale_all_dim")
+    for key in numbers:
+        value = scaling.get(key)
+        required = key == "factor"
+        if (value is not None or required) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(f"{source}: rope scaling {key}={value!r}; YaRN needs a number")
+    if not isinstance(scaling.get("truncate", True), bool):
+        raise ConfigError(f"{source}: rope scaling truncate={scaling['truncate']!r}; expected true or false")
+    original = hf.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+    return {**scaling, "original_max_position_embeddings": original or hf.get("max_position_embeddings", 4096)}

@@ -82,6 +82,9 @@ def context_parallel_problems(config: ModelConfig, cp: int, seq_length: int | No
     if "linear_attention" in config.layer_types:
         problems.append(f"cp={cp} cannot split {config.model_type}'s Gated DeltaNet layers: their recurrent state runs "
                         "along the whole sequence; train it with cp=1")
+    if config.kv_lora_rank:
+        problems.append(f"cp={cp} does not split {config.model_type}'s Multi-head Latent Attention layers yet; train it "
+                        "with cp=1")
     return problems
 
 

@@ -17,14 +17,24 @@ as without it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from llmflow import kernels
+from llmflow.models.blocks.biased_moe import ClampedSwiGLUExperts
+from llmflow.models.blocks.embedding import ScaledEmbedding
 from llmflow.models.blocks.gated_deltanet import GatedDeltaNet, init_a_log
 from llmflow.models.blocks.moe import GroupedExperts, TopKRouter
+from llmflow.models.blocks.moe_routing import GroupLimitedRouter
 from llmflow.models.blocks.norm import GatedRMSNorm, RMSNorm, ZeroCenteredRMSNorm, rms_norm
-from llmflow.models.blocks.rotary import inverse_frequencies, positions_from_documents, rotary_cos_sin
+from llmflow.models.blocks.rotary import (
+    inverse_frequencies,
+    positions_from_documents,
+    rotary_attention_factor,
+    rotary_cos_sin,
+)
 from llmflow.models.config import ModelConfig, family_of
 from llmflow.models.kv_cache import KVCache
 
@@ -36,23 +46,39 @@ def embedding_weight(rows: int, dim: int) -> torch.Tensor:
     return weight if weight.is_meta else nn.init.normal_(weight)
 
 
+def sliding_inverse_frequencies(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor | None:
+    """inv_freq of the 'sliding_attention' layers where they rotate by a base of their own,
+    unscaled (Gemma 3's ``rope_local_base_freq``); None where every layer rotates alike."""
+    if config.sliding_rope_theta is None:
+        return None
+    local = dataclasses.replace(config, rope_theta=config.sliding_rope_theta, rope_scaling=None)
+    return inverse_frequencies(local, device=device)
+
+
 class DecoderModel(nn.Module):
     """Embedding, decoder layers and final norm: HF's ``model`` submodule."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens: nn.Embedding | None = nn.Embedding(
-            config.vocab_size, config.hidden_size, _weight=embedding_weight(config.vocab_size, config.hidden_size))
+        rows, dim, padding = config.vocab_size, config.hidden_size, config.embedding_padding_idx
+        weight = embedding_weight(rows, dim)
+        self.embed_tokens: nn.Embedding | None = (
+            nn.Embedding(rows, dim, padding_idx=padding, _weight=weight) if config.embedding_scale is None
+            else ScaledEmbedding(rows, dim, config.embedding_scale, padding, _weight=weight))
         build_layer = family_of(config.model_type).build_layer
         self.layers = nn.ModuleDict({str(i): build_layer(config, i) for i in range(config.num_hidden_layers)})
         self.norm: RMSNorm | ZeroCenteredRMSNorm | None = rms_norm(
             config.hidden_size, config.rms_norm_eps, config.zero_centered_norms)
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
+        self.register_buffer("sliding_inv_freq", sliding_inverse_frequencies(config), persistent=False)
+        self.rotary_scale = rotary_attention_factor(config)
 
     def reset_rope(self, device: torch.device | str | None = None) -> None:
         """Recompute the rotary frequencies (after the model left the meta device)."""
-        self.inv_freq = inverse_frequencies(self.config, device=device or self.inv_freq.device)
+        device = device or self.inv_freq.device
+        self.inv_freq = inverse_frequencies(self.config, device=device)
+        self.sliding_inv_freq = sliding_inverse_frequencies(self.config, device=device)
 
     def forward(
         self,
@@ -72,10 +98,13 @@ class DecoderModel(nn.Module):
                 position_ids = positions_from_documents(document_ids)
             else:
                 position_ids = torch.arange(start, start + seq, device=h.device).expand(batch, seq)
-        cos, sin = rotary_cos_sin(self.inv_freq, position_ids, h.dtype)
+        shared = rotary_cos_sin(self.inv_freq, position_ids, h.dtype, self.rotary_scale)
+        sliding = shared if self.sliding_inv_freq is None else rotary_cos_sin(self.sliding_inv_freq, position_ids,
+                                                                              h.dtype)
         if kv_cache is not None:
             document_ids = kv_cache.documents(document_ids)
         for name, layer in self.layers.items():
+            cos, sin = sliding if self.config.is_sliding_layer(int(name)) else shared
             h = layer(h, cos, sin, document_ids, (kv_cache, name) if kv_cache is not None else None)
         if kv_cache is not None:
             kv_cache.filled += seq
@@ -107,7 +136,8 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, S, vocab], or the cross-entropy loss when ``labels`` is given: the mean
         or sum over target tokens (``loss_reduction``), or with "none" every token's [B, S]
-        (0 where no loss is taken). Both are of the logits divided by ``temperature`` (an
+        (0 where no loss is taken). Both are of the logits (soft-capped where the config caps
+        them) divided by ``temperature`` (an
         online RL objective scores its samples so); ``logits_to_keep`` > 0 returns the logits
         of the last that many positions only (generation). ``return_entropy`` with
         ``loss_reduction="none"`` returns every token's loss and the entropy of its predicted
@@ -124,18 +154,23 @@ class CausalLM(nn.Module):
             return h
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
+        softcap = self.config.final_logit_softcapping
         if temperature != 1.0:  # the output projection has no bias: (h / t) W^T = logits / t
             h = h / temperature
+            if softcap is not None:  # c tanh(z / c) / t = (c / t) tanh((z / t) / (c / t))
+                softcap = softcap / temperature
         real = self.config.unpadded_vocab_size
         if labels is None:
             logits = self.lm_head(h)
+            if softcap is not None:
+                logits = kernels.soft_cap(logits, softcap)
             return logits if real is None else logits[..., :real]
         weight = self.lm_head.weight if real is None else self.lm_head.weight[:real]
         rows, targets = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
         if return_entropy:
-            loss, entropy = kernels.token_cross_entropy(rows, weight, targets)
+            loss, entropy = kernels.token_cross_entropy(rows, weight, targets, softcap=softcap)
             return loss.view(labels.shape).clone(), entropy.view(labels.shape)
-        loss = kernels.linear_cross_entropy(rows, weight, targets, reduction=loss_reduction)
+        loss = kernels.linear_cross_entropy(rows, weight, targets, reduction=loss_reduction, softcap=softcap)
         if loss_reduction != "none":
             return loss
         return loss.view(labels.shape).clone()  # a fresh tensor, not a view: FSDP2 hooks its module's output for backward
@@ -144,16 +179,23 @@ class CausalLM(nn.Module):
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
         """Random initialisation for training from scratch: normal(0, std) weights (the
         experts', routers' and convolutions' too), unit norms (zero where stored
-        zero-centred), zero biases; a Gated DeltaNet's ``dt_bias`` ones and ``A_log`` as
-        transformers draws it."""
+        zero-centred), zero biases (a router's correction bias and the experts' too) and the embedding's padding
+        row; a Gated DeltaNet's ``dt_bias`` ones and ``A_log`` as transformers draws it."""
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding, TopKRouter)):
+            if isinstance(module, (nn.Linear, nn.Embedding, TopKRouter, GroupLimitedRouter)):
                 module.weight.normal_(0.0, std, generator=generator)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
+                if isinstance(module, GroupLimitedRouter):
+                    module.e_score_correction_bias.zero_()
             elif isinstance(module, GroupedExperts):
                 for weight in module.parameters():
                     weight.normal_(0.0, std, generator=generator)
+            elif isinstance(module, ClampedSwiGLUExperts):
+                for weight in (module.gate_up_weight, module.down_weight):
+                    weight.normal_(0.0, std, generator=generator)
+                module.gate_up_bias.zero_()
+                module.down_bias.zero_()
             elif isinstance(module, (RMSNorm, GatedRMSNorm)):
                 module.weight.fill_(1.0)
             elif isinstance(module, ZeroCenteredRMSNorm):
@@ -162,4 +204,7 @@ class CausalLM(nn.Module):
                 module.conv1d.weight.normal_(0.0, std, generator=generator)
                 module.dt_bias.fill_(1.0)
                 init_a_log(module.A_log, generator)
+        embed = self.model.embed_tokens
+        if embed is not None and embed.padding_idx is not None:  # zero, as nn.Embedding starts it (a tied head too)
+            embed.weight[embed.padding_idx].zero_()
         self.model.reset_rope()

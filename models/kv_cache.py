@@ -9,8 +9,9 @@ import torch
 class KVCache:
     """Keys and values of the positions processed so far, in buffers [B, Hkv, max_len, D]
     allocated on each layer's first write (so their shapes follow the weights, sharded or
-    not), plus the keys' document ids when the batch has any (left padding as a document of
-    its own keeps pad positions out of every real token's attention).
+    not; the values' D may differ from the keys', as in Multi-head Latent Attention), plus
+    the keys' document ids when the batch has any (left padding as a document of its own
+    keeps pad positions out of every real token's attention).
 
     A Gated DeltaNet layer keeps its state instead, replaced at each step: the last inputs of
     its causal convolution [B, D, K - 1] and its recurrent state [B, H, Dk, Dv]."""
@@ -35,10 +36,11 @@ class KVCache:
         return self._documents[:, :end]
 
     def update(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new k/v [B, Hkv, S, D] of ``layer``; its keys and values up to them."""
+        """Write the new k [B, Hkv, S, D] and v [B, Hkv, S, Dv] of ``layer``; its keys and
+        values up to them."""
         if layer not in self._keys:
-            shape = (k.shape[0], k.shape[1], self.max_len, k.shape[3])
-            self._keys[layer], self._values[layer] = k.new_empty(shape), v.new_empty(shape)
+            rows = (k.shape[0], k.shape[1], self.max_len)
+            self._keys[layer], self._values[layer] = k.new_empty(*rows, k.shape[3]), v.new_empty(*rows, v.shape[3])
         end = self.filled + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache of {self.max_len} positions cannot hold {end}")

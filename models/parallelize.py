@@ -6,7 +6,9 @@
   one kind of tensor. The embedding and the output projection stay whole on every rank of
   the tensor-parallel group: the fused cross-entropy then runs on full rows.
   A Gated DeltaNet layer (Qwen3-Next, Qwen3.5) is split by key-head groups
-  (``linear_layer_tp_plan``), each rank holding whole key heads and their value heads.
+  (``linear_layer_tp_plan``), each rank holding whole key heads and their value heads; a
+  Multi-head Latent Attention layer (DeepSeek-V3) by heads after its low-rank down
+  projections, which every rank holds whole (``latent_layer_tp_plan``).
 - ``apply_tp_inference``: tensor parallel for generation: the same column/row split of
   attention and MLP, with replicated activations between the layers (no sequence sharding),
   so the KV cache holds each rank's own heads.
@@ -43,6 +45,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from llmflow.models.blocks.mla import MultiHeadLatentAttention
 from llmflow.models.config import ModelConfig, inference_tp_problems
 from llmflow.models.context_parallel import apply_cp
 from llmflow.models.decoder import CausalLM
@@ -60,7 +63,8 @@ def layer_tp_plan(config: ModelConfig) -> dict[str, ParallelStyle]:
     gradient is summed over the ranks' heads. A gated attention's ``q_proj`` (Qwen3-Next,
     Qwen3.5) emits each head's queries and then its gate values, head after head, so its
     column split (contiguous rows of whole heads) keeps each head's queries and gate on the
-    same rank."""
+    same rank. Sandwich norms (Gemma 3) normalise o_proj's and down_proj's outputs, this rank's
+    sequence shards, and hand plain tensors to the residual add."""
     plan = {
         "input_layernorm": SequenceParallel(),
         "self_attn": PrepareModuleInput(
@@ -81,6 +85,10 @@ def layer_tp_plan(config: ModelConfig) -> dict[str, ParallelStyle]:
     if config.qk_norm:
         for norm in ("self_attn.q_norm", "self_attn.k_norm"):
             plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    if config.sandwich_norms:  # post_attention_layernorm then normalises o_proj's output, not the MLP's input
+        plan["post_attention_layernorm"] = SequenceParallel(use_local_output=True)
+        plan["pre_feedforward_layernorm"] = SequenceParallel()
+        plan["post_feedforward_layernorm"] = SequenceParallel(use_local_output=True)
     return plan
 
 
@@ -97,6 +105,71 @@ def linear_layer_tp_plan(plan: dict[str, ParallelStyle], fused_projections: bool
     linear["linear_attn.norm"] = PerHeadNormParallel()
     linear["linear_attn.out_proj"] = RowwiseParallel(output_layouts=Shard(1))
     return linear
+
+
+def latent_layer_tp_plan(plan: dict[str, ParallelStyle], low_rank_query: bool) -> dict[str, ParallelStyle]:
+    """``plan`` for a layer whose token mixer is Multi-head Latent Attention (``self_attn``):
+    ``q_b_proj`` (``q_proj`` when ``low_rank_query`` is false) and ``kv_b_proj`` column-parallel
+    over the heads, ``o_proj`` row-parallel; the down projections ``q_a_proj`` and
+    ``kv_a_proj_with_mqa`` and their norms replicated (``ReplicateParallel``), computed whole
+    by every rank from the input ``LatentAttentionParallel`` gathers."""
+    latent = _without_attention(plan)
+    latent["self_attn"] = LatentAttentionParallel()
+    down = (*(("q_a_proj", "q_a_layernorm") if low_rank_query else ()), "kv_a_proj_with_mqa", "kv_a_layernorm")
+    latent.update({f"self_attn.{name}": ReplicateParallel() for name in down})
+    latent.update(_latent_head_split(low_rank_query, RowwiseParallel(output_layouts=Shard(1))))
+    return latent
+
+
+def latent_inference_layer_tp_plan(plan: dict[str, ParallelStyle], low_rank_query: bool) -> dict[str, ParallelStyle]:
+    """``inference_layer_tp_plan`` for a Multi-head Latent Attention layer: the same split of its
+    heads as ``latent_layer_tp_plan``'s, everything else plain tensors on every rank."""
+    return {**_without_attention(plan), **_latent_head_split(low_rank_query, RowwiseParallel())}
+
+
+def _without_attention(plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    return {name: style for name, style in plan.items() if not name.startswith("self_attn.")}
+
+
+def _latent_head_split(low_rank_query: bool, output: RowwiseParallel) -> dict[str, ParallelStyle]:
+    query = "self_attn.q_b_proj" if low_rank_query else "self_attn.q_proj"
+    return {query: ColwiseParallel(), "self_attn.kv_b_proj": ColwiseParallel(), "self_attn.o_proj": output}
+
+
+class LatentAttentionParallel(ParallelStyle):
+    """Multi-head Latent Attention (``self_attn``) itself under the layer plan: its input
+    gathered from the sequence shards like attention's, and its rotary key part, which every
+    head shares, given its gradient summed over the ranks (each rank's heads give only theirs),
+    so that the replicated down projection and the input get the whole gradient on every rank."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, MultiHeadLatentAttention):
+            raise TypeError(f"LatentAttentionParallel applies to a MultiHeadLatentAttention, not {type(module).__name__}")
+        module.shared_key_gradient = partial(_gradient_summed, mesh=device_mesh)
+        prepare = PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                     desired_input_layouts=(Replicate(), None, None, None), use_local_output=True)
+        return prepare._apply(module, device_mesh)
+
+
+def _gradient_summed(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """``x`` as it is, its gradient summed over the ranks of ``mesh``."""
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+class ReplicateParallel(ParallelStyle):
+    """A module whole on every rank: its parameters replicated DTensors, its input and output
+    this rank's plain tensors (the same on every rank), its gradients computed alike by each."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, input_fn=_replicated_inputs, output_fn=_local_output)
+
+
+def _replicated_inputs(_module: nn.Module, inputs: tuple[torch.Tensor, ...], mesh: DeviceMesh) -> tuple[DTensor, ...]:
+    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
+
+
+def _local_output(_module: nn.Module, output: DTensor, _mesh: DeviceMesh) -> torch.Tensor:
+    return output.to_local()
 
 
 class HeadGroupRows:
@@ -197,24 +270,15 @@ class PerHeadNormParallel(ParallelStyle):
 def _replicate_embedding(embed: nn.Embedding, mesh: DeviceMesh) -> None:
     """Whole embedding on every rank; its output enters the sequence-parallel region."""
 
-    def to_replicated(_module, inputs, device_mesh):
-        return tuple(DTensor.from_local(x, device_mesh, [Replicate()], run_check=False) for x in inputs)
-
     def to_sequence_shard(_module, output, device_mesh):
         return output.redistribute(device_mesh, [Shard(1)]).to_local()
 
-    distribute_module(embed, mesh, input_fn=to_replicated, output_fn=to_sequence_shard)
+    distribute_module(embed, mesh, input_fn=_replicated_inputs, output_fn=to_sequence_shard)
 
 
 def _replicate_output_projection(lm_head: nn.Linear, mesh: DeviceMesh, distribute_weight: bool) -> None:
-    def to_replicated(_module, inputs, device_mesh):
-        return tuple(DTensor.from_local(x, device_mesh, [Replicate()], run_check=False) for x in inputs)
-
-    def to_local(_module, output, _device_mesh):
-        return output.to_local()
-
     keep = None if distribute_weight else (lambda _name, _module, _mesh: None)
-    distribute_module(lm_head, mesh, partition_fn=keep, input_fn=to_replicated, output_fn=to_local)
+    distribute_module(lm_head, mesh, partition_fn=keep, input_fn=_replicated_inputs, output_fn=_local_output)
 
 
 def moe_layer_tp_plan(plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
@@ -238,6 +302,8 @@ def apply_tp(model: CausalLM, mesh: DeviceMesh, lora: bool = False) -> None:
         plan = layer_tp_plan(config)
         if config.is_linear_layer(index):
             plan = linear_layer_tp_plan(plan, layer.linear_attn.fused_projections)
+        if isinstance(attention := getattr(layer, "self_attn", None), MultiHeadLatentAttention):
+            plan = latent_layer_tp_plan(plan, attention.low_rank_query)
         if config.is_moe_layer(index):
             plan = moe_layer_tp_plan(plan)
         parallelize_module(layer, mesh, lora_tp_plan(plan) if lora else plan)
@@ -284,7 +350,10 @@ def apply_tp_inference(model: CausalLM, mesh: DeviceMesh) -> None:
     if problems := inference_tp_problems(model.config, mesh.size()):
         raise NotImplementedError(problems[0])
     for layer in model.model.layers.values():
-        parallelize_module(layer, mesh, inference_layer_tp_plan())
+        plan = inference_layer_tp_plan()
+        if isinstance(attention := getattr(layer, "self_attn", None), MultiHeadLatentAttention):
+            plan = latent_inference_layer_tp_plan(plan, attention.low_rank_query)
+        parallelize_module(layer, mesh, plan)
 
 
 # What selective checkpointing keeps from the forward pass: the outputs of the ops whose

@@ -56,7 +56,7 @@ def stage_model(model: CausalLM, layers: range, first: bool, last: bool) -> Caus
     decoder.embed_tokens = model.model.embed_tokens if first or (last and model.config.tie_word_embeddings) else None
     decoder.norm = model.model.norm if last else None
     stage.lm_head = model.lm_head if last else None
-    decoder.inv_freq = model.model.inv_freq
+    decoder.inv_freq, decoder.sliding_inv_freq = model.model.inv_freq, model.model.sliding_inv_freq
     return stage
 
 

@@ -1,6 +1,6 @@
 """The example configs (examples/): every one loads, its layout, batch sizes and pipeline
-settings pass the checks ``llmflow train`` makes for its devices (1 node x 8, or 2 nodes x 8
-for a ``-2nodes`` config, as the train command in its opening comment says), its memory plan
+settings pass the checks ``llmflow train`` makes for its devices (1 node x 8, or N nodes x 8
+for a ``-{N}nodes`` config, as the train command in its opening comment says), its memory plan
 with the model's published config.json fits a 64 GB device, and examples/README.md's table
 is that plan's; a long-sequence config's (``-32k``, context parallel) whole plan, as
 ``llmflow train`` prints it, is in examples/README.md too."""
@@ -33,6 +33,7 @@ DEVICES_PER_NODE = 8
 DEVICE_BYTES = 64 * 10**9
 QWEN3_5_9B_TEXT = 8_953_803_264
 QWEN3_5_35B_A3B_TEXT = 34_660_610_688
+GEMMA_3_27B_TEXT = 27_009_346_304
 PUBLISHED_PARAMETERS = {  # the model cards' parameter counts
     "qwen1.5-0.5b": 463_987_712,
     "qwen2.5-0.5b": 494_032_768,
@@ -44,6 +45,12 @@ PUBLISHED_PARAMETERS = {  # the model cards' parameter counts
     # published counts include the vision tower): computed, not a model card's figure.
     "qwen3.5-9b": QWEN3_5_9B_TEXT,
     "qwen3.5-35b-a3b": QWEN3_5_35B_A3B_TEXT,
+    # Gemma 3 27B's text decoder as llmflow builds it (the published count includes the vision tower).
+    "gemma-3-27b": GEMMA_3_27B_TEXT,
+    # DeepSeek-V3 and GLM-4.5-Air without their multi-token prediction layer (left out on loading):
+    # computed, the model cards' 671B (37B activated) and 106B (12B active) rounded.
+    "deepseek-v3": 671_026_404_352,
+    "glm-4.5-air": 106_852_245_504,
 }
 KINDS = ("pretrain", "finetune", "lora")
 ONE_NODE = {(kind, 1) for kind in KINDS}
@@ -60,6 +67,13 @@ EXAMPLE_SETS = {  # (kind, nodes) of each model's configs
     "qwen3.5-9b": ONE_NODE,
     # 35B parameters: the same 16 bytes a parameter leave 8 devices the LoRA example only.
     "qwen3.5-35b-a3b": {("lora", 1)},
+    # 27B parameters and a 262,208-token vocabulary whole on every tensor-parallel rank: full
+    # training takes 16 devices (tp=8 x dp=2).
+    "gemma-3-27b": {("lora", 1), *((kind, 2) for kind in KINDS)},
+    # 671B parameters at 16 bytes each for full training: 64 nodes (512 devices), LoRA on 32.
+    "deepseek-v3": {("finetune", 64), ("lora", 32)},
+    # 107B: full finetuning on 8 nodes (64 devices), LoRA on 2.
+    "glm-4.5-air": {("finetune", 8), ("lora", 2)},
 }
 LONG = "-32k"
 LONG_EXAMPLES = {"qwen2.5-7b": {"finetune"}}
@@ -68,9 +82,13 @@ CONFIGS = sorted(EXAMPLES.glob("*/*.yaml"))
 COMMAND = re.compile(r"llmflow train --nproc (\d+)(?: --nnodes (\d+))?(?:[^\n]|\\\n#)*? examples/(\S+\.yaml)")
 
 
+NODES = re.compile(r"-(\d+)nodes$")
+
+
 def nodes(path: Path) -> int:
-    """2 for a ``-2nodes`` config (2 nodes x 8 devices), else 1."""
-    return 2 if path.stem.endswith("-2nodes") else 1
+    """N for a ``-{N}nodes`` config (N nodes x 8 devices), else 1."""
+    found = NODES.search(path.stem)
+    return int(found[1]) if found else 1
 
 
 def devices(path: Path) -> int:
@@ -78,7 +96,7 @@ def devices(path: Path) -> int:
 
 
 def kind(path: Path) -> str:
-    return path.stem.removesuffix("-2nodes").removesuffix(LONG)
+    return NODES.sub("", path.stem).removesuffix(LONG)
 
 
 def load(path: Path) -> TrainConfig:
@@ -154,7 +172,8 @@ def test_every_model_has_its_examples_and_published_config():
         assert {(kind(p), nodes(p)) for p in CONFIGS if p.parent.name == name} == EXAMPLE_SETS[name]
         assert {kind(p) for p in CONFIGS if p.parent.name == name and p.stem.endswith(LONG)} == \
             LONG_EXAMPLES.get(name, set())
-    assert {p.stem for p in CONFIGS} <= {f"{k}{s}" for k in (*KINDS, "dpo") for s in ("", "-2nodes", LONG)}
+    assert {NODES.sub("-Nnodes", p.stem) for p in CONFIGS} <= {f"{k}{s}" for k in (*KINDS, "dpo")
+                                                                for s in ("", "-Nnodes", LONG)}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(EXAMPLES)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -380,15 +381,19 @@ def test_unsupported_model_type_raises(make_hf_model):
 
 
 def test_unsupported_model_type_names_every_registered_family():
-    with pytest.raises(ConfigError, match=r"model_type='gpt2' is not supported; "
-                                          r"expected one of \('llama', 'mistral', 'qwen2', 'qwen3', 'qwen3_moe', 'qwen2_moe', 'mixtral', 'qwen3_next', 'qwen3_5_text', 'qwen3_5', 'qwen3_5_moe_text', 'qwen3_5_moe'\)"):
+    from llmflow.models.config import FAMILIES
+
+    assert {"llama", "qwen2", "qwen3_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "deepseek_v3"} <= set(FAMILIES)
+    with pytest.raises(ConfigError, match=re.escape(f"model_type='gpt2' is not supported; expected one of "
+                                                    f"{tuple(FAMILIES)}")):
         ModelConfig.from_hf({"model_type": "gpt2"})
 
 
 @pytest.mark.parametrize(
     "changes,name",
     [
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}}, "yarn"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                              "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}}, "longrope"),
         ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
     ],
     ids=["new_spelling", "old_spelling"],

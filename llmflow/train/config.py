@@ -85,7 +85,8 @@ class TrainConfig(BaseModel):
     out: Path
     """Checkpoint directory of this run. When it holds a checkpoint, training resumes from it,
     but only with the settings the weights depend on unchanged (model, data, method,
-    preference, rl, optim, lora, seed, seq_length, dtype, global_batch_size, router_aux_loss_coef; a launch that changes one is refused, naming
+    preference, rl, optim, lora, seed, seq_length, dtype, global_batch_size, router_aux_loss_coef,
+    router_bias_update_rate, router_seq_aux_loss_coef; a launch that changes one is refused, naming
     it). The parallel layout (nproc, pp, tp, dp, cp, ep, the pipeline schedule and split),
     micro_batch_size and the settings of recomputation, compilation, logging and saving may
     change between launches, and steps may grow."""
@@ -125,6 +126,21 @@ class TrainConfig(BaseModel):
     its config.json's router_aux_loss_coef when it sets output_router_logits, else 0. The loss
     and the tokens each expert received are logged either way (not under pp, where a nonzero
     weight is refused)."""
+    router_bias_update_rate: float = Field(default=0.0, ge=0)
+    """Auxiliary-loss-free load balancing (DeepSeek-V3; megatron-core's
+    moe_router_enable_expert_bias with moe_router_bias_update_rate, whose default is 1e-3):
+    after each optimizer step every MoE layer's e_score_correction_bias moves by this rate
+    times sign(mean load - the expert's load), the loads counted over the step's
+    micro-batches and every rank's tokens. 0: the biases stay as loaded. Needs a router with
+    a correction bias (router_scoring 'sigmoid': glm4_moe); refused under pp and with lora."""
+    router_seq_aux_loss_coef: float = Field(default=0.0, ge=0)
+    """Weight of DeepSeek-V3's sequence-wise auxiliary loss in the training loss
+    (megatron-core's moe_router_load_balancing_type 'seq_aux_loss' with moe_aux_loss_coeff;
+    DeepSeek-V3 trained with 1e-4): for each MoE layer and sequence, the sum over experts of
+    f_e P_e (f_e: experts / (k T) times the number of the sequence's T tokens whose k most
+    probable experts include e; P_e: e's mean probability over them), averaged over the
+    sequences and summed over the layers; logged as moe_seq_aux_loss. 0: not computed.
+    Refused under pp."""
     tp: int = Field(default=1, ge=1)
     """Tensor-parallel degree (heads, KV heads and FFN width must divide by it)."""
     dp: int | None = Field(default=None, ge=1)

@@ -49,7 +49,7 @@ from llmflow.train.config import TrainConfig
 from llmflow.train.metrics import StepTimer, flops_per_token, memory_gib, peak_flops
 from llmflow.train.objectives import objective_for
 from llmflow.train.preflight import batch_problems, moe_problems, pipeline_problems
-from llmflow.train.routing import RoutingLog, aux_loss_coefficient
+from llmflow.train.routing import RoutingLog, SequenceLoss, aux_loss_coefficient
 from llmflow.train.run import (
     Batch,
     Run,
@@ -73,6 +73,7 @@ from llmflow.weights import (
     resume_note,
     save_checkpoint,
 )
+from llmflow.weights.carried import Carried, carry_untrained, untrained_tensors
 from llmflow.weights.sharded_loading import load_sharded, meta_model, sharded_source
 
 # --- schedule -------------------------------------------------------------------------------------
@@ -158,8 +159,14 @@ def setup(config: TrainConfig) -> Run:
         model, hf_config = load_model(config.model, env.device)
     else:
         model, hf_config = meta_model(source), source.hf_config
+    # What the decoder does not hold (a vision tower): kept, untrained, beside the run's checkpoints;
+    # a LoRA run's stays with its base.
+    carried = untrained_tensors(Path(config.model)) if config.lora is None else Carried()
     if env.is_main:
         carry_tokenizer(Path(config.model), Path(config.out))
+        carry_untrained(carried, Path(config.out))
+        if carried.tensors:
+            print(carried.line(), flush=True)
     topo = topology(config, env, model.config)
     layout = topo.layout
     objective = objective_for(config.method)
@@ -208,14 +215,17 @@ def setup(config: TrainConfig) -> Run:
             layout=dict(layout.__dict__),
             lora=config.lora.model_dump() if config.lora is not None else None,
             base_checkpoint=str(Path(config.model).resolve()) if config.lora is not None else None,
+            carried=carried.counts,
         ),
         dumper=Dumper(load_probe_config(config.probe), parts, pipeline) if config.probe else None,
         parameter_order=parameter_order, objective=objective, dtype=dtype,
         experts=experts, moe_replicated=moe_replicated,
     )
     if model.config.num_experts and pipeline is None:
-        run.routing = RoutingLog(parts, topo.routing_group)
-        run.aux_loss_coef = aux_loss_coefficient(config.router_aux_loss_coef, hf_config)
+        sequence_loss = (SequenceLoss(config.router_seq_aux_loss_coef, topo.dp_group, (topo.cp_group, topo.tp_group))
+                         if config.router_seq_aux_loss_coef else None)
+        run.routing = RoutingLog(parts, topo.routing_group,
+                                 aux_loss_coefficient(config.router_aux_loss_coef, hf_config), sequence_loss)
     if pipeline is not None:
         run.pipeline_loss = objective.pipeline_loss(run)
         run.pipeline = pipeline_schedule(stages, pipeline.num_stages, config.pp_schedule,
@@ -281,9 +291,9 @@ def forward_backward(run: Run, batches: list[Batch]) -> torch.Tensor:
         output = model(**model_inputs(run, batch), loss_reduction=reduction, **objective.model_kwargs())
         loss, reported = objective.micro_loss(run, output, batch)
         aux = run.routing.after_forward() if run.routing is not None else None
-        if aux is not None and run.aux_loss_coef:
+        if aux is not None:
             # The mean over the step's micro-batches of each one's loss (of which this rank holds a share).
-            loss = loss + run.aux_loss_coef * aux * rank_sum_scale(run) / len(batches)
+            loss = loss + aux * rank_sum_scale(run) / len(batches)
         loss.backward()
         loss_sum += reported.detach()
     return loss_sum
@@ -360,6 +370,8 @@ def train_step(run: Run, step: int) -> tuple[float, float, float]:
     for optimizer in run.optimizers:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    if run.routing is not None and config.router_bias_update_rate:
+        run.routing.update_biases(config.router_bias_update_rate)
     return loss_value, norm_value, lr
 
 
@@ -446,7 +458,9 @@ def _save(run: Run, step: int) -> None:
 def _report(step: int, steps: int, metrics: dict[str, float], objective_line: str, run_id: str | None) -> None:
     mfu = f"{metrics['mfu']:.1%}" if "mfu" in metrics else "n/a"
     extra = (f" | moe_aux_loss {metrics['moe_aux_loss']:.6f} | max_expert_load {metrics['moe_max_expert_load']:.2f}"
-               if "moe_aux_loss" in metrics else "") + objective_line
+               if "moe_aux_loss" in metrics else "")
+    extra += (f" | moe_seq_aux_loss {metrics['moe_seq_aux_loss']:.6f}" if "moe_seq_aux_loss" in metrics else "")
+    extra += objective_line
     print(
         f"step {step}/{steps} | loss {metrics['loss']:.6f} | lr {metrics['lr']:.3e} | grad_norm {metrics['grad_norm']:.4f} | "
         f"{metrics['tokens_per_s']:.0f} tokens/s | {metrics['samples_per_s']:.2f} samples/s | mfu {mfu} | "

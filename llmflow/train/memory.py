@@ -163,12 +163,14 @@ def _count(n: int) -> str:
 
 DELTANET_COLUMN_PARALLEL = tuple(f"linear_attn.{name}" for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
                                                                      "in_proj_qkvz", "in_proj_ba"))
+LATENT_COLUMN_PARALLEL = ("self_attn.q_b_proj", "self_attn.kv_b_proj")
 COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj",
-                   *DELTANET_COLUMN_PARALLEL)
+                   *DELTANET_COLUMN_PARALLEL, *LATENT_COLUMN_PARALLEL)
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj", "linear_attn.out_proj")
 """The Linears tensor parallelism splits, by their name in a decoder layer (a mixture of
 experts' router, experts and shared expert stay whole; a Gated DeltaNet splits by key-head
-groups, ``models/parallelize.py``)."""
+groups; Multi-head Latent Attention by heads after its down projections ``q_a_proj`` and
+``kv_a_proj_with_mqa``, which stay whole, ``models/parallelize.py``)."""
 FUSED_DELTANET = ("qwen3_next",)
 """Families whose Gated DeltaNet fuses its projections (``in_proj_qkvz``, ``in_proj_ba``)."""
 DELTANET_CHUNK = 64
@@ -183,10 +185,54 @@ def _deltanet_dims(model: ModelConfig) -> tuple[int, int, int]:
     return key, value, 2 * key + value
 
 
+def attention_widths(model: ModelConfig) -> tuple[int, int, int]:
+    """(queries, keys, values): the widths of all heads of an attention layer; Multi-head Latent
+    Attention's keys and values are those ``kv_b_proj`` expands the latent into, every query head
+    with its own key (qk_nope_head_dim + qk_rope_head_dim) and value (v_head_dim)."""
+    heads = model.num_attention_heads
+    if model.kv_lora_rank:
+        qk = model.qk_nope_head_dim + model.qk_rope_head_dim
+        return heads * qk, heads * qk, heads * model.v_head_dim
+    kv = model.num_key_value_heads * model.head_dim
+    return heads * model.head_dim, kv, kv
+
+
+def kv_cache_width(model: ModelConfig, tp: int = 1) -> int:
+    """Elements of keys and values one attention layer caches per position on one of ``tp``
+    ranks (each rank its own heads; Multi-head Latent Attention's per-head keys and values
+    after ``kv_b_proj``, ``models/blocks/mla.py``)."""
+    _, k, v = attention_widths(model)
+    return (k + v) // tp
+
+
+def _latent_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) features of Multi-head Latent Attention's Linears: the queries' (``q_proj``, or
+    ``q_a_proj`` and ``q_b_proj`` with a ``q_lora_rank``), the latent's (``kv_a_proj_with_mqa``:
+    the latent and the shared rotary key part), its expansion into each head's key part and
+    value (``kv_b_proj``) and ``o_proj``."""
+    h, (q, _, v) = model.hidden_size, attention_widths(model)
+    rank, heads = model.kv_lora_rank, model.num_attention_heads
+    if model.q_lora_rank is None:
+        query = {"self_attn.q_proj": (h, q)}
+    else:
+        query = {"self_attn.q_a_proj": (h, model.q_lora_rank), "self_attn.q_b_proj": (model.q_lora_rank, q)}
+    return {**query, "self_attn.kv_a_proj_with_mqa": (h, rank + model.qk_rope_head_dim),
+            "self_attn.kv_b_proj": (rank, heads * (model.qk_nope_head_dim + model.v_head_dim)),
+            "self_attn.o_proj": (v, h)}
+
+
+def latent_linear_params(model: ModelConfig) -> int:
+    """The weights of Multi-head Latent Attention's Linears (``_latent_shapes``), one layer."""
+    return sum(i * o for i, o in _latent_shapes(model).values())
+
+
 def _mixer_shapes(model: ModelConfig, layer: int) -> dict[str, tuple[int, int]]:
     """(in, out) features of the token mixer's Linears: attention's four (a gated attention's
-    q_proj also emits the gate, as wide as the queries) or a Gated DeltaNet's projections."""
+    q_proj also emits the gate, as wide as the queries), Multi-head Latent Attention's
+    (``_latent_shapes``) or a Gated DeltaNet's projections."""
     h = model.hidden_size
+    if model.kv_lora_rank:
+        return _latent_shapes(model)
     if model.is_linear_layer(layer):
         key, value, conv = _deltanet_dims(model)
         heads = model.linear_num_value_heads
@@ -205,19 +251,27 @@ def _mixer_shapes(model: ModelConfig, layer: int) -> dict[str, tuple[int, int]]:
 def _linear_shapes(model: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
     """(in, out) features of each nn.Linear of decoder layer ``layer``, by its name in the
     layer: the token mixer's (``_mixer_shapes``) and a dense layer's SwiGLU; a
-    mixture-of-experts layer's shared expert and its gate (Qwen2-MoE, Qwen3-Next, Qwen3.5),
-    its router and stacked experts being no Linears."""
+    mixture-of-experts layer's shared expert and its gate (Qwen2-MoE, Qwen3-Next, Qwen3.5) or
+    its ungated shared experts (DeepSeek-V3, GLM-4.5), its router and stacked experts being no
+    Linears."""
     h = model.hidden_size
     shapes = _mixer_shapes(model, layer)
     if not model.is_moe_layer(layer):
         mlp, width = "mlp", model.intermediate_size
     elif model.shared_expert_intermediate_size:
-        mlp, width = "mlp.shared_expert", model.shared_expert_intermediate_size
-        shapes["mlp.shared_expert_gate"] = (h, 1)
+        mlp, width = _shared_expert(model), model.shared_expert_intermediate_size
+        if model.shared_expert_gated:
+            shapes["mlp.shared_expert_gate"] = (h, 1)
     else:
         return shapes
     shapes.update({f"{mlp}.gate_proj": (h, width), f"{mlp}.up_proj": (h, width), f"{mlp}.down_proj": (width, h)})
     return shapes
+
+
+def _shared_expert(model: ModelConfig) -> str:
+    """The module name of a mixture-of-experts layer's shared expert: ``mlp.shared_expert`` when
+    gated, ``mlp.shared_experts`` when not."""
+    return "mlp.shared_expert" if model.shared_expert_gated else "mlp.shared_experts"
 
 
 def _split(name: str, tp: int) -> tuple[int, int]:
@@ -250,9 +304,11 @@ def layer_experts(model: ModelConfig, layer: int) -> int:
 
 def layer_params(model: ModelConfig, tp: int = 1, layer: int = 0) -> int:
     """Parameters of decoder layer ``layer`` on one tensor-parallel rank (norms whole: the two of
-    the residual stream and, with ``qk_norm``, the per-head ones of queries and keys). A
+    the residual stream, four with ``sandwich_norms``, and, with ``qk_norm``, the per-head ones of
+    queries and keys; Multi-head Latent Attention's ``_latent_extras``). A
     mixture-of-experts layer holds its router [experts, hidden], every routed expert and the
-    shared expert with its gate, which tensor parallelism does not split. A Gated DeltaNet
+    shared expert with its gate, which tensor parallelism does not split (the sigmoid router's
+    fp32 ``e_score_correction_bias`` is a buffer, ``layer_buffers``). A Gated DeltaNet
     holds, beside its Linears, its convolution [channels, 1, kernel], A_log and dt_bias per
     value head (split with its heads) and its gated norm [value head dim] (whole)."""
     h = model.hidden_size
@@ -264,6 +320,8 @@ def layer_params(model: ModelConfig, tp: int = 1, layer: int = 0) -> int:
         conv = _deltanet_dims(model)[2]
         total += (conv * model.linear_conv_kernel_dim + 2 * model.linear_num_value_heads) // tp
         total += model.linear_value_head_dim
+    elif model.kv_lora_rank:
+        total += _latent_extras(model)
     else:
         q, kv = model.num_attention_heads * model.head_dim, model.num_key_value_heads * model.head_dim
         gate = 2 if model.attention_output_gate else 1
@@ -274,7 +332,30 @@ def layer_params(model: ModelConfig, tp: int = 1, layer: int = 0) -> int:
         total += model.num_experts * h + layer_experts(model, layer)
     else:
         total += 2 * model.intermediate_size * model.mlp_bias // tp + h * model.mlp_bias
-    return total + 2 * h
+    return total + _layer_norms(model) * h
+
+
+def _latent_extras(model: ModelConfig) -> int:
+    """Multi-head Latent Attention's parameters beside its Linears' weights, all whole under tp:
+    the latent norms (``q_a_layernorm`` [q_lora_rank], ``kv_a_layernorm`` [kv_lora_rank]) and,
+    with ``attention_bias``, the biases of ``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj``
+    (``q_proj`` and ``q_b_proj`` have none)."""
+    query = model.q_lora_rank or 0
+    norms = query + model.kv_lora_rank
+    return norms + (query + model.kv_lora_rank + model.qk_rope_head_dim) * model.qkv_bias + \
+        model.hidden_size * model.o_bias
+
+
+def layer_buffers(model: ModelConfig, layer: int) -> int:
+    """Elements of the fp32 buffers of decoder layer ``layer`` that every rank holds whole
+    (FSDP2 shards parameters only): the sigmoid router's ``e_score_correction_bias`` [experts]."""
+    return model.num_experts * (model.router_scoring == "sigmoid" and model.is_moe_layer(layer))
+
+
+def _layer_norms(model: ModelConfig) -> int:
+    """RMSNorms of [hidden] weights in a decoder layer: before attention and the MLP, and with
+    ``sandwich_norms`` (Gemma 3) after them too."""
+    return 4 if model.sandwich_norms else 2
 
 
 def lora_layer_params(model: ModelConfig, lora: LoraConfig, tp: int = 1, layer: int = 0) -> int:
@@ -332,8 +413,10 @@ def layer_activation_bytes(model: ModelConfig, dtype_bytes: int, checkpointing: 
     none: the fp32 input of each RMSNorm (4 h) and its normalised output (d h, when the norm
     trains), the inputs of q/k/v and gate/up (d h each), rotated q, k, v, attention output
     and its row-major copy for o_proj (d (3 q + 2 kv)), attention's fp32 log-sum-exp, gate,
-    up and the SwiGLU output (3 d f); with packed documents the attention mask (d s per
-    token); with per-head q/k norms (Qwen3) their fp32 input, normalised output (when they
+    up and the SwiGLU output (3 d f; a GeGLU keeps the same); with packed documents, or a
+    layer's sliding window shorter than the sequence, the attention mask (d s per token; a
+    window's alone is [1, 1, s, s], d s / B); the four norms of ``sandwich_norms`` (Gemma 3) as
+    the two; with per-head q/k norms (Qwen3) their fp32 input, normalised output (when they
     train) and fp32 rstd per head. A frozen Linear keeps no input unless its LoRA adapter
     needs it. A mixture-of-experts layer keeps, in place of the SwiGLU, ``_moe_bytes``.
     selective: the layer's input, the outputs of every matrix multiplication (o_proj's and
@@ -380,11 +463,14 @@ def layer_activation_bytes(model: ModelConfig, dtype_bytes: int, checkpointing: 
     if checkpointing == "selective":
         if linear:
             kept = d * h / tp + _deltanet_selective_bytes(model, d, tp)
+        elif model.kv_lora_rank:
+            kept = d * h / tp + _latent_selective_bytes(model, d, tp)
         else:
             kept = d * h / tp + d * ((1 + gated) * q + 2 * kv) / tp + d * q / tp + 4 * heads / tp + d * h
-        if moe:  # the router's logits; the shared expert's gate, up, down and gate outputs
-            s = model.shared_expert_intermediate_size
-            kept += d * model.num_experts + (d * (2 * s + h + 1) if s else 0)
+        if moe:  # the router's logits (the sigmoid router's fp32); the shared expert's gate, up, down (and gate) outputs
+            s, gate = model.shared_expert_intermediate_size, model.shared_expert_gated
+            kept += (4 if model.router_scoring == "sigmoid" else d) * model.num_experts
+            kept += d * (2 * s + h + gate) if s else 0
         else:
             kept += d * h + 2 * d * f / tp
         for name in targets:  # lora_A's and lora_B's outputs are matmuls too
@@ -393,28 +479,35 @@ def layer_activation_bytes(model: ModelConfig, dtype_bytes: int, checkpointing: 
         return kept
     norm_trains = lora is None
     normalised = 4 if model.zero_centered_norms else d  # the normalised output the weight's gradient needs
-    kept = 2 * (4 + normalised * norm_trains) * h / tp + 8 / tp  # two norms (and their fp32 rstd)
+    norms = _layer_norms(model)
+    kept = norms * ((4 + normalised * norm_trains) * h + 4) / tp  # the fp32 input, output and rstd of each
     if linear:
         kept += _deltanet_bytes(model, d, tp, norm_trains, trains)
     else:
-        kept += d * h * any(trains(f"self_attn.{p}_proj") for p in "qkv")
         ring = cp > 1 and cp_algo == "ring"
-        if ring:  # every rank's keys and values
-            attended = kv * cp
-        elif model.num_key_value_heads // tp % cp:  # repeated to the query heads before Ulysses' all-to-all
-            attended = q
+        if model.kv_lora_rank:
+            kept += _latent_bytes(model, d, tp, norm_trains, trains)
         else:
-            attended = kv
-        kept += d * (2 * q + 2 * attended) / tp + 4 * heads / tp  # rotated q, k; v; attention output; lse
-        kept += d * q / tp * trains("self_attn.o_proj")
-        kept += 2 * d * q / tp * gated  # the gate's sigmoid and the output it scales
-        # In fp32 the q norm's input is a view of q_proj's output, which keeps the gate's half too.
-        kept += d * q / tp * (gated and model.qk_norm and d == 4)
-        kept += ((4 + normalised * norm_trains) * (q + kv) + 4 * (heads + model.num_key_value_heads)) / tp * model.qk_norm
+            kept += d * h * any(trains(f"self_attn.{p}_proj") for p in "qkv")
+            if ring:  # every rank's keys and values
+                attended = kv * cp
+            elif model.num_key_value_heads // tp % cp:  # repeated to the query heads before Ulysses' all-to-all
+                attended = q
+            else:
+                attended = kv
+            kept += d * (2 * q + 2 * attended) / tp + 4 * heads / tp  # rotated q, k; v; attention output; lse
+            kept += d * q / tp * trains("self_attn.o_proj")
+            kept += 2 * d * q / tp * gated  # the gate's sigmoid and the output it scales
+            # In fp32 the q norm's input is a view of q_proj's output, which keeps the gate's half too.
+            kept += d * q / tp * (gated and model.qk_norm and d == 4)
+            kept += ((4 + normalised * norm_trains) * (q + kv) + 4 * (heads + model.num_key_value_heads)) / tp \
+                * model.qk_norm
         if ring:  # masks of (2 cp + 1) L x L elements, one row of them without documents, over the B 2L tokens
             kept += d * seq_length / (2 * cp) * (2 * cp + 1) / 2 / (1 if documents else batch)
         elif documents:
             kept += d * seq_length * cp
+        elif (window := model.layer_window(layer)) is not None and seq_length > window:
+            kept += d * seq_length * cp / batch
     if moe:
         kept += _moe_bytes(model, d, lora, trains)
     else:
@@ -422,6 +515,50 @@ def layer_activation_bytes(model: ModelConfig, dtype_bytes: int, checkpointing: 
         kept += 2 * d * f / tp + d * f / tp * trains("mlp.down_proj")
     kept += d * r * len(targets)
     return kept
+
+
+def _latent_bytes(model: ModelConfig, d: int, tp: int, norm_trains: bool, trains: Callable[[str], bool]) -> float:
+    """Bytes per token Multi-head Latent Attention (``models/blocks/mla.py``) keeps for its
+    backward pass, no checkpointing, on one tensor-parallel rank (its heads / tp; the down
+    projections and their norms computed whole on every rank):
+
+    - its input (d h), when ``q_a_proj`` (``q_proj``), ``kv_a_proj_with_mqa`` or an adapter
+      trains;
+    - ``q_a_layernorm`` and ``kv_a_layernorm``: their fp32 input (4 q_lora_rank, 4 kv_lora_rank;
+      in fp32 the latent's is a view of ``kv_a_proj_with_mqa``'s output, which keeps its rotary
+      part too), rstd (4 each) and normalised output (d each, when they train), and their
+      outputs, the inputs of ``q_b_proj`` and ``kv_b_proj`` (d each, when these train);
+    - q and k, every head's no-rotary part and rotated part (2 d H qk_head_dim), v as a view of
+      ``kv_b_proj``'s output, which keeps each head's key part too (d H (qk_nope_head_dim +
+      v_head_dim)), the attention output (d H v_head_dim), its fp32 log-sum-exp (4 H) and its
+      row-major copy for ``o_proj`` (d H v_head_dim, when it trains).
+
+    Measured on CPU with v_head_dim = qk_head_dim: there attention takes its fused kernel only
+    when the two are equal (DeepSeek-V3's 128 and 192 take the math path, which keeps the
+    [H, S, S] probabilities; accelerators' memory-efficient kernels take different widths)."""
+    h, (q, k, v) = model.hidden_size, attention_widths(model)
+    heads, rank, query = model.num_attention_heads, model.kv_lora_rank, model.q_lora_rank or 0
+    expanded = heads * (model.qk_nope_head_dim + model.v_head_dim)
+    down = ("self_attn.q_a_proj", "self_attn.q_proj", "self_attn.kv_a_proj_with_mqa")
+    kept = d * h * any(trains(name) for name in down)
+    latent_input = 4 * rank + 4 * model.qk_rope_head_dim * (d == 4)
+    kept += 4 * query + latent_input + 4 * (1 + (query > 0)) + d * (query + rank) * norm_trains
+    kept += d * query * trains("self_attn.q_b_proj") + d * rank * trains("self_attn.kv_b_proj")
+    kept += (d * (q + k + expanded + v) + 4 * heads) / tp
+    kept += d * v / tp * trains("self_attn.o_proj")
+    return kept
+
+
+def _latent_selective_bytes(model: ModelConfig, d: int, tp: int) -> float:
+    """Bytes per token selective checkpointing keeps of Multi-head Latent Attention: the outputs
+    of its projections (``q_a_proj``'s and ``kv_a_proj_with_mqa``'s whole, ``q_b_proj``'s or
+    ``q_proj``'s and ``kv_b_proj``'s of this rank's heads), attention's output and log-sum-exp,
+    and ``o_proj``'s output (d h, before its reduce-scatter)."""
+    h, (q, _, v) = model.hidden_size, attention_widths(model)
+    heads = model.num_attention_heads
+    down = (model.q_lora_rank or 0) + model.kv_lora_rank + model.qk_rope_head_dim
+    expanded = heads * (model.qk_nope_head_dim + model.v_head_dim)
+    return d * down + (d * (q + expanded + v) + 4 * heads) / tp + d * h
 
 
 def _deltanet_bytes(model: ModelConfig, d: int, tp: int, norm_trains: bool, trains: Callable[[str], bool]) -> float:
@@ -465,26 +602,30 @@ def _moe_bytes(model: ModelConfig, d: int, lora: LoraConfig | None, trains: Call
     checkpointing; ``models/blocks/moe.py``), its k (token, choice) rows counted as routed,
     each token to k experts:
 
-    - its input (d h), when the router, a shared-expert Linear or its adapter trains;
-    - the router's fp32 probabilities (4 E), the top-k indices (8 k) and, when the top-k
+    - its input (d h), when the router, a shared-expert Linear or its adapter trains; the
+      sigmoid router (DeepSeek-V3, GLM-4.5) computes its logits in fp32 and keeps, when it
+      trains, the input's fp32 copy too (4 h in bf16; in fp32 it is the input itself);
+    - the router's fp32 probabilities (4 E; the sigmoid router's scores), the top-k indices (8 k) and, when the top-k
       weights are renormalised, their fp32 values and sum (4 k + 4); the rows' order and
       source token (16 k, int64); the routing weights gathered per row (d k);
     - per row: the token's hidden state gathered for the experts (d h, when the experts
       train), gate and up (2 d I), the SwiGLU output the routing weight multiplies (d I) and
       their product, the down projection's input (d I, when the experts train), and the down
       projection's output, which index_add keeps (d h);
-    - the shared expert (Qwen2-MoE) as a dense SwiGLU of its width, its output (d h) and its
-      sigmoid gate (d).
+    - the shared expert as a dense SwiGLU of its width; a gated one's (Qwen2-MoE) output (d h)
+      and its sigmoid gate (d), which scales it (DeepSeek-V3's and GLM-4.5's are added as they
+      are).
     """
     h, k, width = model.hidden_size, model.num_experts_per_tok, model.moe_intermediate_size
     experts_train = lora is None
-    shared = "mlp.shared_expert"
+    shared, gated = _shared_expert(model), model.shared_expert_gated
     s = model.shared_expert_intermediate_size
     inputs = lora is None or any(trains(name) for name in (f"{shared}.gate_proj", f"{shared}.up_proj", f"{shared}_gate"))
     kept = d * h * inputs + 4 * model.num_experts + 8 * k + (4 * k + 4) * model.norm_topk_prob + 16 * k + d * k
+    kept += 4 * h * (d != 4 and model.router_scoring == "sigmoid" and experts_train)
     kept += k * (d * h * experts_train + 3 * d * width + d * width * experts_train + d * h)
     if s:
-        kept += 2 * d * s + d * s * trains(f"{shared}.down_proj") + d * h + d
+        kept += 2 * d * s + d * s * trains(f"{shared}.down_proj") + (d * h + d) * gated
     return kept
 
 
@@ -611,7 +752,7 @@ def _stage_plan(model: ModelConfig, shape: TrainShape, pp_rank: int) -> tuple[li
     over = f"sharded over {shape.fsdp_label}" if sharded else "whole"
     if sum(local):
         over += f"; this rank's {model.num_experts // ep} of {model.num_experts} experts whole (ep={ep})"
-    weights = 4 * params // shard + 4 * sum(local)
+    weights = 4 * params // shard + 4 * sum(local) + 4 * sum(layer_buffers(model, i) for i in indices)
     if shape.source == "lora":
         load = Term("model load: whole model, fp32, before sharding (a LoRA checkpoint's base)",
                     4 * (model_params(model) + all_adapters), LOAD)
@@ -652,7 +793,8 @@ def _stage_plan(model: ModelConfig, shape: TrainShape, pp_rank: int) -> tuple[li
     # A pipeline rank's in-flight chunks each hold one stage's layers.
     chunk_layers = layers / len(held)
     activations = sum(activation(shape.activation_checkpointing, i) for i in indices) / len(held) * tokens * flight
-    rotary = 2 * d * model.head_dim * tokens * flight
+    tables = 1 + (model.sliding_rope_theta is not None)  # the sliding-window layers' own cos and sin (Gemma 3)
+    rotary = 2 * d * model.head_dim * tokens * flight * tables
     boundaries = d * h * tokens / tp * flight * ((not first) + (not last)) if shape.pp > 1 else 0
     ac = shape.activation_checkpointing
     part = f" (1/{shape.cp} of {shape.micro_batch_size * shape.seq_length})" if shape.cp > 1 else ""
@@ -691,7 +833,7 @@ def _stage_plan(model: ModelConfig, shape: TrainShape, pp_rank: int) -> tuple[li
         # One chunk's logits, fp32 copy, log-softmax and its gradient; the hidden states' and
         # the output projection's gradients.
         rows = min(max(1, CHUNK_LOGIT_ELEMENTS // model.vocab_size), tokens)
-        loss = rows * model.vocab_size * (d + 12) + d * tokens * h + d * vh * (lora is None)
+        loss = rows * model.vocab_size * (d + 12 + _soft_cap_bytes(model)) + d * tokens * h + d * vh * (lora is None)
         terms.append(Term("loss: per-token cross-entropy of a sequence objective (dpo, simpo, orpo, grpo), one "
                           "chunk of logits recomputed in backward", int(loss), FORWARD))
     elif last:
@@ -699,7 +841,7 @@ def _stage_plan(model: ModelConfig, shape: TrainShape, pp_rank: int) -> tuple[li
         held_losses = shape.accumulation if shape.pp > 1 and shape.pp_schedule == "GPipe" else 1
         rows = min(max(1, CHUNK_LOGIT_ELEMENTS // model.vocab_size), tokens)
         loss = held_losses * (4 * vh * head_trains + d * tokens * h)
-        loss += rows * model.vocab_size * (d + 4 + (2 if d == 2 else 0))
+        loss += rows * model.vocab_size * (d + 4 + (2 if d == 2 else 0) + _soft_cap_bytes(model))
         loss += d * vh * head_trains * (d != 4)
         terms.append(Term(f"loss: fused cross-entropy buffers x {held_losses} micro-batch(es)", int(loss), FORWARD))
     if first and lora is None:
@@ -711,6 +853,12 @@ def _stage_plan(model: ModelConfig, shape: TrainShape, pp_rank: int) -> tuple[li
     return terms, desc
 
 
+def _soft_cap_bytes(model: ModelConfig) -> int:
+    """Bytes per element of a chunk of logits the final-logit soft cap adds: the capped logits
+    and one temporary, fp32."""
+    return 8 if model.final_logit_softcapping is not None else 0
+
+
 def _rollout_terms(model: ModelConfig, shape: TrainShape, indices: list[int], weights: int, over: str) -> list[Term]:
     """What GRPO adds: the rollout's KV cache and logits (while it samples, the weights
     gathered layer by layer as in a forward pass), the generation buffer of this rank's
@@ -718,11 +866,11 @@ def _rollout_terms(model: ModelConfig, shape: TrainShape, indices: list[int], we
     full weights, the frozen reference model sharded as the policy."""
     r, d, length = shape.rollout, shape.dtype_bytes, shape.seq_length
     attention = sum(not model.is_linear_layer(i) for i in indices)
-    kv = model.num_key_value_heads // shape.tp * model.head_dim  # a tensor-parallel rank caches its own heads
+    kv = kv_cache_width(model, shape.tp)  # a tensor-parallel rank caches its own heads
     dtype = "bf16" if d == 2 else "fp32"
     terms = [
         Term(f"rollout KV cache: {dtype}, {r.rows} completions x {length} positions x {attention} layers",
-             2 * d * attention * r.rows * kv * length, ROLLOUT),
+             d * attention * r.rows * kv * length, ROLLOUT),
         Term("rollout logits and sampling: fp32 [completions, vocab]", 4 * 4 * r.rows * model.vocab_size, ROLLOUT),
         Term(f"generation buffer: {r.buffered} completions x {length} positions (ids, targets, masks, "
              f"old{' and reference' if r.kl else ''} log-probs)", r.buffered * length * (8 * 3 + 4 * (2 + r.kl)),
@@ -814,7 +962,8 @@ def generation_plan(model: ModelConfig, tp: int, batch: int, prompt_tokens: int,
     ``prompt_tokens`` tokens plus ``max_new_tokens``: fp32 weights (decoder layers split
     ``tp`` ways, a mixture of experts' router and experts whole, embedding and output
     projection whole), the KV cache [batch, kv heads / tp,
-    prompt + new, head_dim] per attention layer for keys and values (a Gated DeltaNet layer
+    prompt + new, head_dim] per attention layer for keys and values (Multi-head Latent
+    Attention: each head's key and value, ``kv_cache_width``; a Gated DeltaNet layer
     keeps instead its convolution's last inputs [batch, channels, kernel - 1] and its
     recurrent state [batch, value heads, Dk, Dv], whatever the length; generation does not
     split them, ``apply_tp_inference`` refusing these layers), the prompt's forward pass (one
@@ -822,14 +971,15 @@ def generation_plan(model: ModelConfig, tp: int, batch: int, prompt_tokens: int,
     ``whole_on_host``: the device is host memory (CPU) and each of the ``tp`` workers first
     loads the whole model there (a Hugging Face directory or a LoRA checkpoint)."""
     h, f = model.hidden_size, model.intermediate_size
-    q, kv = model.num_attention_heads * model.head_dim, model.num_key_value_heads * model.head_dim
+    qkv = sum(attention_widths(model))
     length = prompt_tokens + max_new_tokens
-    weights = sum(layer_params(model, tp, i) for i in range(model.num_hidden_layers)) + root_params(model)
+    layers = range(model.num_hidden_layers)
+    weights = sum(layer_params(model, tp, i) + layer_buffers(model, i) for i in layers) + root_params(model)
     tokens = batch * prompt_tokens
-    per_token = 2 * h + (q + 2 * kv) / tp + 3 * f / tp
+    per_token = 2 * h + qkv / tp + 3 * f / tp
     if model.num_experts:  # a mixture-of-experts layer (whole on every rank): probabilities, its k rows, shared expert
         k, s = model.num_experts_per_tok, model.shared_expert_intermediate_size
-        moe = 3 * h + (q + 2 * kv) / tp + model.num_experts + k * (2 * h + 3 * model.moe_intermediate_size) + 3 * s
+        moe = 3 * h + qkv / tp + model.num_experts + k * (2 * h + 3 * model.moe_intermediate_size) + 3 * s
         per_token = moe if not model.dense_layers else max(per_token, moe)
     prefill = 4 * tokens * per_token
     linear = sum(model.is_linear_layer(i) for i in range(model.num_hidden_layers))
@@ -837,7 +987,7 @@ def generation_plan(model: ModelConfig, tp: int, batch: int, prompt_tokens: int,
     terms = [
         Term(f"weights: fp32{f', layers split tp={tp}' if tp > 1 else ''}", 4 * weights, ALWAYS),
         Term(f"KV cache: fp32, {batch} x {length} positions x {attention} layers",
-             2 * 4 * attention * batch * (kv // tp) * length, ALWAYS),
+             4 * attention * batch * kv_cache_width(model, tp) * length, ALWAYS),
         Term(f"prompt forward: one layer's working set ({tokens} tokens)", int(prefill), FORWARD),
         Term("logits and sampling: fp32 [batch, vocab]", 3 * 4 * batch * model.vocab_size, FORWARD),
     ]

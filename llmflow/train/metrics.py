@@ -8,6 +8,7 @@ import time
 import torch
 
 from llmflow.models import ModelConfig
+from llmflow.train.memory import attention_widths, latent_linear_params
 
 # Dense bf16 peak FLOP/s per device (vendor datasheets); CPUs have no meaningful figure.
 PEAK_FLOPS: dict[str, float] = {
@@ -36,17 +37,22 @@ def peak_flops(device: torch.device) -> float | None:
 def flops_per_token(config: ModelConfig, seq_length: int) -> float:
     """Training FLOPs per token: 6 x the matmul parameters a token goes through (forward +
     backward; in a mixture-of-experts layer the router, its top-k experts and the shared
-    expert) plus the attention score and value products (12 x layers x hidden x seq), as in
-    PaLM's MFU."""
-    h, layers = config.hidden_size, config.num_hidden_layers
-    q = config.num_attention_heads * config.head_dim
-    kv = config.num_key_value_heads * config.head_dim
-    attention = h * q + 2 * h * kv + q * h
-    routed = (config.num_experts + 3 * config.num_experts_per_tok * config.moe_intermediate_size
-              + 3 * config.shared_expert_intermediate_size) * h
+    expert with its gate, if gated; a dense layer's SwiGLU of ``intermediate_size``) plus the
+    attention score and value products (6 x layers x seq x (query heads' widths + their
+    values'); 12 x layers x hidden x seq with heads as wide as their values), as in PaLM's MFU.
+    Multi-head Latent Attention's matmuls are its down projections, their expansion into the
+    heads' queries, keys and values (``kv_b_proj``) and ``o_proj``, its scores qk_head_dim and
+    its values v_head_dim wide per head."""
+    h, layers, heads = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
+    q, k, v = attention_widths(config)
+    attention = latent_linear_params(config) if config.kv_lora_rank else h * (q + k + v) + q * h
+    values = heads * (config.v_head_dim if config.kv_lora_rank else config.head_dim)
+    shared = config.shared_expert_intermediate_size
+    routed = (config.num_experts + 3 * config.num_experts_per_tok * config.moe_intermediate_size + 3 * shared
+              + (shared > 0 and config.shared_expert_gated)) * h
     feed_forward = sum(routed if config.is_moe_layer(i) else 3 * h * config.intermediate_size for i in range(layers))
     matmul_params = layers * attention + feed_forward + config.vocab_size * h
-    return 6 * matmul_params + 12 * layers * q * seq_length
+    return 6 * matmul_params + 6 * layers * (q + values) * seq_length
 
 
 def memory_gib(device: torch.device) -> float:

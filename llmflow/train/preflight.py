@@ -61,7 +61,7 @@ INPUTS_NAME = "train_inputs.json"
 dataset rewritten in place is another input, though its path is the same."""
 
 WEIGHT_SETTINGS = ("model", "data", "method", "preference", "rl", "optim", "lora", "seed", "seq_length", "dtype",
-                   "global_batch_size", "router_aux_loss_coef")
+                   "global_batch_size", "router_aux_loss_coef", "router_bias_update_rate", "router_seq_aux_loss_coef")
 """Settings the trained weights depend on: a run directory holding checkpoints resumes
 only with the same values. Every other setting (pp, tp, dp, nproc, micro_batch_size, the
 pipeline schedule and split, activation_checkpointing, compile, logging and saving) may
@@ -387,14 +387,37 @@ def settings_problems(config: TrainConfig, world: int, model: ModelConfig | None
 
 def moe_problems(config: TrainConfig, model: ModelConfig | None) -> list[str]:
     """Why ``config`` cannot train the mixture of experts ``model`` (empty when it can)."""
-    if model is None or not model.num_experts or config.pp == 1:
+    if model is None:
         return []
+    problems = routing_option_problems(config, model)
+    if not model.num_experts or config.pp == 1:
+        return problems
     coef = aux_loss_coefficient(config.router_aux_loss_coef, model.hf_config)
-    if not coef:
-        return []
-    problem = (f"router_aux_loss_coef={coef}: a mixture of experts' auxiliary loss is not trained under pp={config.pp}; "
-               "set router_aux_loss_coef=0 (the default unless config.json sets output_router_logits), or pp=1")
-    return [problem]
+    if coef:
+        problems.append(f"router_aux_loss_coef={coef}: a mixture of experts' auxiliary loss is not trained under "
+                        f"pp={config.pp}; set router_aux_loss_coef=0 (the default unless config.json sets "
+                        "output_router_logits), or pp=1")
+    return problems
+
+
+def routing_option_problems(config: TrainConfig, model: ModelConfig) -> list[str]:
+    """Why ``model`` cannot train with the auxiliary-loss-free bias update or the
+    sequence-wise auxiliary loss ``config`` asks for (the training loop applies both with
+    the routing log, which pipeline stages do not keep)."""
+    problems = []
+    rate, seq_coef = config.router_bias_update_rate, config.router_seq_aux_loss_coef
+    if rate and model.router_scoring != "sigmoid":
+        problems.append(f"router_bias_update_rate={rate}: {model.model_type} has no router correction bias "
+                        "(e_score_correction_bias) to update; set it to 0")
+    if rate and config.lora is not None:
+        problems.append(f"router_bias_update_rate={rate} with lora: a LoRA checkpoint stores only the adapters, "
+                        "not the updated biases; set it to 0")
+    if seq_coef and not model.num_experts:
+        problems.append(f"router_seq_aux_loss_coef={seq_coef}: {model.model_type} has no experts; set it to 0")
+    for key, value in (("router_bias_update_rate", rate), ("router_seq_aux_loss_coef", seq_coef)):
+        if value and config.pp > 1:
+            problems.append(f"{key}={value} is not supported under pp={config.pp}; set it to 0, or pp=1")
+    return problems
 
 
 def training_seq_length(config: TrainConfig) -> int | None:

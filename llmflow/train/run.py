@@ -121,8 +121,6 @@ class Run:
     """Under tp: the MoE blocks' other trainable weights, whole on every tp rank."""
     routing: RoutingLog | None = None
     """The experts' routing of the current step (a mixture-of-experts model, pp = 1)."""
-    aux_loss_coef: float = 0.0
-    """Weight of the load-balancing auxiliary loss in the training objective."""
     tied_copy: torch.nn.Parameter | None = None
     """Under pp with tied embeddings, on the last stage's ranks: the tied weight's second copy
     (its gradient is summed with the first stage's; the norm counts it once)."""

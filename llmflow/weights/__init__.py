@@ -4,11 +4,15 @@ The formats, side by side:
 
 - Hugging Face: ``config.json``, ``model.safetensors`` (or shards listed by
   ``model.safetensors.index.json``) and the tokenizer files. ``hf.py`` (directories),
-  ``hf_names.py`` (tensor names), ``safetensors_io.py`` (one file, a tensor at a time).
+  ``hf_names.py`` (tensor names), ``safetensors_io.py`` (one file, a tensor at a time);
+  quantized checkpoints (block-scaled FP8, MXFP4) read dequantized and FP8 written back,
+  ``quantized.py``.
 - Training checkpoint: ``CKPT/latest`` naming ``CKPT/step_NNNNNNNN/`` (DCP ``.metadata`` and
   ``*.distcp``, ``meta.json``, ``rng/``), and ``CKPT/tokenizer/``; a LoRA run keeps only its
   adapters and names its base. ``training_checkpoint.py`` (layout, meta, save, load),
-  ``dcp.py`` (DCP directories), ``lora_adapters.py`` (adapters checked and merged).
+  ``dcp.py`` (DCP directories), ``lora_adapters.py`` (adapters checked and merged); the
+  tensors the decoder does not hold (a vision tower) kept untrained in ``CKPT/carried/``,
+  ``carried.py``.
 - Megatron-LM / MindSpeed-LLM: ``latest_checkpointed_iteration.txt`` naming ``iter_NNNNNNN/``
   (megatron-core's torch_dist, or the legacy ``mp_rank_*/model_optim_rng.pt``). ``megatron/``
   (layout, reader, importer, exporter).
@@ -23,7 +27,9 @@ The ways in and out:
   its module by the training loop alone);
 - the training loop: ``save_checkpoint``, ``latest_step_dir``, ``load_checkpoint``,
   ``optimizer_state_flattened``, ``load_rng_state`` and ``carry_tokenizer`` (its run
-  directory keeps the tokenizer of the model it started from);
+  directory keeps the tokenizer of the model it started from), and ``carry_untrained``
+  (``carried.py``, imported from its module: the tensors of that model the decoder does not
+  hold);
 - the stages that move weights between formats, ``llmflow convert`` (Hugging Face or
   Megatron -> training checkpoint, ``convert.py``) and ``llmflow export`` (training
   checkpoint -> Hugging Face, PEFT adapter or Megatron, ``export.py``, reading through

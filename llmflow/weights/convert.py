@@ -4,7 +4,9 @@ checkpoint of the same model) -> a training checkpoint (``training_checkpoint.py
 The output root holds one step directory, ``step_00000000``, with the model's weights under
 the DCP key "model", the vocabulary rows of the embedding (and untied output) matrix padded
 with zeros to a multiple of ``pad_vocab_to_multiple``, the tokenizer files, ``latest`` and a
-``manifest.json`` written last. The padding is the model's, recorded in the checkpoint: the
+``manifest.json`` written last; a model with tensors the decoder does not hold (a vision
+tower, multi-token prediction layers) has them beside it in ``carried/``, bit for bit
+(``carried.py``). The padding is the model's, recorded in the checkpoint: the
 embedding and output projection stay whole on every tensor-parallel rank, so one checkpoint
 trains, generates and evaluates at any tensor-parallel degree.
 
@@ -13,6 +15,9 @@ time, straight into the DCP writer, one DCP file per tensor. Peak memory is abou
 largest tensor, whatever the model's size. A Megatron checkpoint (``--megatron``, read by
 ``megatron/``) streams the same way, one layer of one Megatron tensor at a time; the
 Hugging Face directory then gives only the config.json and tokenizer of the model it holds.
+A quantized checkpoint (block-scaled FP8, MXFP4: ``quantized.py``) is dequantized as it
+streams; the scales of its FP8 weights are kept as stored in the step directory's
+``fp8_scales.safetensors``, for ``export --fp8``.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from llmflow.artifacts import (
 )
 from llmflow.models.config import ModelConfig
 from llmflow.models.decoder import CausalLM
+from llmflow.weights.carried import CARRIED_DIR, Carried, carried_tensors, write_carried
 from llmflow.weights.dcp import dcp_save
 from llmflow.weights.errors import CheckpointError
 from llmflow.weights.finite import check_finite
@@ -46,6 +52,7 @@ from llmflow.weights.hf import StoredParts, index_hf_tensors, read_parameter, st
 from llmflow.weights.hf_names import TIED_INPUT, TIED_OUTPUT, is_stacked_experts
 from llmflow.weights.megatron.importer import Planned, check_supported, plan_import
 from llmflow.weights.megatron.reader import open_checkpoint
+from llmflow.weights.quantized import fp8_scales, write_fp8_scales
 from llmflow.weights.safetensors_io import StoredTensor
 from llmflow.weights.stage_output import check_replaceable
 from llmflow.weights.tokenizer_files import copy_tokenizer_files
@@ -187,6 +194,7 @@ def convert(config: ConvertConfig) -> Path:
         raise CheckpointError(f"--hf {hf_dir}: not a directory")
     model_config = ModelConfig.from_file(hf_dir)
     padded = padded_vocab_size(model_config.vocab_size, config.pad_vocab_to_multiple)
+    carried = Carried()
     if config.megatron is not None:
         if config.init != "weights":
             raise ValueError("--megatron reads the checkpoint's weights: init must be 'weights'")
@@ -196,26 +204,34 @@ def convert(config: ConvertConfig) -> Path:
     elif config.init == "weights":
         hf_tensors = index_hf_tensors(hf_dir)
         sources = plan_sources(hf_dir, model_config, hf_tensors, padded)
+        carried = carried_tensors(hf_tensors, model_config)
+        scales = fp8_scales([*(part for parts in sources.values() for part in parts), *carried.tensors.items()])
     check_replaceable(config.out, STAGE)
-    meta = CheckpointMeta(hf_config=model_config.hf_config, padded_vocab_size=padded)
+    meta = CheckpointMeta(hf_config=model_config.hf_config, padded_vocab_size=padded, carried=carried.counts)
     with atomic_directory(config.out) as work:
         step_dir = work / step_name(0)
         if config.megatron is not None:
             write_megatron_state(step_dir, megatron_plan, megatron.directory)
         elif config.init == "weights":
             write_model_state(step_dir, sources, padded)
+            if scales:
+                write_fp8_scales(step_dir, scales)
         else:
             write_random_state(step_dir, model_config, padded, config.seed)
+        if carried.tensors:
+            write_carried(work / CARRIED_DIR, carried)
         write_json_atomic(step_dir / META, meta.model_dump(mode="json"))
         copy_tokenizer_files(hf_dir, work / TOKENIZER_DIR)
         (work / LATEST).write_text(step_dir.name + "\n")
         files = [file_record(p, work, with_hash=False) for p in sorted(work.rglob("*")) if p.is_file()]
         payload = manifest_payload(
             STAGE, config.params(), files, step_dir=step_dir.name, padded_vocab_size=padded,
-            vocab_size=model_config.vocab_size, model_type=model_config.model_type,
+            vocab_size=model_config.vocab_size, model_type=model_config.model_type, carried=carried.counts,
             **({"megatron": megatron.summary()} if config.megatron is not None else {}),
         )
         write_json_atomic(work / MANIFEST, payload)
+    if carried.tensors:
+        print(f"{carried.line()} (kept in {config.out / CARRIED_DIR})", flush=True)
     return config.out
 
 

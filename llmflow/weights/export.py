@@ -5,8 +5,15 @@ Any step directory exports, whatever layout it was saved under: DCP reshards whi
 process reads the model tensors (and only those: optimizer state is never read). The
 output is safetensors (sharded with an index past ``max_shard_mb``), the original
 config.json (vocabulary padding removed) and the tokenizer files, which transformers
-loads. Each safetensors file is written header first and then tensor by tensor, so memory
+loads, with the tensors the decoder does not hold (a vision tower, multi-token prediction
+layers) carried from the original checkpoint bit for bit (``carried.py``). Each safetensors
+file is written header first and then tensor by tensor, so memory
 stays near READ_BATCH_BYTES (or the largest tensor), whatever the model's size.
+
+The weights are written in full precision, as the checkpoint holds them (a checkpoint converted
+from a quantized one: dequantized, and config.json without its quantization_config). With
+``fp8`` the weights that were FP8 in the checkpoint converted are written back as FP8 in its
+blocks, bit for bit where untouched (``quantized.Fp8Writer``), under its quantization_config.
 
 A LoRA checkpoint (meta.lora set) holds only adapters. With ``merge_lora`` the base
 weights (meta.base_checkpoint: a checkpoint, or the Hugging Face directory training
@@ -29,11 +36,22 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmflow.artifacts import MANIFEST, atomic_directory, file_record, manifest_payload, write_json_atomic
 from llmflow.models.config import ModelConfig
+from llmflow.weights.carried import Carried, untrained_tensors
 from llmflow.weights.errors import CheckpointError
 from llmflow.weights.hf import write_hf_weights
 from llmflow.weights.hf_names import TIED_INPUT, TIED_OUTPUT, hf_names, is_stacked_experts, split_experts
 from llmflow.weights.lora_adapters import LORA_A, LORA_B, check_adapter_shapes, lora_modules, lora_scale, merged_loader
 from llmflow.weights.megatron.exporter import Layout, check_layout, write_megatron
+from llmflow.weights.quantized import (
+    FP8_SCALES,
+    QUANTIZATION_CONFIG,
+    Fp8Blocks,
+    Fp8Writer,
+    dequantized_dtype,
+    fp8_scales,
+    read_fp8_scales,
+    read_quantization,
+)
 from llmflow.weights.safetensors_io import plan_shards, write_safetensors
 from llmflow.weights.stage_output import check_replaceable
 from llmflow.weights.tensor_source import Source, TensorInfo, base_source, weight_names
@@ -103,11 +121,19 @@ class ExportConfig(BaseModel):
     base_model: str | None = None
     """PEFT adapters: base_model_name_or_path written to adapter_config.json (default: the
     checkpoint's base_checkpoint)."""
+    fp8: bool = False
+    """Write the weights that were FP8 in the Hugging Face checkpoint the step was converted from
+    back as FP8: float8_e4m3fn values and weight_scale_inv in its blocks, under its
+    quantization_config; a weight as converted comes back bit for bit, one changed since (LoRA
+    merged into it) with fresh scales (default: every weight in full precision, as converted,
+    and no quantization_config)."""
 
     @model_validator(mode="after")
     def _one_output(self) -> ExportConfig:
         if (self.out is None) == (self.megatron is None):
             raise ValueError("give one output: --out (a Hugging Face directory) or --megatron (a Megatron checkpoint)")
+        if self.fp8 and self.megatron is not None:
+            raise ValueError("--fp8 writes a Hugging Face directory (--out); a Megatron checkpoint holds full precision")
         return self
 
     def params(self) -> dict[str, Any]:
@@ -131,11 +157,14 @@ def _finish(name: str, tensor: torch.Tensor, vocab_size: int, dtype: torch.dtype
 
 
 def write_weights(
-    work: Path, weights: Source, vocab_size: int, config: ExportConfig, lora: Source | None = None
+    work: Path, weights: Source, vocab_size: int, config: ExportConfig, lora: Source | None = None,
+    carried: Carried | None = None, fp8: Fp8Writer | None = None,
 ) -> torch.dtype:
-    """The model's safetensors (with the adapters of ``lora`` merged in), each file written
-    header first and then tensor by tensor, reading at most READ_BATCH_BYTES at a time.
-    Returns the dtype of the written embedding."""
+    """The model's safetensors (with the adapters of ``lora`` merged in, and after them the
+    ``carried`` tensors as stored; the weights ``fp8`` has scales for as FP8), each file written
+    header first and then tensor by tensor, reading at most READ_BATCH_BYTES at a time. Returns
+    the dtype of the written embedding."""
+    carried = carried or Carried()
     dtype = _DTYPES[config.dtype] if config.dtype else None
     names = weight_names(weights)
     model = ModelConfig.from_hf(weights.meta.hf_config, source=str(weights.path))
@@ -148,26 +177,54 @@ def write_weights(
     parts = {hf_name: (n, i) for n in names for i, hf_name in enumerate(hf_names(n, model))}
 
     def read(shard: list[str]) -> Iterator[torch.Tensor]:
-        wanted = list(dict.fromkeys(parts[hf_name][0] for hf_name in shard))
+        trained = [hf_name for hf_name in shard if hf_name in parts]  # the carried ones come after them
+        wanted = list(dict.fromkeys(parts[hf_name][0] for hf_name in trained))
         for batch in plan_shards(wanted, read_bytes, READ_BATCH_BYTES):
             finished = {n: split_experts(n, _finish(n, t, vocab_size, dtype)) for n, t in load(batch).items()}
-            yield from (finished[parts[hf_name][0]][parts[hf_name][1]].contiguous() for hf_name in shard
+            yield from (finished[parts[hf_name][0]][parts[hf_name][1]].contiguous() for hf_name in trained
                         if parts[hf_name][0] in finished)
+        yield from carried.read(shard[len(trained):])
 
     specs = {}
     for n in names:
         info = out_info[n]
         shape = info.shape[1:] if is_stacked_experts(n) else info.shape
         specs |= {hf_name: (info.dtype, shape) for hf_name in hf_names(n, model)}
+    specs |= carried.specs()
+    if fp8 is not None:
+        specs, read = fp8.specs(specs), fp8.reader(read)
     write_hf_weights(work, specs, int(config.max_shard_mb * 2**20), read)
     return out_info[TIED_INPUT].dtype
 
 
-def hf_config(meta: CheckpointMeta, dtype: torch.dtype) -> dict[str, Any]:
-    """config.json: the original, with the dtype the weights were written in."""
+def hf_config(meta: CheckpointMeta, dtype: torch.dtype, fp8: bool = False) -> dict[str, Any]:
+    """config.json: the original, with the dtype the weights were written in; its
+    quantization_config only for an FP8 export."""
     config = dict(meta.hf_config)
     config["dtype" if "dtype" in config else "torch_dtype"] = str(dtype).removeprefix("torch.")
+    if not fp8:
+        config.pop(QUANTIZATION_CONFIG, None)
     return config
+
+
+def fp8_writer(source: Source, weights: Source, carried: Carried) -> Fp8Writer:
+    """What ``--fp8`` writes as FP8: the weights whose scales convert recorded in the step
+    directory ``weights`` (a Hugging Face directory, a LoRA checkpoint's base: its own scales)."""
+    where = str(source.path / META)
+    scheme = read_quantization(source.meta.hf_config, where)
+    if not isinstance(scheme, Fp8Blocks):
+        raise CheckpointError(f"{where}: --fp8 writes back the FP8 weights of a model converted from an FP8 "
+                              f"checkpoint; its {QUANTIZATION_CONFIG} is {source.meta.hf_config.get(QUANTIZATION_CONFIG)}")
+    if weights.hf_files is not None:
+        recorded = fp8_scales([*(part for parts in weights.hf_files.values() for part in parts),
+                               *carried.tensors.items()])
+    else:
+        recorded = read_fp8_scales(weights.path)
+    if not recorded:
+        raise CheckpointError(f"{weights.path}: no FP8 scales recorded ({FP8_SCALES}); --fp8 exports the step "
+                              "directory convert wrote from an FP8 checkpoint storing each FP8 weight as one tensor "
+                              "(fused experts are written one tensor per expert), or a LoRA checkpoint on it")
+    return Fp8Writer(scheme, recorded, dequantized_dtype(source.meta.hf_config, where))
 
 
 def write_peft_adapter(work: Path, lora: Source, vocab_size: int, config: ExportConfig) -> None:
@@ -253,21 +310,27 @@ def export(config: ExportConfig) -> Path:
         lora_scale(lora)
         lora_modules(lora)
     weights = base_source(lora) if lora is not None and config.merge_lora else source
+    carried = untrained_tensors(weights.path) if lora is None or config.merge_lora else Carried()
+    if config.fp8 and lora is not None and not config.merge_lora:
+        raise CheckpointError(f"{source.path}: a LoRA checkpoint; --fp8 writes whole weights, so export it with "
+                              "--merge-lora")
+    fp8 = fp8_writer(source, weights, carried) if config.fp8 else None
     check_replaceable(config.out, STAGE)
     with atomic_directory(config.out) as work:
         if lora is not None and not config.merge_lora:
             write_peft_adapter(work, lora, vocab_size, config)
             kind = "peft_adapter"
         else:
-            dtype = write_weights(work, weights, vocab_size, config, lora)
-            (work / "config.json").write_text(json.dumps(hf_config(source.meta, dtype), indent=2))
+            dtype = write_weights(work, weights, vocab_size, config, lora, carried, fp8)
+            (work / "config.json").write_text(json.dumps(hf_config(source.meta, dtype, fp8 is not None), indent=2))
             kind = "merged" if lora is not None else "model"
         tokenizer = copy_tokenizer(work, [source, weights])
         files = [file_record(p, work, with_hash=False) for p in sorted(work.rglob("*")) if p.is_file()]
         payload = manifest_payload(
             STAGE, config.params(), files, step_dir=str(source.path), step=source.meta.step, kind=kind,
             base=str(weights.path) if weights is not source else None,
-            tokenizer=str(tokenizer) if tokenizer else None,
+            tokenizer=str(tokenizer) if tokenizer else None, carried=carried.counts,
+            **({"fp8": {"weights": len(fp8.written), "fresh_scales": fp8.fresh}} if fp8 is not None else {}),
         )
         write_json_atomic(work / MANIFEST, payload)
     return config.out

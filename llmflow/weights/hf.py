@@ -9,7 +9,6 @@ flight), never as a random-initialised model and a state dict side by side.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -30,7 +29,7 @@ from llmflow.weights.finite import check_finite
 from llmflow.weights.hf_names import (
     TIED_INPUT,
     TIED_OUTPUT,
-    expected_names,
+    checkpoint_tensors,
     fused_experts,
     hf_names,
     hf_to_ours,
@@ -38,12 +37,14 @@ from llmflow.weights.hf_names import (
     left_out,
     split_experts,
 )
+from llmflow.weights.quantized import QUANTIZATION_CONFIG, dequantized_index
 from llmflow.weights.safetensors_io import (
     StoredTensor,
     TensorSpecs,
     plan_shards,
     read_safetensors_header,
     read_tensor,
+    slab,
     write_safetensors,
 )
 
@@ -87,11 +88,12 @@ def iter_hf_tensors(directory: str | Path) -> Iterator[tuple[Path, str, torch.Te
 
 
 def index_hf_tensors(directory: Path) -> dict[str, StoredTensor]:
-    """Every tensor of an HF checkpoint directory by HF name, from the file headers."""
+    """Every tensor of an HF checkpoint directory by HF name, from the file headers; a quantized
+    tensor with its scales as the one dense tensor they encode (``quantized.py``)."""
     tensors: dict[str, StoredTensor] = {}
     for path in safetensors_files(directory):
         tensors.update(read_safetensors_header(path))
-    return tensors
+    return dequantized_index(directory, tensors)
 
 
 StoredParts = list[tuple[str, StoredTensor]]
@@ -114,14 +116,11 @@ def _fused_parts(hf_name: str, stored: StoredTensor, ours: list[str],
     if stored.shape != expected:
         raise CheckpointError(f"{stored.path}: tensor {hf_name!r} has shape {stored.shape}, config.json implies "
                               f"{expected} (experts fused along dim 0)")
-    row_bytes = math.prod(expected[2:]) * stored.dtype.itemsize
     parts: dict[str, list[tuple[str, StoredTensor]]] = {}
     start = 0
     for name, count in zip(ours, rows, strict=True):
         cut = f", {start}:{start + count}" if len(ours) > 1 else ""
-        parts[name] = [(f"{hf_name}[{e}{cut}]", dataclasses.replace(
-            stored, shape=(count, *expected[2:]), offset=stored.offset + (e * expected[1] + start) * row_bytes,
-            nbytes=count * row_bytes)) for e in range(experts)]
+        parts[name] = [(f"{hf_name}[{e}{cut}]", slab(stored, e, start, start + count)) for e in range(experts)]
         start += count
     return parts
 
@@ -133,9 +132,6 @@ def stored_parameters(directory: Path, config: ModelConfig, shapes: dict[str, tu
     reads the embedding. Checked before anything is read: a tensor with no place in the model,
     a shape config.json does not imply, or a missing tensor is a ``CheckpointError`` naming it."""
     hf_tensors = index_hf_tensors(directory) if hf_tensors is None else hf_tensors
-    report = left_out(list(hf_tensors), config)
-    if report is not None:
-        log.warning("%s: %s; llmflow builds the %s text model", directory, report, config.model_type)
     found: dict[str, dict[int, tuple[str, StoredTensor]]] = {}
     fused_from: dict[str, str] = {}  # our stacked projection -> the fused tensor it is read from
     per_expert: set[str] = set()  # our stacked projections read from one tensor per expert
@@ -198,8 +194,12 @@ def read_parameter(name: str, parts: StoredParts, rows: int | None = None) -> to
 
 
 def _set_parameter(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Our parameter, or persistent buffer, ``name`` set to ``value``."""
     module_path, _, leaf = name.rpartition(".")
     module = model.get_submodule(module_path)
+    if leaf in module._buffers:
+        module._buffers[leaf] = value
+        return
     module._parameters[leaf] = nn.Parameter(value, requires_grad=module._parameters[leaf].requires_grad)
 
 
@@ -208,11 +208,19 @@ def load_hf_weights(
 ) -> None:
     """Fill ``model`` (typically on the meta device) from the HF checkpoint in ``directory``,
     one parameter at a time (a stacked expert projection from its experts' tensors), every
-    tensor checked against config.json before any is read (``stored_parameters``)."""
+    tensor checked against config.json before any is read (``stored_parameters``). The tensors
+    the decoder does not hold (a vision tower: ``Family.hf_left_out``) are left out, said in
+    one line; convert and training carry them instead (``carried.py``)."""
     config = model.config
-    shapes = {name: tuple(model.get_parameter(name).shape) for name in expected_names(model)}
-    for name, parts in stored_parameters(Path(directory), config, shapes).items():
-        _set_parameter(model, name, read_parameter(name, parts).to(device=device, dtype=dtype))
+    tensors = checkpoint_tensors(model)
+    shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
+    hf_tensors = index_hf_tensors(Path(directory))
+    report = left_out(list(hf_tensors), config)
+    if report is not None:
+        log.warning("%s: %s; llmflow builds the %s text model", directory, report, config.model_type)
+    for name, parts in stored_parameters(Path(directory), config, shapes, hf_tensors).items():
+        kept = dtype if isinstance(tensors[name], nn.Parameter) else tensors[name].dtype  # a buffer keeps its dtype
+        _set_parameter(model, name, read_parameter(name, parts).to(device=device, dtype=kept))
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.reset_rope(device)
@@ -236,6 +244,7 @@ def hf_config_dict(config: ModelConfig) -> dict:
     other towers' keys: the decoder's are written into its nested text config."""
     family = family_of(config.model_type)
     hf = dict(config.hf_config)
+    hf.pop(QUANTIZATION_CONFIG, None)  # the weights written are full precision
     nested = family.text_config_key
     text = dict(hf.get(nested) or {}) if nested else hf
     shape = {
@@ -248,7 +257,8 @@ def hf_config_dict(config: ModelConfig) -> dict:
         "head_dim": config.head_dim,
         "max_position_embeddings": config.max_position_embeddings,
         "rms_norm_eps": config.rms_norm_eps,
-        "hidden_act": "silu",
+        # SwiGLU's key; a GeGLU is written by its family as transformers reads it (Gemma's hidden_activation)
+        **({"hidden_act": "silu"} if config.hidden_act == "silu" else {}),
     }
     if "intermediate_size" not in text and not config.intermediate_size:  # every layer routes (Qwen3.5-MoE)
         del shape["intermediate_size"]
@@ -265,8 +275,9 @@ def hf_config_dict(config: ModelConfig) -> dict:
     elif "partial_rotary_factor" in text:
         text["partial_rotary_factor"] = config.partial_rotary_factor
     if "rope_parameters" in text:
-        text["rope_parameters"] = {"rope_type": "default", **(config.rope_scaling or {}), **kept,
-                                   "rope_theta": config.rope_theta}
+        rope = {"rope_type": "default", **(config.rope_scaling or {}), **kept, "rope_theta": config.rope_theta}
+        per_layer_type = isinstance(params, dict) and isinstance(params.get("full_attention"), dict)
+        text["rope_parameters"] = {**params, "full_attention": rope} if per_layer_type else rope
     else:
         text["rope_theta"] = config.rope_theta
         text["rope_scaling"] = config.rope_scaling
@@ -290,10 +301,11 @@ def save_hf_model(
     tmp.mkdir()
     try:
         tensors = {}
-        for name, param in model.named_parameters():
+        for name, param in checkpoint_tensors(model).items():
             if model.config.tie_word_embeddings and name == TIED_OUTPUT:
                 continue
-            value = param.detach().to(dtype or param.dtype).cpu()
+            cast = dtype if dtype is not None and isinstance(param, nn.Parameter) else param.dtype
+            value = param.detach().to(cast).cpu()
             for hf_name, part in zip(hf_names(name, model.config), split_experts(name, value), strict=True):
                 tensors[hf_name] = part.contiguous()
         specs = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}

@@ -11,7 +11,7 @@ holds them in memory and reads them too (``mlp.experts.gate_up_proj`` [experts, 
 hidden], gate rows first, and ``mlp.experts.down_proj`` [experts, hidden, inter]; the
 published Qwen3.5-MoE checkpoints). Tensors that are no part of the decoder
 (``Family.hf_left_out``: a vision tower, multi-token prediction layers) are left out, and
-``left_out`` says which.
+``left_out`` says which; convert and export carry them (``carried.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ _PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<index>\d+)\.(?P<projec
 _FUSED = re.compile(r"^(?P<experts>.+\.experts)\.(?P<fused>gate_up_proj|down_proj)$")
 FUSED_PROJECTIONS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 """transformers' fused expert tensors: our stacked projections each holds, in order along dim 1."""
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 TIED_OUTPUT = "lm_head.weight"
 TIED_INPUT = "model.embed_tokens.weight"
 
@@ -83,7 +84,7 @@ def fused_experts(hf_name: str, config: ModelConfig) -> list[str] | None:
     """Our stacked expert projections the checkpoint tensor ``hf_name`` holds fused, in their
     order along its dim 1 (``...experts.gate_up_proj``: gate_proj then up_proj); None for any
     other tensor (and for every tensor of a model without experts or one the decoder leaves out)."""
-    fused = _FUSED.match(hf_name)
+    fused = _FUSED.match(hf_name) if family_of(config.model_type).hf_fused_experts else None
     if fused is None or not config.num_experts or hf_to_ours(hf_name, config) is None:
         return None
     experts = _renamed(fused["experts"], config, to_hf=False)
@@ -91,7 +92,11 @@ def fused_experts(hf_name: str, config: ModelConfig) -> list[str] | None:
 
 
 def _left_out_part(hf_name: str, config: ModelConfig) -> tuple[str, str] | None:
-    return next((part for part in family_of(config.model_type).hf_left_out if hf_name.startswith(part[0])), None)
+    family = family_of(config.model_type)
+    extra = _LAYER.match(hf_name) if family.hf_extra_layers is not None else None
+    if extra is not None and int(extra[1]) >= config.num_hidden_layers:
+        return extra[0], family.hf_extra_layers
+    return next((part for part in family.hf_left_out if hf_name.startswith(part[0])), None)
 
 
 def left_out(hf_names: list[str], config: ModelConfig) -> str | None:
@@ -107,7 +112,25 @@ def left_out(hf_names: list[str], config: ModelConfig) -> str | None:
     return "left out " + ", ".join(f"{n} tensors of {what} ({prefix}*)" for (prefix, what), n in counts.items())
 
 
+def left_out_prefix(hf_name: str, config: ModelConfig) -> str | None:
+    """The name prefix under which the decoder leaves the checkpoint tensor ``hf_name`` out
+    (``model.visual.``), or None for a tensor it does not leave out."""
+    part = _left_out_part(hf_name, config)
+    return None if part is None else part[0]
+
+
+def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint stores of ``model``, by name: its parameters (a tied output projection
+    once, as the embedding) and its persistent buffers (a router's ``e_score_correction_bias``),
+    which keep the dtype the model gives them whatever the dtype of its weights."""
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
+    for prefix, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                tensors[f"{prefix}.{name}" if prefix else name] = buffer
+    return tensors
+
+
 def expected_names(model: nn.Module) -> list[str]:
-    """Parameter names a checkpoint must provide for ``model`` (a tied output projection
-    appears once, as the embedding)."""
-    return [name for name, _ in model.named_parameters()]
+    """The names a checkpoint must provide for ``model`` (``checkpoint_tensors``)."""
+    return list(checkpoint_tensors(model))

@@ -80,7 +80,10 @@ def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
 
 def read_tensor(stored: StoredTensor, rows: int | None = None) -> torch.Tensor:
     """The tensor, read with a plain file read (no mmap, so the file's pages never count
-    against this process); with ``rows``, zero-padded along dim 0 to that many rows."""
+    against this process); with ``rows``, zero-padded along dim 0 to that many rows. A tensor
+    stored encoded (``quantized.DequantizedTensor``) is read decoded, by itself."""
+    if not isinstance(stored, StoredTensor):
+        return stored.read(rows)
     shape = (rows or stored.shape[0], *stored.shape[1:]) if stored.shape else ()
     tensor = torch.empty(shape, dtype=stored.dtype)
     if rows:
@@ -92,6 +95,8 @@ def read_tensor(stored: StoredTensor, rows: int | None = None) -> torch.Tensor:
 def read_rows(stored: StoredTensor, start: int, stop: int) -> torch.Tensor:
     """Rows ``[start, stop)`` of the tensor (along dim 0, where its bytes are contiguous),
     read alone with a plain file read: a rank holding a shard of a tensor reads its share."""
+    if not isinstance(stored, StoredTensor):
+        return stored.read_rows(start, stop)
     if not stored.shape:
         return read_tensor(stored)
     if not 0 <= start <= stop <= stored.shape[0]:
@@ -100,6 +105,16 @@ def read_rows(stored: StoredTensor, start: int, stop: int) -> torch.Tensor:
     row_bytes = math.prod(stored.shape[1:]) * stored.dtype.itemsize
     _read_into(stored, stored.offset + start * row_bytes, memoryview(tensor.view(-1).view(torch.uint8).numpy()))
     return tensor
+
+
+def slab(stored: StoredTensor, index: int, start: int, stop: int) -> StoredTensor:
+    """Where ``stored[index, start:stop]`` lies (dims 0 and 1; one expert's rows of fused experts),
+    read as any stored tensor, alone."""
+    if not isinstance(stored, StoredTensor):
+        return stored.slab(index, start, stop)
+    row_bytes = math.prod(stored.shape[2:]) * stored.dtype.itemsize
+    return dataclasses.replace(stored, shape=(stop - start, *stored.shape[2:]), nbytes=(stop - start) * row_bytes,
+                               offset=stored.offset + (index * stored.shape[1] + start) * row_bytes)
 
 
 def _read_into(stored: StoredTensor, offset: int, target: memoryview) -> None:

@@ -39,7 +39,7 @@ from llmflow.models.lora import LoraLinear, init_lora_weights, is_lora_param
 from llmflow.weights.errors import CheckpointError
 from llmflow.weights.finite import check_finite
 from llmflow.weights.hf import StoredParts, stored_parameters
-from llmflow.weights.hf_names import is_stacked_experts
+from llmflow.weights.hf_names import checkpoint_tensors, is_stacked_experts
 from llmflow.weights.process_group import distributed
 from llmflow.weights.safetensors_io import StoredTensor, read_rows, read_tensor
 from llmflow.weights.training_checkpoint import MODEL_KEY, is_checkpoint, load_checkpoint, read_meta, resolve_step_dir
@@ -66,7 +66,7 @@ class LoadReport:
     """What one rank read from a Hugging Face directory (a DCP checkpoint's reads are DCP's)."""
 
     bytes_read: int = 0
-    """Bytes of stored tensors read from the files."""
+    """Bytes of stored tensors read from the files (of a quantized tensor: its dequantized bytes)."""
     largest_read: int = 0
     """The most bytes read at once: the one piece of a tensor in flight."""
 
@@ -130,12 +130,13 @@ def load_sharded(model: CausalLM, parts: list[CausalLM], source: ShardedSource, 
     return report
 
 
-def _local_parameters(parts: list[CausalLM]) -> dict[str, nn.Parameter]:
-    """This rank's parameters by their name in the whole model (each once; adapters left out)."""
-    params: dict[str, nn.Parameter] = {}
+def _local_parameters(parts: list[CausalLM]) -> dict[str, torch.Tensor]:
+    """This rank's parameters and persistent buffers by their name in the whole model (each
+    once; adapters left out)."""
+    params: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for part in parts:
-        for name, param in part.named_parameters():
+        for name, param in checkpoint_tensors(part).items():
             name = name.replace(_CHECKPOINT_PREFIX, "")
             if id(param) not in seen and not is_lora_param(name):
                 seen.add(id(param))
@@ -166,8 +167,8 @@ def _box(tensor: torch.Tensor, offset: tuple[int, ...], shape: tuple[int, ...], 
     return tensor
 
 
-def _load_hf_shards(source: ShardedSource, params: dict[str, nn.Parameter], report: LoadReport) -> None:
-    shapes = {name: tuple(p.shape) for name, p in meta_model(source).named_parameters()}
+def _load_hf_shards(source: ShardedSource, params: dict[str, torch.Tensor], report: LoadReport) -> None:
+    shapes = {name: tuple(t.shape) for name, t in checkpoint_tensors(meta_model(source)).items()}
     stored = stored_parameters(source.path, source.config, shapes)
     for name, param in params.items():
         local, offset, shape = local_box(param)
@@ -194,7 +195,7 @@ def _copy_piece(target: torch.Tensor, hf_name: str, stored: StoredTensor, offset
     target.copy_(piece)
 
 
-def _load_checkpoint_shards(step_dir: Path, params: dict[str, nn.Parameter]) -> None:
+def _load_checkpoint_shards(step_dir: Path, params: dict[str, torch.Tensor]) -> None:
     from torch.distributed.tensor import DTensor
 
     state = {name: param.detach() for name, param in params.items()}

@@ -15,7 +15,7 @@ from llmflow.models.decoder import CausalLM
 from llmflow.weights.dcp import dcp_load
 from llmflow.weights.errors import CheckpointError
 from llmflow.weights.hf import StoredParts, read_parameter, stored_parameters
-from llmflow.weights.hf_names import expected_names
+from llmflow.weights.hf_names import checkpoint_tensors
 from llmflow.weights.training_checkpoint import (
     META,
     MODEL_KEY,
@@ -62,7 +62,7 @@ class Source:
     def hf_directory(cls, directory: Path) -> Source:
         config = ModelConfig.from_file(directory)
         with torch.device("meta"):
-            shapes = {name: tuple(p.shape) for name, p in CausalLM(config).named_parameters()}
+            shapes = {name: tuple(t.shape) for name, t in checkpoint_tensors(CausalLM(config)).items()}
         files = stored_parameters(directory, config, shapes)
         tensors = {n: TensorInfo(shapes[n], parts[0][1].dtype) for n, parts in files.items()}
         meta = CheckpointMeta(hf_config=config.hf_config, padded_vocab_size=config.vocab_size)
@@ -87,12 +87,13 @@ def weight_names(source: Source) -> list[str]:
     config = ModelConfig.from_hf(source.meta.hf_config, source=str(source.path))
     with torch.device("meta"):
         model = CausalLM(config.padded_to(source.meta.padded_vocab_size))
-    names = expected_names(model)
+    tensors = checkpoint_tensors(model)
+    names = list(tensors)
     missing = [n for n in names if n not in source.tensors]
     if missing:
         raise CheckpointError(f"{source.path}: lacks {len(missing)} model tensors, e.g. {missing[:5]}")
     for name in names:
-        stored, expected = source.tensors[name].shape, tuple(model.get_parameter(name).shape)
+        stored, expected = source.tensors[name].shape, tuple(tensors[name].shape)
         if stored != expected:
             raise CheckpointError(f"{source.path}: tensor {name!r} has shape {stored}, its config implies {expected}")
     return names

@@ -7,6 +7,7 @@ CKPT/
     meta.json            CheckpointMeta
     rng/rank_00000.pt    per-rank RNG states (optional)
   tokenizer/             the HF model's tokenizer files
+  carried/               tensors the decoder does not hold, kept untrained (optional, ``carried.py``)
 ```
 
 The DCP state holds the model's parameters under the top-level key ``"model"`` (keys as
@@ -73,6 +74,10 @@ class CheckpointMeta(BaseModel):
     checkpoint's root."""
     contents: list[str] = Field(default_factory=lambda: [MODEL_KEY])
     """Top-level keys of the saved state, e.g. ["model"] or ["model", "optimizer", "scheduler", "train"]."""
+    carried: dict[str, int] = Field(default_factory=dict)
+    """The original checkpoint's tensors the decoder does not hold (a vision tower, multi-token
+    prediction layers), counted by name prefix (``{"model.visual.": 12}``): kept untrained in
+    the checkpoint root's ``carried/`` and written back by export (``carried.py``)."""
 
 
 def step_name(step: int) -> str:

@@ -1,7 +1,7 @@
 """Causal self-attention with rotary positions: multi-head or grouped-query, optional biases,
 sliding window, per-head RMSNorm of queries and keys, rotary on part of each head (cos/sin
 narrower than the head rotate its first dims, the rest pass through), and a sigmoid output
-gate (Qwen3-Next, Qwen3.5), appending to a ``KVCache`` during generation.
+gate (Qwen3-Next, Qwen3.5) and attention sinks (gpt-oss), appending to a ``KVCache`` during generation.
 
 Shapes are read from the weights at run time (``view(B, S, -1, head_dim)``), so a
 tensor-parallel plan that shards heads needs no change here; context parallelism replaces
@@ -32,15 +32,19 @@ class Attention(nn.Module):
         qk_norm_eps: float | None = None,
         zero_centered_norm: bool = False,
         output_gate: bool = False,
+        scale: float | None = None,
+        sinks: bool = False,
     ) -> None:
         """``qk_norm_eps``: the eps of an RMSNorm over each head's queries and keys
         (``q_norm``, ``k_norm``, weights [head_dim]) before rotary, zero-centred when
         ``zero_centered_norm``; None: no such norm. ``output_gate``: ``q_proj`` emits each
         head's queries followed by as many gate values, and the attention output is scaled
-        by their sigmoid before ``o_proj``."""
+        by their sigmoid before ``o_proj``. ``scale``: the softmax scale of the scores
+        (None: head_dim ** -0.5). ``sinks``: a learned logit per query head (``sinks`` [heads])
+        joins every query's softmax as a column whose probability is dropped."""
         super().__init__()
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
         self.output_gate = output_gate
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim * (2 if output_gate else 1), bias=qkv_bias)
@@ -50,6 +54,7 @@ class Attention(nn.Module):
         norms = qk_norm_eps is not None
         self.q_norm = rms_norm(head_dim, qk_norm_eps, zero_centered_norm) if norms else None
         self.k_norm = rms_norm(head_dim, qk_norm_eps, zero_centered_norm) if norms else None
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
 
     def forward(
         self,
@@ -83,7 +88,7 @@ class Attention(nn.Module):
                        document_ids: torch.Tensor | None) -> torch.Tensor:
         """Causal attention of q [B, Hq, S, D] over k/v [B, Hkv, S', D]: the step context
         parallelism replaces (``models/context_parallel.py``)."""
-        return kernels.attention(q, k, v, self.scale, document_ids, self.sliding_window)
+        return kernels.attention(q, k, v, self.scale, document_ids, self.sliding_window, self.sinks)
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The pre-norm decoder layer: ``x + self_attn(norm(x))``, then ``x + mlp(norm(x))``.
+"""The pre-norm decoder layer: ``x + self_attn(norm(x))``, then ``x + mlp(norm(x))``; and its
+sandwich variant (Gemma 3), which also normalises each block's output before the residual add.
 
 A family fills its two slots: any token mixer that takes (x, cos, sin, document_ids, cache)
 (attention, or a Gated DeltaNet registered under HF's name ``linear_attn``) and any
@@ -26,6 +27,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = rms_norm(hidden_size, rms_norm_eps, zero_centered_norm)
         self.mlp = mlp
 
+    def mix(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, document_ids: torch.Tensor | None,
+            cache: tuple[KVCache, str] | None) -> torch.Tensor:
+        """The token mixer's output for its normalised input ``h``."""
+        mixer = getattr(self, self.mixer_name)
+        # A cache by keyword, and only when there is one: a tensor-parallel plan gives the mixer's
+        # positional inputs fixed layouts, and a training step's calls stay as a probe records them.
+        return mixer(h, cos, sin, document_ids) if cache is None else mixer(h, cos, sin, document_ids, cache=cache)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -34,8 +43,30 @@ class DecoderLayer(nn.Module):
         document_ids: torch.Tensor | None,
         cache: tuple[KVCache, str] | None = None,
     ) -> torch.Tensor:
-        mixer, h = getattr(self, self.mixer_name), self.input_layernorm(x)
-        # A cache by keyword, and only when there is one: a tensor-parallel plan gives the mixer's
-        # positional inputs fixed layouts, and a training step's calls stay as a probe records them.
-        x = x + (mixer(h, cos, sin, document_ids) if cache is None else mixer(h, cos, sin, document_ids, cache=cache))
+        x = x + self.mix(self.input_layernorm(x), cos, sin, document_ids, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SandwichDecoderLayer(DecoderLayer):
+    """``x + post_attention_layernorm(self_attn(input_layernorm(x)))``, then
+    ``x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))`` (Gemma 3, HF's names):
+    here ``post_attention_layernorm`` normalises attention's output, and
+    ``pre_feedforward_layernorm`` is the MLP's input norm."""
+
+    def __init__(self, hidden_size: int, rms_norm_eps: float, self_attn: nn.Module, mlp: nn.Module, *,
+                 mixer_name: str = "self_attn", zero_centered_norm: bool = False) -> None:
+        super().__init__(hidden_size, rms_norm_eps, self_attn, mlp, mixer_name=mixer_name,
+                         zero_centered_norm=zero_centered_norm)
+        self.pre_feedforward_layernorm = rms_norm(hidden_size, rms_norm_eps, zero_centered_norm)
+        self.post_feedforward_layernorm = rms_norm(hidden_size, rms_norm_eps, zero_centered_norm)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        document_ids: torch.Tensor | None,
+        cache: tuple[KVCache, str] | None = None,
+    ) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.mix(self.input_layernorm(x), cos, sin, document_ids, cache))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))

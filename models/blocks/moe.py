@@ -1,11 +1,14 @@
-"""The mixture-of-experts feed-forward block: a top-k router, routed SwiGLU experts whose
+"""The mixture-of-experts feed-forward block: a router (the softmax ``TopKRouter``, or
+DeepSeek-V3's ``GroupLimitedRouter`` from ``moe_routing.py``), routed SwiGLU experts whose
 weights are stacked per projection ([experts, out, in], computed with one grouped matmul),
-and an optional shared expert with a sigmoid gate (Qwen2-MoE).
+and an optional shared expert, with a sigmoid gate (Qwen2-MoE) or without (DeepSeek-V3's
+``shared_experts``).
 
 Routing is dropless: every token reaches its k experts whatever the load. The block keeps
 the statistics of its last forward (``routing``): after the model's forward,
 ``load_balancing_loss`` computes the load-balancing auxiliary loss from them as transformers'
-``load_balancing_loss_func`` computes it from the router logits of every layer.
+``load_balancing_loss_func`` computes it from the router logits of every layer, and
+``sequence_balancing_loss`` DeepSeek-V3's sequence-wise auxiliary loss.
 """
 
 from __future__ import annotations
@@ -30,9 +33,16 @@ class Routing:
     tokens_per_expert: torch.Tensor
     """[experts] how many (token, choice) assignments each expert received (no gradient)."""
     probability_sum: torch.Tensor
-    """[experts] the router's softmax probabilities summed over the tokens (fp32, with gradient)."""
+    """[experts] the router's probabilities summed over the tokens (fp32, with gradient)."""
     tokens: int
     """Tokens routed."""
+    top_k: int = 1
+    """Experts each token was routed to."""
+    sequences: int = 1
+    """Sequences the tokens came in (the input's batch dimension), each as many tokens long."""
+    probabilities: torch.Tensor | None = None
+    """[tokens, experts] the router's probabilities (with gradient), kept only when the block's
+    ``keep_probabilities`` asks for them (a sequence-wise auxiliary loss is trained)."""
 
 
 class TopKRouter(nn.Module):
@@ -88,18 +98,29 @@ def _local(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class MoE(nn.Module):
     """Hugging Face's sparse MoE block (``mlp``): ``gate`` (the router), ``experts`` and, in
-    Qwen2-MoE, ``shared_expert`` with ``shared_expert_gate``."""
+    Qwen2-MoE, ``shared_expert`` with ``shared_expert_gate``, in DeepSeek-V3 and GLM-4.5
+    ``shared_experts`` (ungated)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 norm_topk_prob: bool, shared_expert_intermediate_size: int = 0) -> None:
+                 norm_topk_prob: bool, shared_expert_intermediate_size: int = 0, *,
+                 shared_expert_gated: bool = True, router: nn.Module | None = None,
+                 experts: nn.Module | None = None) -> None:
+        """``router``: a module with ``TopKRouter``'s interface (default: a ``TopKRouter``);
+        ``experts``: a module with ``GroupedExperts``' forward (default: ``GroupedExperts``);
+        ``shared_expert_gated``: the shared expert's output scaled by its sigmoid gate, else
+        added as it is."""
         super().__init__()
         self.num_experts = num_experts
-        self.gate = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob)
-        self.experts = GroupedExperts(hidden_size, intermediate_size, num_experts)
+        self.gate = router if router is not None else TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob)
+        self.experts = experts if experts is not None else GroupedExperts(hidden_size, intermediate_size, num_experts)
         shared = shared_expert_intermediate_size > 0
-        self.shared_expert = MLP(hidden_size, shared_expert_intermediate_size, bias=False) if shared else None
-        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared else None
+        gated = shared and shared_expert_gated
+        self.shared_expert = MLP(hidden_size, shared_expert_intermediate_size, bias=False) if gated else None
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if gated else None
+        self.shared_experts = MLP(hidden_size, shared_expert_intermediate_size, bias=False) if shared and not gated else None
         self.routing: Routing | None = None
+        self.keep_probabilities = False
+        """Set by training when it needs every token's probabilities (``Routing.probabilities``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -111,7 +132,8 @@ class MoE(nn.Module):
         # torch.compile cannot trace); scatter_add_ is also deterministic on CUDA.
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=choices.device)
         counts.scatter_add_(0, choices, torch.ones_like(choices))
-        self.routing = Routing(counts.detach(), probabilities.sum(dim=0), tokens.shape[0])
+        self.routing = Routing(counts.detach(), probabilities.sum(dim=0), tokens.shape[0], experts.shape[1],
+                               shape[0] if len(shape) > 2 else 1, probabilities if self.keep_probabilities else None)
         # Every (token, choice) pair once, grouped by expert; stable, so tokens keep their order.
         order = torch.argsort(choices, stable=True)
         source = order // experts.shape[1]
@@ -121,6 +143,8 @@ class MoE(nn.Module):
         out = torch.zeros_like(tokens).index_add_(0, source, routed)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(tokens)) * self.shared_expert(tokens)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
         return out.view(shape)
 
 
@@ -148,3 +172,41 @@ def load_balancing_loss(blocks: Iterable[MoE], group: dist.ProcessGroup | None =
     rows = counts[-1]
     probability = torch.stack([r.probability_sum for r in routings]).sum(0) / rows
     return assigned.numel() * torch.sum(counts[:-1] / rows * probability)
+
+
+def sequence_balancing_loss(blocks: Iterable[MoE], sequence_groups: Iterable[dist.ProcessGroup | None] = (),
+                            dp_group: dist.ProcessGroup | None = None) -> torch.Tensor | None:
+    """DeepSeek-V3's sequence-wise auxiliary loss over the last forward of ``blocks`` (each
+    keeping its probabilities), as megatron-core's ``seq_aux_loss``: for each layer and
+    sequence of T tokens, the sum over experts of f_e * P_e, where f_e = experts / (k T) times
+    the number of the sequence's tokens whose k most probable experts include e, and P_e is
+    e's probability averaged over the sequence's tokens; averaged over the sequences and summed
+    over the layers. None without MoE.
+
+    Each rank holds some of the sequences (the ranks of ``dp_group``), or a shard of each
+    (``sequence_groups``: the context- and tensor-parallel groups): the counts are summed over
+    the shards of a sequence and each rank returns its share of the loss, the shares adding up
+    to the loss of every rank's sequences together."""
+    routings = [block.routing for block in blocks if block.routing is not None]
+    if not routings:
+        return None
+    if any(r.probabilities is None for r in routings):
+        raise ValueError("a sequence-wise auxiliary loss needs each MoE block's probabilities (keep_probabilities)")
+    first = routings[0]
+    top_k, experts = first.top_k, first.probabilities.shape[-1]
+    probabilities = [r.probabilities.view(r.sequences, -1, experts) for r in routings]  # [sequences, T, experts]
+    counts = []  # [sequences, experts] per layer: how many of a sequence's tokens have e among their top k
+    for p in probabilities:
+        chosen = p.detach().topk(top_k, dim=-1).indices.flatten(1)
+        counts.append(torch.zeros_like(p[:, 0]).scatter_add_(1, chosen, torch.ones_like(chosen, dtype=p.dtype)))
+    totals = torch.cat([torch.stack(counts).flatten(), probabilities[0].new_tensor([probabilities[0].shape[1]])])
+    for group in sequence_groups:
+        if group is not None:
+            dist.all_reduce(totals, group=group)
+    sequences = probabilities[0].new_tensor(float(first.sequences))
+    if dp_group is not None:
+        dist.all_reduce(sequences, group=dp_group)
+    length = totals[-1]
+    f = totals[:-1].view(len(counts), *counts[0].shape) * (experts / (top_k * length))
+    shares = torch.stack([(f_layer * p.sum(dim=1)).sum() for f_layer, p in zip(f, probabilities, strict=True)])
+    return shares.sum() / (length * sequences)

@@ -15,6 +15,7 @@ from llmflow.models.blocks.decoder_layer import DecoderLayer
 from llmflow.models.blocks.mlp import MLP
 from llmflow.models.blocks.moe import MoE
 from llmflow.models.config import Family, ModelConfig
+from llmflow.models.families.moe_options import build_router
 
 
 def read_options(hf: dict[str, Any], source: str) -> dict[str, Any]:
@@ -43,7 +44,8 @@ def build_layer(config: ModelConfig, index: int) -> DecoderLayer:
 def build_feed_forward(config: ModelConfig, index: int) -> MLP | MoE:
     if config.is_moe_layer(index):
         return MoE(config.hidden_size, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok,
-                   config.norm_topk_prob, config.shared_expert_intermediate_size)
+                   config.norm_topk_prob, config.shared_expert_intermediate_size,
+                   shared_expert_gated=config.shared_expert_gated, router=build_router(config))
     return MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
 

@@ -205,9 +205,23 @@ class Attention:
 
 def unmapped_layers(config: ModelConfig) -> str | None:
     """Why this layout cannot hold a model of ``config`` whatever the options, or None: the
-    hybrids' Gated DeltaNet layers and gated attention (Qwen3-Next, Qwen3.5). megatron-core
-    0.16.1 has such layers (``ssm.gated_delta_net.GatedDeltaNet`` with its own fused
-    ``in_proj``, ``attention_output_gate``), but llmflow maps no tensor of theirs."""
+    hybrids' Gated DeltaNet layers and gated attention (Qwen3-Next, Qwen3.5), Multi-head
+    Latent Attention (DeepSeek-V3), DeepSeek-V3's sigmoid router and ungated shared experts
+    (GLM-4.5), and Gemma 3's norms after attention and the MLP, for which
+    megatron-core 0.16.1's ``TransformerLayer`` has no place. megatron-core 0.16.1 has the first
+    two (``ssm.gated_delta_net.GatedDeltaNet`` with its own fused ``in_proj``,
+    ``attention_output_gate``; ``MLASelfAttention`` with ``linear_q_down_proj``,
+    ``linear_kv_up_proj``, ...), but llmflow maps no tensor of theirs."""
+    if config.kv_lora_rank:
+        return (f"{config.model_type} has Multi-head Latent Attention layers, which llmflow's Megatron layout does "
+                "not map (it holds attention with fused q/k/v and MLP layers only)")
+    if config.router_scoring != "softmax" or (config.shared_expert_intermediate_size and not config.shared_expert_gated):
+        return (f"{config.model_type} routes with DeepSeek-V3's sigmoid router (e_score_correction_bias, expert "
+                "groups) and ungated shared experts, which llmflow's Megatron layout does not map (a softmax router "
+                "and a gated shared expert only)")
+    if config.sandwich_norms:
+        return (f"{config.model_type}'s layers normalise attention's and the MLP's outputs too (post_attention_layernorm, "
+                "post_feedforward_layernorm), which llmflow's Megatron layout does not map (one norm before each)")
     if not config.layer_types and not config.attention_output_gate:
         return None
     linear = sum(config.is_linear_layer(i) for i in range(config.num_hidden_layers))
