@@ -157,9 +157,33 @@ def llmflow_step(config, device: torch.device):
     def step(n: int) -> tuple[float, float]:
         loss = train_step(run, n)[0]
         aux = float(run.routing.aux_sum)
-        return loss + run.aux_loss_coef * aux, aux
+        return loss + run.routing.aux_loss_coef * aux, aux
 
     return step
+
+
+def timed_steps(side: str, step, tokens: int, steps: int, warmup: int,
+                device: torch.device) -> tuple[dict, list]:
+    """``step(n)`` for n = 1 .. warmup + steps: (``side``'s timings of the steps after ``warmup``
+    on ``tokens`` tokens a step, its first step's time, peak memory and threads; what each step
+    returned)."""
+    times, cpu, values = [], [], []
+    for n in range(1, warmup + steps + 1):
+        t0, c0 = time.perf_counter(), time.process_time()
+        values.append(step(n))
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    step_s = statistics.median(times[warmup:])
+    return {
+        "side": side,
+        "tokens_per_s": tokens / step_s,
+        "step_s": step_s,
+        "cpu_s": statistics.median(cpu[warmup:]),
+        "first_step_s": times[0],
+        "peak_mib": peak_memory_mib(device),
+        "threads": torch.get_num_threads(),
+    }, values
 
 
 def run_side(side: str, model_dir: str, batch: int, seq: int, steps: int, warmup: int, device: torch.device,
@@ -170,25 +194,8 @@ def run_side(side: str, model_dir: str, batch: int, seq: int, steps: int, warmup
         config = train_config(Path(model_dir), Path(model_dir) / DATA, Path(out), seq, batch, warmup + steps,
                               side.endswith("+compile"), dtype=dtype)
         step = transformers_step(side, config, device) if side.startswith("transformers") else llmflow_step(config, device)
-        times, cpu, losses = [], [], []
-        for n in range(1, warmup + steps + 1):
-            t0, c0 = time.perf_counter(), time.process_time()
-            losses.append(step(n))
-            synchronize(device)
-            times.append(time.perf_counter() - t0)
-            cpu.append(time.process_time() - c0)
-    step_s = statistics.median(times[warmup:])
-    return {
-        "side": side,
-        "tokens_per_s": batch * seq / step_s,
-        "step_s": step_s,
-        "cpu_s": statistics.median(cpu[warmup:]),
-        "first_step_s": times[0],
-        "peak_mib": peak_memory_mib(device),
-        "first_loss": losses[0][0],
-        "first_aux": losses[0][1],
-        "threads": torch.get_num_threads(),
-    }
+        result, losses = timed_steps(side, step, batch * seq, steps, warmup, device)
+    return {**result, "first_loss": losses[0][0], "first_aux": losses[0][1]}
 
 
 def make_model(directory: str, config: dict, device: torch.device, dtype: str) -> None:
@@ -201,6 +208,33 @@ def make_model(directory: str, config: dict, device: torch.device, dtype: str) -
     with torch.device(device):
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**config))
     model.to(DTYPES[dtype]).save_pretrained(directory)
+
+
+def summarise(runs: dict[str, list[dict]], flops_per_token: float, rounds: int) -> tuple[dict, dict]:
+    """(each side's tokens/s spread, achieved FLOP/s, CPU s/step, peak memory and compile times;
+    the speed ratios of every llmflow side against every transformers side, against the faster
+    one each round, and in CPU time against the cheaper one) of ``run_side``'s results."""
+    summary = {}
+    for side, results in runs.items():
+        tok = [r["tokens_per_s"] for r in results]
+        summary[side] = {
+            "tokens_per_s": spread(tok),
+            "flops_per_s": statistics.median(tok) * flops_per_token,
+            "cpu_s": statistics.median(r["cpu_s"] for r in results),
+            "peak_mib": max(r["peak_mib"] for r in results),
+            "compile_s": [r["first_step_s"] - r["step_s"] for r in results] if side.endswith("+compile") else None,
+        }
+    ours = [s for s in OURS if s in runs]
+    bases = [s for s in BASELINES if s in runs]
+    ratios = {f"{o} / {b}": spread([x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(runs[o], runs[b])])
+              for o in ours for b in bases}
+    for o in ours:
+        ratios[f"{o} / faster transformers"] = spread(
+            [runs[o][r]["tokens_per_s"] / max(runs[b][r]["tokens_per_s"] for b in bases) for r in range(rounds)])
+    for o in ours:
+        ratios[f"{o} / cheaper transformers, CPU time"] = spread(
+            [min(runs[b][r]["cpu_s"] for b in bases) / runs[o][r]["cpu_s"] for r in range(rounds)])
+    return summary, ratios
 
 
 def bench(args: argparse.Namespace, sides: tuple[str, ...], peaks: list[float], loads: list[float]) -> dict:
@@ -230,26 +264,7 @@ def bench(args: argparse.Namespace, sides: tuple[str, ...], peaks: list[float], 
         sys.exit(f"bench.moe_step: first-step losses differ by {loss_diff:.2e} (tolerance {loss_tolerance:.0e}), "
                  f"auxiliary losses by {aux_diff:.2e} ({aux_tolerance:.0e}): the sides did not compute the same step")
     _, flops = moe_flops_per_token(args.config, args.seq)
-    summary = {}
-    for side, results in runs.items():
-        tok = [r["tokens_per_s"] for r in results]
-        summary[side] = {
-            "tokens_per_s": spread(tok),
-            "flops_per_s": statistics.median(tok) * flops,
-            "cpu_s": statistics.median(r["cpu_s"] for r in results),
-            "peak_mib": max(r["peak_mib"] for r in results),
-            "compile_s": [r["first_step_s"] - r["step_s"] for r in results] if side.endswith("+compile") else None,
-        }
-    ours = [s for s in OURS if s in runs]
-    bases = [s for s in BASELINES if s in runs]
-    ratios = {f"{o} / {b}": spread([x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(runs[o], runs[b])])
-              for o in ours for b in bases}
-    for o in ours:
-        ratios[f"{o} / faster transformers"] = spread(
-            [runs[o][r]["tokens_per_s"] / max(runs[b][r]["tokens_per_s"] for b in bases) for r in range(args.rounds)])
-    for o in ours:
-        ratios[f"{o} / cheaper transformers, CPU time"] = spread(
-            [min(runs[b][r]["cpu_s"] for b in bases) / runs[o][r]["cpu_s"] for r in range(args.rounds)])
+    summary, ratios = summarise(runs, flops, args.rounds)
     return {"sides": summary, "ratios": ratios, "loss_diff": loss_diff, "aux_diff": aux_diff,
             "loss": reference["first_loss"], "aux": reference["first_aux"],
             "threads": reference["threads"]}
@@ -269,6 +284,25 @@ def describe_config(c: dict, seq: int) -> str:
             f"coefficient {c['router_aux_loss_coef']}; model FLOPs per token = 6 x {active / 1e6:.2f}M active matmul "
             f"weights (q, k, v, o, router, k experts' gate/up/down, output layer) + 12 x layers x heads x head_dim x "
             f"seq = {flops / 1e9:.3f} GFLOP")
+
+
+def tables(row: dict, peak: float) -> list[str]:
+    """The sides' table and the speed ratios' table of ``row`` (``summarise``'s), markdown lines;
+    achieved FLOP/s shown against ``peak``."""
+    lines = [
+        "| side | tok/s median (min-max) | CPU s/step (all threads) | achieved GFLOP/s | of peak | peak MiB | compile s (first round, cold; later) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for side, s in row["sides"].items():
+        t = s["tokens_per_s"]
+        compile_s = "-" if s["compile_s"] is None else (
+            f"{s['compile_s'][0]:.0f}; {statistics.median(s['compile_s'][1:]) if len(s['compile_s']) > 1 else 0:.0f}")
+        lines.append(f"| {side} | {t['median']:.0f} ({t['min']:.0f}-{t['max']:.0f}) | {s['cpu_s']:.2f} "
+                     f"| {s['flops_per_s'] / 1e9:.1f} "
+                     f"| {s['flops_per_s'] / peak:.1%} | {s['peak_mib']:.0f} | {compile_s} |")
+    lines += ["", "| speed ratio | median | min | max |", "|---|---|---|---|"]
+    lines += [f"| {k} | {v['median']:.2f}x | {v['min']:.2f}x | {v['max']:.2f}x |" for k, v in row["ratios"].items()]
+    return lines
 
 
 def report(row: dict, args: argparse.Namespace, peak: float, loads: list[float], load_after: float) -> list[str]:
@@ -297,18 +331,8 @@ def report(row: dict, args: argparse.Namespace, peak: float, loads: list[float],
          f"every side within {row['loss_diff']:.1e} (tolerance {TOLERANCES[args.dtype][0]:.0e}), auxiliary within "
          f"{row['aux_diff']:.1e} ({TOLERANCES[args.dtype][1]:.0e})."),
         "",
-        "| side | tok/s median (min-max) | CPU s/step (all threads) | achieved GFLOP/s | of peak | peak MiB | compile s (first round, cold; later) |",
-        "|---|---|---|---|---|---|---|",
+        *tables(row, peak),
     ]
-    for side, s in row["sides"].items():
-        t = s["tokens_per_s"]
-        compile_s = "-" if s["compile_s"] is None else (
-            f"{s['compile_s'][0]:.0f}; {statistics.median(s['compile_s'][1:]) if len(s['compile_s']) > 1 else 0:.0f}")
-        lines.append(f"| {side} | {t['median']:.0f} ({t['min']:.0f}-{t['max']:.0f}) | {s['cpu_s']:.2f} "
-                     f"| {s['flops_per_s'] / 1e9:.1f} "
-                     f"| {s['flops_per_s'] / peak:.1%} | {s['peak_mib']:.0f} | {compile_s} |")
-    lines += ["", "| speed ratio | median | min | max |", "|---|---|---|---|"]
-    lines += [f"| {k} | {v['median']:.2f}x | {v['min']:.2f}x | {v['max']:.2f}x |" for k, v in row["ratios"].items()]
     lines += ["", (f"Bar: llmflow eager at least {TARGET}x the faster transformers side: "
               f"{'met' if eager['median'] >= TARGET else 'not met'} ({eager['median']:.2f}x median)."), ""]
     return lines
