@@ -16,8 +16,8 @@ import pytest
 import torch
 from mlflow import MlflowClient
 from prefect_helpers import task_states
-from safetensors.torch import load_file, save_file
-from test_quantized_checkpoints import mxfp4_quantize
+from safetensors.torch import load_file
+from test_gpt_oss import quantize_experts_mxfp4
 
 from llmflow.flows.finetune_eval import FinetuneEvalParams, finetune_eval
 from llmflow.weights import load_hf_model
@@ -55,28 +55,13 @@ def worker_env(monkeypatch):
     monkeypatch.setenv("LLMFLOW_DEVICE", "cpu")
 
 
-def quantize_experts_mxfp4(directory: Path) -> None:
-    """Rewrite the gpt-oss checkpoint in ``directory`` with its experts as MXFP4 blocks and scales."""
-    tensors = {}
-    for name, tensor in load_file(directory / "model.safetensors").items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            tensors[name + "_blocks"], tensors[name + "_scales"] = mxfp4_quantize(tensor)
-        else:
-            tensors[name] = tensor
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((directory / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    (directory / "config.json").write_text(json.dumps(config))
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_finetune_eval_runs_every_stage_and_registers(family, prefect_env, sample_tokenizer_model, tmp_path):
     from transformers import AutoModelForCausalLM
 
     model = sample_tokenizer_model(family, **FAMILIES[family])
     if family == "gpt_oss":
-        quantize_experts_mxfp4(model)
+        quantize_experts_mxfp4(model, model)
     params = FinetuneEvalParams.model_validate({
         "workspace": str(tmp_path / "ws"), "model": str(model), "version": "test", "seq_length": 64,
         "train": {"steps": 2, "save_interval": 2, "micro_batch_size": 4, "global_batch_size": 4},

@@ -9,6 +9,7 @@ llmflow refuses."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,25 +158,31 @@ def test_checkpoint_and_config_round_trip_bit_exact(make_hf_model, tokens, tmp_p
         assert torch.equal(reloaded(ids).logits, hf(ids).logits)
 
 
+def quantize_experts_mxfp4(source: Path, target: Path) -> None:
+    """The gpt-oss checkpoint in ``source`` written to ``target`` (``source`` itself to rewrite it)
+    with its experts as MXFP4 blocks and scales, as the Hub's checkpoints hold them."""
+    tensors = {}
+    for name, tensor in load_file(source / "model.safetensors").items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name + "_blocks"], tensors[name + "_scales"] = mxfp4_quantize(tensor)
+        else:
+            tensors[name] = tensor
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (target / "config.json").write_text(json.dumps(config))
+
+
 def test_mxfp4_checkpoint_matches_transformers_dequantized(make_hf_model, tokens, tmp_path):
     """The tiny model's experts quantized to MXFP4 as gpt-oss stores them (``_blocks``,
     ``_scales``): llmflow's logits are those of transformers' Mxfp4Config(dequantize=True) model."""
     from transformers import GptOssForCausalLM, Mxfp4Config
 
     hf, path = hf_model(make_hf_model)
-    tensors = {}
-    for name, tensor in load_file(path / "model.safetensors").items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            tensors[name + "_blocks"], tensors[name + "_scales"] = mxfp4_quantize(tensor)
-        else:
-            tensors[name] = tensor
     directory = tmp_path / "mxfp4"
     directory.mkdir()
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    (directory / "config.json").write_text(json.dumps(config))
+    quantize_experts_mxfp4(path, directory)
     theirs = GptOssForCausalLM.from_pretrained(directory, quantization_config=Mxfp4Config(dequantize=True),
                                                attn_implementation="eager").eval()
     ours = load_hf_model(directory).eval()
