@@ -25,6 +25,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+from test_frontier_flows import FAMILIES as FRONTIER
 
 from llmflow.data.instruction_dataset import next_token_targets
 from llmflow.models import LoraConfig, apply_lora
@@ -36,7 +37,7 @@ from llmflow.train.preference import (
     pair_logps,
     pair_terms,
 )
-from llmflow.weights import load_hf_model
+from llmflow.weights import load_hf_model, save_hf_model
 
 # TRL's DPOTrainer reads transformers' deprecated ``is_gradient_checkpointing``.
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
@@ -94,7 +95,7 @@ def words(ids: list[int]) -> str:
 class Setup:
     """What every case shares: tokenizer, pairs, the HF models and our models."""
 
-    def __init__(self, make_hf_model, out_dir):
+    def __init__(self, make_hf_model, out_dir, family: str = "llama", **overrides):
         self.out_dir = out_dir
         self.tokenizer = word_tokenizer()
         self.eos = self.tokenizer.eos_token_id
@@ -110,7 +111,7 @@ class Setup:
             "chosen": [" " + words(c) for _, c, _ in self.pairs],
             "rejected": [" " + words(r) for _, _, r in self.pairs],
         }
-        self.reference_hf, path = make_hf_model("llama", seed=SEED)
+        self.reference_hf, path = make_hf_model(family, seed=SEED, **overrides)
         self.policy_hf = copy.deepcopy(self.reference_hf)
         with torch.no_grad():
             for p in self.policy_hf.parameters():
@@ -291,18 +292,8 @@ def test_objective_matches_trl(case, setup):
     diffs = {}
 
     if method == "dpo":
-        trainer = trl_dpo_trainer(setup, settings, policy_hf, ref_model=copy.deepcopy(setup.reference_hf))
-        batch = dpo_batch(setup, trainer)
-        loss = trainer.compute_loss(trainer.model, batch)
-        with torch.no_grad():
-            ref_chosen, ref_rejected = trainer.compute_ref_log_probs(trainer.ref_model, batch)
-        metrics = {name: dpo_metric(trainer, name)
-                   for name in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")}
-        objective, terms, policy_logps, ref_logps, _ = our_objective(setup, method, config, ours, setup.reference)
-        diffs["reference logps"] = max(assert_close(ref_logps.chosen, ref_chosen, REWARD_ATOL, "reference chosen logps"),
-                                       assert_close(ref_logps.rejected, ref_rejected, REWARD_ATOL,
-                                                    "reference rejected logps"))
-        assert terms.chosen_rewards.abs().min() > 1e-3, "the policy is still the reference"
+        trainer, loss, metrics, objective, terms, policy_logps = dpo_side_by_side(setup, settings, config, policy_hf,
+                                                                                 ours, diffs)
     else:
         if method == "simpo":
             from trl.experimental.cpo import CPOConfig, CPOTrainer
@@ -332,22 +323,80 @@ def test_objective_matches_trl(case, setup):
         if method == "orpo":
             diffs["nll"] = assert_close(nll, metrics["nll_loss"], LOSS_ATOL, "ORPO's chosen NLL")
 
+    check_objective(policy_logps, objective, loss, terms, metrics, diffs)
+    loss.backward()
+    objective.backward()
+    diffs["gradients"] = assert_grads_close(trainer.model.named_parameters(), ours.named_parameters(), GRAD_ATOL)
+    report(case, diffs)
+
+
+def dpo_side_by_side(setup: Setup, settings: dict, config: PreferenceConfig, policy_hf, ours, diffs: dict):
+    """TRL's DPO loss and metrics on the policy ``policy_hf``, and ours on ``ours`` (the same
+    weights), their reference log-probs compared into ``diffs``."""
+    trainer = trl_dpo_trainer(setup, settings, policy_hf, ref_model=copy.deepcopy(setup.reference_hf))
+    batch = dpo_batch(setup, trainer)
+    loss = trainer.compute_loss(trainer.model, batch)
+    with torch.no_grad():
+        ref_chosen, ref_rejected = trainer.compute_ref_log_probs(trainer.ref_model, batch)
+    metrics = {name: dpo_metric(trainer, name)
+               for name in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")}
+    objective, terms, policy_logps, ref_logps, _ = our_objective(setup, "dpo", config, ours, setup.reference)
+    diffs["reference logps"] = max(assert_close(ref_logps.chosen, ref_chosen, REWARD_ATOL, "reference chosen logps"),
+                                   assert_close(ref_logps.rejected, ref_rejected, REWARD_ATOL,
+                                                "reference rejected logps"))
+    assert terms.chosen_rewards.abs().min() > 1e-3, "the policy is still the reference"
+    diffs["logps"] = max(assert_close(policy_logps.chosen.mean(), metrics["logps/chosen"], REWARD_ATOL, "logps"),
+                         assert_close(policy_logps.rejected.mean(), metrics["logps/rejected"], REWARD_ATOL, "logps"))
+    return trainer, loss, metrics, objective, terms, policy_logps
+
+
+def check_objective(policy_logps, objective, loss, terms, metrics: dict, diffs: dict) -> None:
+    """Our token counts, loss and rewards against TRL's, into ``diffs``."""
     # Per-pair token counts: each response's tokens and its EOS.
     counts = torch.tensor([[c + 1, r + 1] for _, c, r in LENGTHS], dtype=torch.float32)
     torch.testing.assert_close(torch.stack([policy_logps.chosen_tokens, policy_logps.rejected_tokens], 1), counts)
-    if method == "dpo":
-        diffs["logps"] = max(assert_close(policy_logps.chosen.mean(), metrics["logps/chosen"], REWARD_ATOL, "logps"),
-                             assert_close(policy_logps.rejected.mean(), metrics["logps/rejected"], REWARD_ATOL,
-                                          "logps"))
     diffs["loss"] = assert_close(objective.detach(), loss.detach(), LOSS_ATOL, "loss")
     diffs["rewards"] = max(
         assert_close(terms.chosen_rewards.mean(), metrics["rewards/chosen"], REWARD_ATOL, "rewards/chosen"),
         assert_close(terms.rejected_rewards.mean(), metrics["rewards/rejected"], REWARD_ATOL, "rewards/rejected"),
     )
+
+
+@pytest.mark.parametrize("family", list(FRONTIER))
+def test_dpo_matches_trl_on_the_frontier_families(family, make_hf_model, tmp_path):
+    """DPO (sigmoid) on each frontier family against TRL's DPOTrainer on transformers' model of
+    the family: DeepSeek-V3's latent attention and group-limited experts, GLM-4.5, gpt-oss's
+    sinks and biased experts, Gemma 3's sliding window (shorter than the packed rows) and
+    soft-capped logits. Our gradients are compared in transformers' layout: written as a
+    checkpoint by ``save_hf_model`` and read back by transformers (its fused experts)."""
+    from transformers import AutoModelForCausalLM
+
+    setup = Setup(make_hf_model, tmp_path, family, **FRONTIER[family])
+    config = PreferenceConfig(beta=BETA)
+    ours = load_hf_model(setup.policy_path).train()
+    diffs = {}
+    # TRL adds gpt-oss's load-balancing loss at its defaults (llmflow: when config.json trains it,
+    # docs/training.md); the objectives compared here are DPO's alone.
+    settings = {"beta": BETA, "loss_type": "sigmoid", "router_aux_loss_coef": 0.0}
+    trainer, loss, metrics, objective, terms, policy_logps = dpo_side_by_side(
+        setup, settings, config, copy.deepcopy(setup.policy_hf).train(), ours, diffs)
+    check_objective(policy_logps, objective, loss, terms, metrics, diffs)
     loss.backward()
     objective.backward()
-    diffs["gradients"] = assert_grads_close(trainer.model.named_parameters(), ours.named_parameters(), GRAD_ATOL)
-    report(case, diffs)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(p.grad)
+    gradients = AutoModelForCausalLM.from_pretrained(save_hf_model(ours, tmp_path / "gradients"), dtype=torch.float32)
+    diffs["gradients"] = assert_grads_close(trainer.model.named_parameters(), as_gradients(gradients), GRAD_ATOL)
+    report(f"dpo-{family}", diffs)
+
+
+def as_gradients(model) -> list[tuple[str, torch.nn.Parameter]]:
+    """``model``'s parameters with each one's value as its gradient (for ``assert_grads_close``)."""
+    named = list(model.named_parameters())
+    for _, p in named:
+        p.grad = p.detach()
+    return named
 
 
 def test_lora_dpo_matches_trl_peft(setup):

@@ -18,6 +18,7 @@ import jsonschema
 import pytest
 import torch
 from forked_workers import train_forked
+from test_frontier_flows import FAMILIES as FRONTIER
 
 from llmflow.cli import main as cli_main
 from llmflow.models import CausalLM, ModelConfig
@@ -182,12 +183,13 @@ def tiny_model() -> CausalLM:
 DOWN_PROJ = "Module.model.layers.0.mlp.down_proj.Linear.forward.0"
 
 
-def dumped_step(dump_path: Path, perturb: float | None = None, weight_scale: float | None = None, **probe) -> Path:
-    """Dump one forward/backward step of the tiny model in deterministic mode, the first MLP's
-    output multiplied by ``perturb`` if given, or its down_proj weight by ``weight_scale``;
-    returns the step folder."""
+def dumped_step(dump_path: Path, perturb: float | None = None, weight_scale: float | None = None,
+                model: Callable[[], CausalLM] = tiny_model, perturbed: str = "mlp", **probe) -> Path:
+    """Dump one forward/backward step of ``model()`` (the tiny model) in deterministic mode, the
+    output of the first layer's ``perturbed`` module multiplied by ``perturb`` if given, or its
+    down_proj weight by ``weight_scale``; returns the step folder."""
     seed_all(0)
-    model = tiny_model()
+    model = model()
     if weight_scale is not None:
         with torch.no_grad():
             model.model.layers["0"].mlp.down_proj.weight.mul_(weight_scale)
@@ -198,9 +200,9 @@ def dumped_step(dump_path: Path, perturb: float | None = None, weight_scale: flo
             with torch._C.DisableTorchFunction():
                 return output * perturb
 
-        model.model.layers["0"].mlp.register_forward_hook(scale)
+        model.model.layers["0"].get_submodule(perturbed).register_forward_hook(scale)
     dumper = Dumper(ProbeConfig(dump_path=dump_path, **probe), model)
-    ids = torch.randint(0, 96, (2, 16))
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
     with dumper.step(0):
         model(ids, labels=ids, loss_reduction="sum").backward()
     return dump_path / "step0"
@@ -325,6 +327,30 @@ def test_advisor_names_the_perturbed_mlp(clean_runs, mode, tmp_path, determinist
     assert "Likely cause: forward computation" in report.advice
     assert "models/decoder.py" in report.advice  # the call stack
     assert (tmp_path / "cmp" / "advisor.txt").read_text() == report.advice
+
+
+@pytest.mark.parametrize("family", list(FRONTIER))
+def test_frontier_families_dump_compare_equal_and_locate_a_perturbed_attention(family, make_hf_model, tmp_path,
+                                                                               deterministic):
+    """The frontier blocks (DeepSeek-V3's latent attention and grouped experts, GLM-4.5, gpt-oss's
+    sinks and biased experts, Gemma 3's sandwich norms) dump in msprobe's schema, two
+    deterministic steps compare equal, and the advisor names the first layer's attention when
+    its output is 1% off."""
+    from llmflow.weights import load_hf_model
+
+    _, path = make_hf_model(family, **FRONTIER[family])
+    model = functools.partial(load_hf_model, path)
+    clean, again, perturbed = (dumped_step(tmp_path / name, model=model, perturbed="self_attn", task="tensor",
+                                           level="mix", perturb=perturb)
+                               for name, perturb in (("clean", None), ("again", None), ("perturbed", 1.01)))
+    attention = f"Module.model.layers.0.self_attn.{type(model().model.layers['0'].self_attn).__name__}.forward.0"
+    assert attention in validate_dump(clean / "rank")["data"]
+    assert all(row.result == "pass" for row in compare_dumps(CompareConfig(target=again, bench=clean,
+                                                                           out=tmp_path / "same")).ranks[0].rows)
+    report = compare_dumps(CompareConfig(target=perturbed, bench=clean, out=tmp_path / "cmp"))
+    _, row = first_divergence(report.ranks[0].rows)
+    assert (row.leaf.entry, row.leaf.side) == (attention, "output")
+    assert f"Suspect Nodes: {attention}\n" in report.advice
 
 
 # --- the training worker -----------------------------------------------------------------------------

@@ -289,3 +289,70 @@ def test_tokenizer_without_template_needs_a_named_one(tmp_path, tokenizer_dir):
     good = write_jsonl(tmp_path / "good.jsonl", as_records("messages", conversations(3)))
     _bad(tmp_path, plain, [good], TemplateError, "has no chat template .* alpaca, chatml, qwen, llama2, llama3")
     assert run(plain, [good], tmp_path / "named", template="chatml")
+
+
+# --- the frontier families' own chat templates (as TRL 1.16 ships them) ----------------------------
+
+TRL_TEMPLATES = {
+    # family: (original, marked, special tokens the template writes)
+    "deepseek_v3": ("deepseekv3", "deepseekv3_training", {"bos_token": "<｜begin▁of▁sentence｜>",
+                                                          "eos_token": "<｜end▁of▁sentence｜>"},
+                    ["<｜User｜>", "<｜Assistant｜>"]),
+    "gemma3_text": ("gemma3", "gemma3_training", {"bos_token": "<bos>", "eos_token": "<eos>"},
+                    ["<start_of_turn>", "<end_of_turn>"]),
+    "glm4_moe": ("glm4moe", "glm4moe_training", {"eos_token": "<|endoftext|>"},
+                 ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<think>", "</think>"]),
+    "gpt_oss": ("gptoss", "gptoss_training", {"eos_token": "<|return|>"},
+                ["<|start|>", "<|end|>", "<|message|>", "<|channel|>"]),
+}
+
+
+def trl_template(name: str) -> str:
+    import trl
+
+    return (Path(trl.__file__).parent / "chat_templates" / f"{name}.jinja").read_text()
+
+
+def family_tokenizer(tokenizer_dir: Path, out: Path, family: str, template: str) -> Path:
+    """The module's tokenizer with ``family``'s special tokens and chat template ``template``."""
+    from transformers import AutoTokenizer
+
+    _, _, special, extra = TRL_TEMPLATES[family]
+    hf = AutoTokenizer.from_pretrained(tokenizer_dir)
+    hf.add_special_tokens({**special, "additional_special_tokens": extra})
+    hf.chat_template = trl_template(template)
+    hf.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("family", list(TRL_TEMPLATES))
+def test_frontier_chat_templates_train_what_transformers_masks(tmp_path, tokenizer_dir, family):
+    """Each family's template with TRL's {% generation %} marks: the labels are transformers'
+    assistant-token mask, multi-turn and with a system message. Gemma 3's and GLM-4.5's
+    templates as the checkpoints ship them (no marks) train the same replies, split by their
+    prefixes; DeepSeek-V3's and gpt-oss's are refused, naming the marked templates."""
+    from transformers import AutoTokenizer
+
+    original, marked, _, _ = TRL_TEMPLATES[family]
+    convs = conversations(12, seed=3)
+    assert any(c[0]["role"] == "system" for c in convs)
+    src = write_jsonl(tmp_path / "d.jsonl", as_records("messages", convs))
+    tokenizer = family_tokenizer(tokenizer_dir, tmp_path / "marked", family, marked)
+    hf = AutoTokenizer.from_pretrained(tokenizer)
+    want = [reference(hf, m) for m in convs]
+    assert samples(run(tokenizer, [src], tmp_path / "sft", seq_length=512)) == want
+    assert any(sum(m["role"] == "assistant" for m in c) > 1 for c in convs)
+
+    shipped = family_tokenizer(tokenizer_dir, tmp_path / "shipped", family, original)
+    if family in ("deepseek_v3", "gpt_oss"):
+        with pytest.raises(TemplateError, match=r"marks the assistant's text with \{% generation %\}"):
+            run(shipped, [src], tmp_path / "refused", seq_length=512)
+        return
+    got = samples(run(shipped, [src], tmp_path / "prefixes", seq_length=512))
+    trained = [[t for t in labels if t != IGNORE_INDEX] for _, labels in got]
+    if family == "gemma3_text":
+        assert got == want
+    else:  # GLM-4.5's reply has no end-of-turn text of its own: the next turn's <|user|> ends it
+        user = hf.convert_tokens_to_ids("<|user|>")
+        assert trained == [[t for t, label in zip(*w, strict=True) if label != IGNORE_INDEX and t != user]
+                           for w in want]

@@ -9,15 +9,22 @@ follows transformers' ``apply_chat_template``: a sandboxed environment with
 tokenizer's special tokens as variables.
 
 ``ChatTemplate.segments`` splits a conversation into prompt text (not trained) and
-assistant text (trained) by rendering growing prefixes of the conversation; it needs a
-template whose rendering of a conversation starts with the rendering of each shorter
-prefix, which holds for every named template and for the usual Hub templates.
+assistant text (trained). A template that marks the assistant's text with transformers'
+``{% generation %}`` blocks is split at them, exactly as ``apply_chat_template(...,
+return_assistant_tokens_mask=True)`` splits it. Any other is split by rendering growing
+prefixes of the conversation, which needs a template whose rendering of a conversation
+starts with the rendering of each shorter prefix: every named template, Llama 3's, Qwen's,
+Gemma 3's and GLM-4.5's. DeepSeek-V3's (its generation prompt opens a ``<think>`` the
+rendered reply does not have) and gpt-oss's (a reply ends in ``<|return|>`` only when it is
+the last) are not; their marked versions (TRL's ``deepseekv3_training.jinja``,
+``gptoss_training.jinja``) are.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
@@ -92,6 +99,8 @@ class TemplateError(ValueError):
 
 
 Message = dict[str, str]
+GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+"""transformers' mark of the assistant's text in a chat template (``{% generation %}``)."""
 
 
 @lru_cache(maxsize=32)
@@ -167,7 +176,12 @@ class ChatTemplate:
     def segments(self, messages: list[Message]) -> list[tuple[str, bool]]:
         """``(text, trained)`` pieces whose concatenation is the rendered conversation up to
         its last assistant message: assistant replies (with the end-of-turn text the
-        template puts after them) are trained, everything else is prompt."""
+        template puts after them) are trained, everything else is prompt. A template that
+        marks what the assistant says with ``{% generation %}`` is split at its marks, as
+        transformers' ``return_assistant_tokens_mask`` splits it; any other is split by
+        rendering growing prefixes of the conversation."""
+        if GENERATION_MARK.search(self.source):
+            return self._marked_segments(messages)
         pieces: list[tuple[str, bool]] = []
         done = ""
         for k, message in enumerate(messages):
@@ -179,12 +193,31 @@ class ChatTemplate:
                 raise TemplateError(
                     f"chat template {self.name!r} does not render a conversation as an extension of "
                     "its earlier turns, so prompt and response tokens cannot be told apart; "
-                    f"choose a named template ({', '.join(NAMED_TEMPLATES)})"
+                    f"choose a named template ({', '.join(NAMED_TEMPLATES)}) or a template that marks "
+                    "the assistant's text with {% generation %} (TRL's training templates do)"
                 )
             pieces.append((prompt[len(done) :], False))
             pieces.append((full[len(prompt) :], True))
             done = full
         return pieces
+
+    def _marked_segments(self, messages: list[Message]) -> list[tuple[str, bool]]:
+        """The conversation rendered once by transformers, split at its ``{% generation %}`` blocks."""
+        import jinja2
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        try:
+            (text,), (spans,) = render_jinja_template([messages], chat_template=self.source,
+                                                      return_assistant_tokens_mask=True, **dict(self.special_tokens))
+        except jinja2.exceptions.TemplateError as e:
+            raise TemplateError(f"chat template {self.name!r}: {e}") from e
+        pieces: list[tuple[str, bool]] = []
+        done = 0
+        for start, end in spans:
+            if end > start:
+                pieces += [(text[done:start], False), (text[start:end], True)]
+                done = end
+        return [(piece, trained) for piece, trained in pieces if piece]
 
 
 def tokenizer_config(tokenizer_dir: str | Path) -> dict[str, Any]:

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
 
-@functools.cache
-def _rounded(scale: float, dtype: torch.dtype) -> float:
-    """``scale`` as transformers holds it: an fp32 tensor cast to the embedding's dtype (bf16
-    makes sqrt(3072) = 55.43 55.5)."""
-    return torch.tensor(scale, dtype=torch.float32).to(dtype).item()
+def rounded_scales(scale: float) -> dict[torch.dtype, float]:
+    """``scale`` as transformers holds it in each floating dtype: an fp32 tensor cast to the
+    embedding's dtype (bf16 makes sqrt(3072) = 55.43 55.5). Computed once, on the CPU, whatever
+    device the model is built on, so that no forward calls torch for it."""
+    return {dtype: torch.tensor(scale, dtype=torch.float32, device="cpu").to(dtype).item()
+            for dtype in (torch.float32, torch.bfloat16, torch.float16)}
 
 
 class ScaledEmbedding(nn.Embedding):
@@ -23,6 +22,7 @@ class ScaledEmbedding(nn.Embedding):
                  _weight: torch.Tensor | None = None) -> None:
         super().__init__(num_embeddings, embedding_dim, padding_idx=padding_idx, _weight=_weight)
         self.scale = scale
+        self.scales = rounded_scales(scale)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return super().forward(ids) * _rounded(self.scale, self.weight.dtype)
+        return super().forward(ids) * self.scales[self.weight.dtype]

@@ -575,5 +575,14 @@ class _Session:
                     self._add_forward(forward, parent, inputs or {}, result)
         self.filter.end(forward)
         if hook is not None:
-            output = hook.setup_output_hook(output)
+            output = _hooked_output(hook, output)
         return output
+
+
+def _hooked_output(hook: Any, output: Any) -> Any:
+    """``hook.setup_output_hook(output)``, a ``torch.return_types`` result (``topk``, ``max``)
+    rebuilt from its fields: its constructor takes them as one sequence, which the hook's own
+    rebuilding of a tuple does not pass."""
+    if isinstance(output, tuple) and type(output).__module__ == "torch.return_types":
+        return type(output)(hook.setup_output_hook(tuple(output)))
+    return hook.setup_output_hook(output)
