@@ -51,7 +51,20 @@ import torch
 
 from bench.flops import measured_peak_flops
 from bench.gpu_train import peer_step, train_config, write_tokens
-from bench.moe_step import BASELINES, DATA, PEAK_N, SIDES, llmflow_step, machine, summarise, tables, timed_steps
+from bench.moe_step import (
+    DATA,
+    PEAK_N,
+    SIDES,
+    current_row,
+    llmflow_step,
+    machine,
+    parse_counts,
+    run_rounds,
+    step_parser,
+    summarise,
+    tables,
+    timed_steps,
+)
 from bench.results import update_results
 from bench.train_step import run_child
 
@@ -200,52 +213,21 @@ def report(row: dict, args: argparse.Namespace, peak: float, loads: list[float],
 
 def record(row: dict, args: argparse.Namespace, entry: list[str], loads: list[float]) -> None:
     """Append ``entry`` to History and replace this benchmark's row of the Current table."""
-    r, s = row["ratios"], row["sides"]
-    eager = r["llmflow / faster transformers"]
-    memory = s["llmflow"]["peak_mib"] / min(s[b]["peak_mib"] for b in BASELINES if b in s)
-    compiled = (f"; compiled llmflow {r['llmflow+compile / faster transformers']['median']:.2f}x"
-                if "llmflow+compile / faster transformers" in r else "")
-    current = [
-        (f"| `bench.mla_moe_step` | transformers `DeepseekV3ForCausalLM` train step (MLA, grouped_mm experts, "
-         f"group-limited sigmoid routing), eager and `torch.compile`, the faster of the two each round (fp32, "
-         f"DeepSeek-V3 shape shrunk: 16 experts top-4, batch {args.batch} x {args.seq}, same first-step loss) "
-         f"| {eager['median']:.2f}x speed, llmflow eager against the faster transformers side{compiled}; "
-         f"{memory:.2f}x peak memory (llmflow eager against the lighter transformers side) "
-         f"| {eager['min']:.2f}x-{eager['max']:.2f}x over {args.rounds} rounds "
-         f"| {row['threads']} | {', '.join(f'{x:.1f}' for x in loads)} | {time.strftime('%Y-%m-%d')} |")]
-    update_results(current, entry)
+    description = (f"transformers `DeepseekV3ForCausalLM` train step (MLA, grouped_mm experts, group-limited sigmoid "
+                   f"routing), eager and `torch.compile`, the faster of the two each round (fp32, DeepSeek-V3 shape "
+                   f"shrunk: 16 experts top-4, batch {args.batch} x {args.seq}, same first-step loss)")
+    update_results([current_row("bench.mla_moe_step", description, row, args, loads)], entry)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of every side, alternating (at least 1)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per side and round")
-    parser.add_argument("--warmup", type=int, default=2, help="warm-up steps of the compiled sides (compilation happens in the first)")
-    parser.add_argument("--eager-warmup", type=int, help="warm-up steps of the eager sides (default: --warmup)")
-    parser.add_argument("--batch", type=int, default=2)
+    parser = step_parser(__doc__)
     parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=list(SIDES),
-                        help="sides to run (transformers and llmflow always run: the loss check and the ratio need them)")
-    parser.add_argument("--record", action="store_true", help="record the result in bench/RESULTS.md")
-    parser.add_argument("--child", nargs=2, metavar=("SIDE", "MODEL_DIR"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    for flag in ("rounds", "steps", "warmup", "eager_warmup", "batch", "seq"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    args = parse_counts(parser)
     args.config = CONFIG
     if args.child:
         print(json.dumps(run_side(args.child[0], args.child[1], args.batch, args.seq, args.steps, args.warmup)))
         return
-
-    sides = tuple(s for s in SIDES if s in args.sides or s in ("transformers", "llmflow"))
-    args.sides = list(sides)
-    peaks: list[float] = []
-    loads: list[float] = []
-    row = bench(args, sides, peaks, loads)
-    entry = report(row, args, max(peaks), loads, os.getloadavg()[0])
-    print("\n".join(entry))
-    if args.record:
-        record(row, args, entry, loads)
+    run_rounds(args, bench, report, record)
 
 
 if __name__ == "__main__":

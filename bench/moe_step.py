@@ -338,43 +338,75 @@ def report(row: dict, args: argparse.Namespace, peak: float, loads: list[float],
     return lines
 
 
-def record(row: dict, args: argparse.Namespace, entry: list[str], loads: list[float]) -> None:
-    """Append ``entry`` to History and replace this benchmark's row of the Current table."""
+def current_row(name: str, description: str, row: dict, args: argparse.Namespace, loads: list[float],
+                bar: str = "") -> str:
+    """This benchmark's row of RESULTS.md's Current table: ``description`` of the sides, then
+    llmflow eager's speed against the faster transformers side (and compiled llmflow's), its
+    peak memory against the lighter one, the spread, threads and loads."""
     r, s = row["ratios"], row["sides"]
     eager = r["llmflow / faster transformers"]
     memory = s["llmflow"]["peak_mib"] / min(s[b]["peak_mib"] for b in BASELINES if b in s)
     compiled = (f"; compiled llmflow {r['llmflow+compile / faster transformers']['median']:.2f}x"
                 if "llmflow+compile / faster transformers" in r else "")
-    current = [
-        (f"| `bench.moe_step`{'' if args.device.type == 'cpu' else ' ' + args.device.type} | transformers "
-        f"`Qwen3MoeForCausalLM` train step (grouped_mm experts, aux loss), eager and `torch.compile`, the faster of "
-        f"the two each round ({args.dtype}, {SHAPE_NAMES[args.device.type]}, "
-        f"batch {args.batch} x {args.seq}, same first-step loss) | {eager['median']:.2f}x speed, llmflow eager against "
-        f"the faster transformers side (bar {TARGET}x){compiled}; {memory:.2f}x peak memory (llmflow eager against "
-        f"the lighter transformers side) | {eager['min']:.2f}x-{eager['max']:.2f}x over {args.rounds} rounds "
-        f"| {row['threads']} | {', '.join(f'{x:.1f}' for x in loads)} | {time.strftime('%Y-%m-%d')} |")]
-    update_results(current, entry)
+    return (f"| `{name}` | {description} | {eager['median']:.2f}x speed, llmflow eager against the faster "
+            f"transformers side{bar}{compiled}; {memory:.2f}x peak memory (llmflow eager against the lighter "
+            f"transformers side) | {eager['min']:.2f}x-{eager['max']:.2f}x over {args.rounds} rounds "
+            f"| {row['threads']} | {', '.join(f'{x:.1f}' for x in loads)} | {time.strftime('%Y-%m-%d')} |")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def record(row: dict, args: argparse.Namespace, entry: list[str], loads: list[float]) -> None:
+    """Append ``entry`` to History and replace this benchmark's row of the Current table."""
+    name = f"bench.moe_step{'' if args.device.type == 'cpu' else ' ' + args.device.type}"
+    description = (f"transformers `Qwen3MoeForCausalLM` train step (grouped_mm experts, aux loss), eager and "
+                   f"`torch.compile`, the faster of the two each round ({args.dtype}, {SHAPE_NAMES[args.device.type]}, "
+                   f"batch {args.batch} x {args.seq}, same first-step loss)")
+    update_results([current_row(name, description, row, args, loads, f" (bar {TARGET}x)")], entry)
+
+
+def step_parser(doc: str) -> argparse.ArgumentParser:
+    """The command line every train-step benchmark of this kind shares (its own flags added after)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5, help="rounds of every side, alternating (at least 1)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per side and round")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up steps of the compiled sides (compilation happens in the first)")
     parser.add_argument("--eager-warmup", type=int, help="warm-up steps of the eager sides (default: --warmup)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                        help="cpu: the shrunk CONFIG; cuda: DEVICE_CONFIG (4 of Qwen3-30B-A3B's layers)")
-    parser.add_argument("--dtype", choices=list(DTYPES), help="default: fp32 on the CPU, bf16 on a device")
     parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq", type=int, help="default: 512 on the CPU, 2048 on a device")
     parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=list(SIDES),
                         help="sides to run (transformers and llmflow always run: the loss check and the ratio need them)")
     parser.add_argument("--record", action="store_true", help="record the result in bench/RESULTS.md")
     parser.add_argument("--child", nargs=2, metavar=("SIDE", "MODEL_DIR"), help=argparse.SUPPRESS)
+    return parser
+
+
+def parse_counts(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The parsed command line, each count at least 1."""
     args = parser.parse_args()
     for flag in ("rounds", "steps", "warmup", "eager_warmup", "batch", "seq"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    return args
+
+
+def run_rounds(args: argparse.Namespace, bench, report, record) -> None:
+    """The rounds of the sides asked for (transformers and llmflow always), the History entry
+    printed, and recorded with ``--record``."""
+    args.sides = [s for s in SIDES if s in args.sides or s in ("transformers", "llmflow")]
+    peaks: list[float] = []
+    loads: list[float] = []
+    row = bench(args, tuple(args.sides), peaks, loads)
+    entry = report(row, args, max(peaks), loads, os.getloadavg()[0])
+    print("\n".join(entry))
+    if args.record:
+        record(row, args, entry, loads)
+
+
+def main() -> None:
+    parser = step_parser(__doc__)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cpu: the shrunk CONFIG; cuda: DEVICE_CONFIG (4 of Qwen3-30B-A3B's layers)")
+    parser.add_argument("--dtype", choices=list(DTYPES), help="default: fp32 on the CPU, bf16 on a device")
+    parser.add_argument("--seq", type=int, help="default: 512 on the CPU, 2048 on a device")
+    args = parse_counts(parser)
     args.device = torch.device(args.device)
     args.dtype = args.dtype or ("fp32" if args.device.type == "cpu" else "bf16")
     args.seq = args.seq or (512 if args.device.type == "cpu" else 2048)
@@ -385,16 +417,7 @@ def main() -> None:
         return
     if args.device.type == "cuda" and not torch.cuda.is_available():
         sys.exit(f"bench.moe_step: torch {torch.__version__} sees no CUDA device (--device cpu runs on this machine)")
-
-    sides = tuple(s for s in SIDES if s in args.sides or s in ("transformers", "llmflow"))
-    args.sides = list(sides)
-    peaks: list[float] = []
-    loads: list[float] = []
-    row = bench(args, sides, peaks, loads)
-    entry = report(row, args, max(peaks), loads, os.getloadavg()[0])
-    print("\n".join(entry))
-    if args.record:
-        record(row, args, entry, loads)
+    run_rounds(args, bench, report, record)
 
 
 if __name__ == "__main__":
