@@ -25,13 +25,26 @@ ROOT/torch_dist/; with ``--legacy`` also as ROOT/legacy/ (rank directories
 mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}], as Megatron-LM names them).
 
 A mixture of experts (``args.num_experts``) is built with megatron-core's decoder block spec
-(``get_gpt_decoder_block_spec``, local modules: SequentialMLP experts, the router, shared
-experts with their gate, dense layers by ``moe_layer_freq``). Transformer Engine is not
-installed here, so the Transformer Engine spec itself cannot be built; a checkpoint whose
-``args.transformer_impl`` is ``transformer_engine`` is loaded into local modules that take the
-one torch_dist name the two specs give differently: a MoE layer's post-attention norm, which
-the TE spec stores as ``pre_mlp_layernorm.weight`` and the local spec renames (its
-``sharded_state_dict_keys_map``) to ``mlp.linear_fc1.layer_norm_weight``.
+(``get_gpt_decoder_block_spec``, local modules: SequentialMLP experts, the router with its
+score function, groups, scaling and expert bias, shared experts with or without their gate,
+dense layers by ``moe_layer_freq``). Multi-head Latent Attention (``args.multi_latent_attention``)
+is built from ``MLATransformerConfig`` (its head widths, latent ranks and plain or YaRN rotary
+from ``args``) with the local spec's ``MLASelfAttention`` and its latent norms. Transformer
+Engine is not installed here, so the Transformer Engine spec itself cannot be built; a
+checkpoint whose ``args.transformer_impl`` is ``transformer_engine`` is loaded into local
+modules that take the torch_dist names the two specs give differently (``use_te_names``): a MoE
+layer's post-attention norm, which the TE spec stores as ``pre_mlp_layernorm.weight`` and the
+local spec renames (its ``sharded_state_dict_keys_map``) to ``mlp.linear_fc1.layer_norm_weight``;
+and in MLA layers, which the local spec does not rename, the latent norms the TE spec fuses
+into the up projections (``linear_q_up_proj.layer_norm_weight``, ``linear_kv_up_proj.layer_norm_weight``)
+and a dense layer's post-attention norm (``mlp.linear_fc1.layer_norm_weight``).
+
+megatron-core 0.16.1's local spec cannot build its own MLA layer: ``MLASelfAttention`` passes
+``k_channels`` and ``v_channels`` to the core attention, which the local ``DotProductAttention``
+does not take (Transformer Engine's does). Its computation takes the head widths from q, k and
+v themselves and lays the output out by ``kv_channels`` per head, which the args set to
+``v_head_dim``; ``MLACoreAttention`` takes the two arguments and checks that, and the worker's
+MLA layers use it.
 
 Both then run megatron-core's forward on the ids in IDS_PT (a LongTensor [B, S]; by default seed-0
 random ids [2, 16]) and write ROOT/logits.pt = {"input_ids", "logits": float32 [B, S, vocab]}
@@ -46,7 +59,10 @@ avoided instead: the default causal mask (``device="cuda"``) by passing an expli
 ``CudaRNGStatesTracker`` by megatron-core's inference RNG tracker. Without Transformer Engine,
 megatron-core's ``moe_utils`` leaves ``te_general_gemm`` (and its other fused MoE functions)
 undefined instead of None, so the router's forward fails with a NameError;
-``install_cpu_shims`` defines them as None, which is what megatron-core tests for.
+``install_cpu_shims`` defines them as None, which is what megatron-core tests for. And
+``multi_latent_attention`` imports Transformer Engine's placeholders (mocks) without failing,
+so it believes Transformer Engine installed (``HAVE_TE``) and tests its output projection
+against a mock class, a TypeError; ``install_cpu_shims`` sets its ``HAVE_TE`` to False.
 """
 
 from __future__ import annotations
@@ -72,9 +88,12 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyPara
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer import multi_latent_attention
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
@@ -85,7 +104,6 @@ CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix
 FIXED_ARGS: dict[str, Any] = {
     "position_embedding_type": "rope",
     "use_rotary_position_embeddings": True,
-    "rotary_percent": 1.0,
     "rotary_interleaved": False,
     "normalization": "RMSNorm",
     "apply_layernorm_1p": False,
@@ -93,9 +111,17 @@ FIXED_ARGS: dict[str, Any] = {
     "add_bias_linear": False,
 }
 # moe_utils' names bound only when Transformer Engine imports.
-TE_MOE_FUNCTIONS = ("te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
-                    "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
-                    "fused_topk_with_score_function", "fused_unpermute")
+TE_MOE_FUNCTIONS = (
+    "te_general_gemm",
+    "fused_compute_score_for_moe_aux_loss",
+    "fused_moe_aux_loss",
+    "fused_permute",
+    "fused_permute_with_probs",
+    "fused_sort_chunks_by_index",
+    "fused_sort_chunks_by_index_with_probs",
+    "fused_topk_with_score_function",
+    "fused_unpermute",
+)
 # Hugging Face config values this worker builds (a key's absence means this value).
 FIXED_HF_CONFIG: dict[str, Any] = {
     "hidden_act": "silu",
@@ -104,6 +130,33 @@ FIXED_HF_CONFIG: dict[str, Any] = {
     "rope_scaling": None,
 }
 VOCAB_PADDED_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+# Megatron-LM's router arguments beyond the score function, with their defaults.
+ROUTER_ARGS = {
+    "moe_router_num_groups": None,
+    "moe_router_group_topk": None,
+    "moe_router_topk_scaling_factor": None,
+    "moe_router_enable_expert_bias": False,
+}
+# MLATransformerConfig's fields, by their Megatron-LM argument names.
+MLA_ARGS = (
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "rope_type",
+    "rotary_scaling_factor",
+    "mscale",
+    "mscale_all_dim",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+)
+# The local MLA layer's torch_dist names that the Transformer Engine spec's MLA layer gives otherwise.
+TE_MLA_NAMES = {
+    "self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+    "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_",
+}
 
 
 @dataclass(frozen=True)
@@ -125,10 +178,13 @@ class ModelSpec:
     tied: bool
     params_dtype: torch.dtype = torch.float32
     qk_layernorm: bool = False
+    rotary_percent: float = 1.0
     moe: dict[str, Any] | None = None
     """TransformerConfig's mixture-of-experts fields (num_moe_experts, moe_*), None when dense."""
+    mla: dict[str, Any] | None = None
+    """MLATransformerConfig's fields (q_lora_rank, ..., rope_type and YaRN's), None without MLA."""
     te_names: bool = False
-    """Store a MoE layer's post-attention norm under the Transformer Engine spec's name."""
+    """Store the tensors under the Transformer Engine spec's torch_dist names (``use_te_names``)."""
 
 
 def install_cpu_shims() -> None:
@@ -137,6 +193,7 @@ def install_cpu_shims() -> None:
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     for name in TE_MOE_FUNCTIONS:
         setattr(moe_utils, name, getattr(moe_utils, name, None))
+    multi_latent_attention.HAVE_TE = False
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -188,6 +245,7 @@ def moe_from_megatron_args(args: Namespace) -> dict[str, Any] | None:
         "moe_router_pre_softmax": args.moe_router_pre_softmax,
         "moe_router_score_function": args.moe_router_score_function,
         "moe_router_dtype": args.moe_router_dtype,
+        **{name: getattr(args, name, default) for name, default in ROUTER_ARGS.items()},
         # SequentialMLP (GroupedMLP needs grouped_gemm, TEGroupedMLP Transformer Engine): the same torch_dist keys
         "moe_grouped_gemm": False,
         "moe_token_dispatcher_type": "allgather",
@@ -219,7 +277,11 @@ def spec_from_megatron_args(args: Namespace, vocab_size: int | None) -> ModelSpe
         tied=not args.untie_embeddings_and_output_weights,
         params_dtype=args.params_dtype,
         qk_layernorm=getattr(args, "qk_layernorm", False),
+        rotary_percent=getattr(args, "rotary_percent", 1.0),
         moe=moe_from_megatron_args(args),
+        mla={name: getattr(args, name) for name in MLA_ARGS}
+        if getattr(args, "multi_latent_attention", False)
+        else None,
         te_names=getattr(args, "transformer_impl", "local") == "transformer_engine",
     )
 
@@ -238,6 +300,7 @@ def megatron_args(spec: ModelSpec, tp: int, pp: int, iteration: int) -> Namespac
         max_position_embeddings=spec.max_position_embeddings,
         seq_length=spec.max_position_embeddings,
         rotary_base=spec.rotary_base,
+        rotary_percent=spec.rotary_percent,
         layernorm_epsilon=spec.norm_epsilon,
         add_qkv_bias=spec.qkv_bias,
         untie_embeddings_and_output_weights=not spec.tied,
@@ -267,16 +330,42 @@ def init_parallel(tp: int, pp: int, ep: int = 1) -> None:
     dist.init_process_group("gloo")
     if dist.get_world_size() != tp * pp * ep:
         raise SystemExit(f"launch tp * pp * ep = {tp * pp * ep} processes, not {dist.get_world_size()}")
-    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                  expert_model_parallel_size=ep)
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+    )
     # The default CudaRNGStatesTracker needs torch.cuda.get_rng_state(); the inference tracker's
     # add/fork are no-ops, and attention still finds a tracker to fork. The seed only drives
     # megatron's own initialisation, which make overwrites and load replaces.
     model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
 
 
+class MLACoreAttention(DotProductAttention):
+    """megatron-core's local core attention, taking the head widths ``MLASelfAttention`` passes
+    (the computation reads them from q, k and v; the output is laid out by ``kv_channels``).
+    The base ``Attention`` builds one without them first, which MLA then replaces."""
+
+    def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if v_channels not in (None, self.hidden_size_per_attention_head):
+            raise SystemExit(f"args.kv_channels={self.hidden_size_per_attention_head} is not v_head_dim={v_channels}")
+
+
+def use_te_names(layer: ModuleSpec, mla: bool) -> None:
+    """Make a local layer spec store its tensors under the Transformer Engine spec's torch_dist
+    names: a MoE layer keeps its own ``pre_mlp_layernorm`` (which the local spec renames), an
+    MLA layer's latent norms are the up projections' fused norms and a dense MLA layer's
+    post-attention norm is ``linear_fc1``'s."""
+    moe = layer.submodules.mlp.module is MoELayer
+    keys = {
+        k: v for k, v in layer.submodules.sharded_state_dict_keys_map.items() if not (moe and k == "pre_mlp_layernorm.")
+    }
+    if mla:
+        keys |= TE_MLA_NAMES | ({} if moe else {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"})
+    layer.submodules.sharded_state_dict_keys_map = keys
+
+
 def build_model(spec: ModelSpec) -> GPTModel:
-    config = TransformerConfig(
+    config = (MLATransformerConfig if spec.mla else TransformerConfig)(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.ffn_hidden_size,
@@ -307,17 +396,21 @@ def build_model(spec: ModelSpec) -> GPTModel:
         qk_layernorm=spec.qk_layernorm,
         expert_model_parallel_size=mpu.get_expert_model_parallel_world_size(),
         **(spec.moe or {}),
+        **({**spec.mla, "rotary_base": spec.rotary_base} if spec.mla else {}),  # MLA's rotary is its own
     )
     if spec.moe is None:
-        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_layernorm)
+        layer_spec = get_gpt_layer_local_spec(
+            normalization="RMSNorm", qk_layernorm=spec.qk_layernorm, multi_latent_attention=spec.mla is not None
+        )
+        layers = [layer_spec]
     else:
         layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        layers = layer_spec.layer_specs
+    for layer in layers:
         if spec.te_names:
-            for layer in layer_spec.layer_specs:
-                if layer.submodules.mlp.module is MoELayer:  # the TE spec's MoE layer keeps pre_mlp_layernorm
-                    layer.submodules.sharded_state_dict_keys_map = {
-                        k: v for k, v in layer.submodules.sharded_state_dict_keys_map.items()
-                        if k != "pre_mlp_layernorm."}
+            use_te_names(layer, spec.mla is not None)
+        if spec.mla is not None:
+            layer.submodules.self_attention.submodules.core_attention = MLACoreAttention
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -329,6 +422,7 @@ def build_model(spec: ModelSpec) -> GPTModel:
         share_embeddings_and_output_weights=spec.tied,
         position_embedding_type="rope",
         rotary_base=spec.rotary_base,
+        rotary_percent=spec.rotary_percent,
     )
     return model.eval()
 

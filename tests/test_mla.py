@@ -7,8 +7,8 @@ softmax scale differ from 1), interleaved and half-split rotary; packed document
 generation through llmflow's generator; the checkpoint and config round trip; LoRA on MLA's
 projections against PEFT; tensor parallelism (the training plan's logits and every gradient,
 the generation plan's decoding, and tp=2 training losses) against one process; and what is
-refused: config.json keys the family cannot express (by name), context parallelism, Megatron
-export."""
+refused: config.json keys the family cannot express (by name), context parallelism, the Megatron
+export of what megatron-core computes otherwise."""
 
 from __future__ import annotations
 
@@ -240,11 +240,17 @@ def test_config_keys_mla_cannot_express_are_refused(make_hf_model):
         "cp=2 does not split deepseek_v3's Multi-head Latent Attention layers yet; train it with cp=1"]
 
 
-def test_megatron_export_is_refused_in_one_line(make_hf_model, tmp_path):
-    _, path = hf_model(make_hf_model, "q_lora")
+@pytest.mark.parametrize(("case", "extra", "reason"), [
+    ("q_lora", {}, ("deepseek_v3's Multi-head Latent Attention normalises its latents with eps 1e-06 and its layers "
+                    "with rms_norm_eps=1e-05 (megatron-core's MLA: one eps, layernorm_epsilon, for both)")),
+    ("moe_yarn", {"rms_norm_eps": 1e-6}, ("deepseek_v3's sigmoid router scores a group of experts by its best 2 "
+                                          "(megatron-core: by its best num_experts_per_tok // topk_group = 3 // 2)")),
+])
+def test_megatron_export_refuses_what_megatron_core_computes_otherwise(make_hf_model, tmp_path, case, extra, reason):
+    """What megatron-core's MLA and sigmoid router cannot compute as transformers does is refused
+    in one line, before anything is written (the rest exports: test_megatron_core.py)."""
+    _, path = hf_model(make_hf_model, case, **extra)
     ckpt = convert(ConvertConfig(hf=path, out=tmp_path / "ckpt"))
-    reason = ("deepseek_v3 has Multi-head Latent Attention layers, which llmflow's Megatron layout does not map (it "
-              "holds attention with fused q/k/v and MLP layers only)")
     with pytest.raises(CheckpointError, match=f"^--megatron: {re.escape(reason)}$"):
         export(ExportConfig(ckpt=ckpt, megatron=tmp_path / "m"))
     assert not (tmp_path / "m").exists()

@@ -47,7 +47,7 @@ from llmflow.weights.megatron.layout import (
     EXPERT_MODULES,
     EXPERTS,
     FINAL_NORM,
-    LAYER_SOURCES,
+    FP32,
     LAYERS,
     OTHER_SOURCES,
     OUTPUT,
@@ -57,11 +57,14 @@ from llmflow.weights.megatron.layout import (
     extra_state_modules,
     fuse,
     layer_shapes,
+    layer_sources,
     layer_tensors,
     legacy_expert_name,
     missing_biases,
+    mla_args,
     moe_layer_freq,
     other_tensors,
+    router_args,
     split_shards,
     stacked,
     stored_name,
@@ -71,8 +74,12 @@ from llmflow.weights.megatron.reader import LEGACY_FILE, TRACKER, rank_dir_name
 from llmflow.weights.training_checkpoint import padded_vocab_size
 
 CHECKPOINT_VERSION = 3.0
-BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-           "common_backend_version": 1}
+BACKEND = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
 CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 Load = Callable[[list[str]], dict[str, torch.Tensor]]
@@ -81,7 +88,8 @@ Load = Callable[[list[str]], dict[str, torch.Tensor]]
 
 class MegatronModel:
     """The Megatron tensors of one llmflow model, computed layer by layer from its tensors, all
-    in one dtype (the one the torch_dist plan declares for them)."""
+    in one dtype (the one the torch_dist plan declares for them) but those megatron-core keeps
+    in fp32 (``FP32``)."""
 
     def __init__(self, config: ModelConfig, load: Load, padded_vocab: int, dtype: torch.dtype) -> None:
         self.config, self.load, self.padded_vocab, self.dtype = config, load, padded_vocab, dtype
@@ -90,9 +98,13 @@ class MegatronModel:
 
     def layer(self, name: str, i: int) -> torch.Tensor:
         """One layer's megatron tensor ``name``."""
-        names = [f"model.layers.{i}.{part}" for part in LAYER_SOURCES[name]]
+        names = [f"model.layers.{i}.{part}" for part in layer_sources(self.config, i)[name]]
         tensors = self.load(names)
-        return self._cast(fuse(name, [tensors[n] for n in names], self.attention))
+        return fuse(name, [tensors[n] for n in names], self.attention).to(self.dtype_of(name)).contiguous()
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        """The dtype of the Megatron tensor ``name``."""
+        return torch.float32 if name in FP32 else self.dtype
 
     def other(self, key: str) -> torch.Tensor:
         """The embedding, output layer (vocabulary padded Megatron's way, with zero rows) or final norm."""
@@ -128,47 +140,79 @@ class Layout:
 
 
 def moe_args(config: ModelConfig, layout: Layout) -> dict[str, Any]:
-    """Megatron-LM's mixture-of-experts arguments that build and route as llmflow does:
-    softmax over every expert, the top k, renormalised only with norm_topk_prob. megatron-core's
-    TopKRouter with moe_router_pre_softmax=True computes the softmax over all experts and takes
-    the top k (no renormalisation); with moe_router_pre_softmax=False it takes the top k logits
-    and softmaxes them, which is the top k probabilities renormalised."""
+    """Megatron-LM's mixture-of-experts arguments that build and route as llmflow does (the
+    router's: ``router_args``)."""
     if not config.num_experts:
         return {"num_experts": None, "expert_model_parallel_size": 1}
     shared = config.shared_expert_intermediate_size
     return {
-        "num_experts": config.num_experts, "moe_router_topk": config.num_experts_per_tok,
-        "moe_ffn_hidden_size": config.moe_intermediate_size, "moe_shared_expert_intermediate_size": shared or None,
-        "moe_shared_expert_gate": bool(shared), "moe_layer_freq": moe_layer_freq(config),
-        "moe_grouped_gemm": layout.grouped, "moe_use_legacy_grouped_gemm": False,
-        "moe_router_pre_softmax": not config.norm_topk_prob, "moe_router_score_function": "softmax",
-        "moe_router_topk_scaling_factor": None, "moe_router_num_groups": None, "moe_router_group_topk": None,
-        "moe_router_enable_expert_bias": False, "moe_router_dtype": "fp32", "moe_expert_capacity_factor": None,
-        "expert_model_parallel_size": layout.ep, "expert_tensor_parallel_size": layout.tp,
+        "num_experts": config.num_experts,
+        "moe_router_topk": config.num_experts_per_tok,
+        "moe_ffn_hidden_size": config.moe_intermediate_size,
+        "moe_shared_expert_intermediate_size": shared or None,
+        "moe_shared_expert_gate": bool(shared) and config.shared_expert_gated,
+        "moe_layer_freq": moe_layer_freq(config),
+        "moe_grouped_gemm": layout.grouped,
+        "moe_use_legacy_grouped_gemm": False,
+        **router_args(config),
+        "moe_router_dtype": "fp32",
+        "moe_expert_capacity_factor": None,
+        "expert_model_parallel_size": layout.ep,
+        "expert_tensor_parallel_size": layout.tp,
     }
 
 
-def megatron_args(config: ModelConfig, layout: Layout, padded_vocab: int, vocab_multiple: int, iteration: int,
-                  dtype: torch.dtype) -> Namespace:
-    """Megatron-LM's arguments for this model, as its checkpoint loaders read them."""
+def megatron_args(
+    config: ModelConfig, layout: Layout, padded_vocab: int, vocab_multiple: int, iteration: int, dtype: torch.dtype
+) -> Namespace:
+    """Megatron-LM's arguments for this model, as its checkpoint loaders read them (Multi-head
+    Latent Attention's: ``mla_args``; its latent norms are megatron-core's ``qk_layernorm``)."""
     a = Attention.of(config)
     scaling = config.rope_scaling or {}
+    latent = bool(config.kv_lora_rank)
     return Namespace(
-        num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, ffn_hidden_size=config.intermediate_size,
-        num_attention_heads=a.heads, group_query_attention=a.groups != a.heads, num_query_groups=a.groups,
-        kv_channels=a.head_dim, max_position_embeddings=config.max_position_embeddings,
-        seq_length=config.max_position_embeddings, position_embedding_type="rope",
-        use_rotary_position_embeddings=True, rotary_base=int(config.rope_theta), rotary_percent=1.0,
-        rotary_interleaved=False, use_rope_scaling=scaling.get("rope_type") == "llama3",
-        rope_scaling_factor=float(scaling.get("factor", 8.0)), normalization="RMSNorm",
-        layernorm_epsilon=config.rms_norm_eps, norm_epsilon=config.rms_norm_eps, apply_layernorm_1p=False,
-        swiglu=True, add_bias_linear=False, add_qkv_bias=config.qkv_bias, qk_layernorm=config.qk_norm,
-        untie_embeddings_and_output_weights=not config.tie_word_embeddings, vocab_size=config.vocab_size,
-        padded_vocab_size=padded_vocab, make_vocab_size_divisible_by=vocab_multiple,
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=None, **moe_args(config, layout), params_dtype=dtype,
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, transformer_impl=layout.spec, iteration=iteration,
-        consumed_train_samples=0, consumed_valid_samples=0, no_save_optim=True, no_save_rng=True,
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.intermediate_size,
+        num_attention_heads=a.heads,
+        group_query_attention=a.groups != a.heads,
+        num_query_groups=a.groups,
+        kv_channels=config.v_head_dim if latent else a.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        seq_length=config.max_position_embeddings,
+        position_embedding_type="rope",
+        use_rotary_position_embeddings=True,
+        rotary_base=int(config.rope_theta) if config.rope_theta.is_integer() else config.rope_theta,
+        rotary_percent=config.partial_rotary_factor,
+        rotary_interleaved=False,
+        use_rope_scaling=scaling.get("rope_type") == "llama3",
+        rope_scaling_factor=float(scaling.get("factor", 8.0)),
+        **mla_args(config),
+        normalization="RMSNorm",
+        layernorm_epsilon=config.rms_norm_eps,
+        norm_epsilon=config.rms_norm_eps,
+        apply_layernorm_1p=False,
+        swiglu=True,
+        add_bias_linear=False,
+        add_qkv_bias=config.qkv_bias and not latent,
+        qk_layernorm=config.qk_norm or latent,
+        untie_embeddings_and_output_weights=not config.tie_word_embeddings,
+        vocab_size=config.vocab_size,
+        padded_vocab_size=padded_vocab,
+        make_vocab_size_divisible_by=vocab_multiple,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=None,
+        **moe_args(config, layout),
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        transformer_impl=layout.spec,
+        iteration=iteration,
+        consumed_train_samples=0,
+        consumed_valid_samples=0,
+        no_save_optim=True,
+        no_save_rng=True,
     )
 
 
@@ -207,8 +251,11 @@ class LayerChunkSavePlanner(DefaultSavePlanner):
         for i in range(layers):
             keys = [extra_state_key(module, i, layers, stack=stack) for module in extra_state_modules(config, i)]
             if config.is_moe_layer(i):
-                keys += [extra_state_key(module, i, layers, e, config.num_experts, stack=stack)
-                         for module in EXPERT_MODULES for e in range(config.num_experts)]
+                keys += [
+                    extra_state_key(module, i, layers, e, config.num_experts, stack=stack)
+                    for module in EXPERT_MODULES
+                    for e in range(config.num_experts)
+                ]
             items += [WriteItem(MetadataIndex(key), WriteItemType.BYTE_IO) for key in keys]
         # planner_data maps each key to its path in the (flat) state dict, as flattening would.
         self.plan = SavePlan(items, planner_data={item.index.fqn: (item.index.fqn,) for item in items})
@@ -217,8 +264,10 @@ class LayerChunkSavePlanner(DefaultSavePlanner):
     def _item(self, key: str, shape: tuple[int, ...], layer: int | None) -> WriteItem:
         offsets = torch.Size((0,) * len(shape)) if layer is None else torch.Size((layer,) + (0,) * (len(shape) - 1))
         sizes = torch.Size(shape) if layer is None else torch.Size((1, *shape[1:]))
-        data = TensorWriteData(ChunkStorageMetadata(offsets, sizes), TensorProperties(dtype=self.model.dtype),
-                               torch.Size(shape))
+        name = self.layer_keys[key][0] if key in self.layer_keys else key
+        data = TensorWriteData(
+            ChunkStorageMetadata(offsets, sizes), TensorProperties(dtype=self.model.dtype_of(name)), torch.Size(shape)
+        )
         return WriteItem(MetadataIndex(key, offsets), WriteItemType.SHARD, tensor_data=data)
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
@@ -237,14 +286,20 @@ def write_torch_dist(directory: Path, model: MegatronModel, args: Namespace, ite
     """megatron-core's torch_dist checkpoint of ``model`` in ``directory``."""
     writer = FileSystemWriter(str(directory), single_file_per_rank=False)
     dcp_save({}, directory, writer=writer, planner=LayerChunkSavePlanner(model, spec))
-    common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-              "num_floating_point_operations_so_far": 0, "content_metadata": CONTENT_METADATA}
+    common = {
+        "args": args,
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": iteration,
+        "num_floating_point_operations_so_far": 0,
+        "content_metadata": CONTENT_METADATA,
+    }
     torch.save(common, directory / "common.pt")
     (directory / "metadata.json").write_text(json.dumps(BACKEND))
 
 
-def rank_state(model: MegatronModel, layout: Layout, tp_rank: int, pp_rank: int,
-               ep_rank: int = 0) -> dict[str, torch.Tensor | None]:
+def rank_state(
+    model: MegatronModel, layout: Layout, tp_rank: int, pp_rank: int, ep_rank: int = 0
+) -> dict[str, torch.Tensor | None]:
     """The model state of one legacy rank file: its shards of its stage's layers (numbered from
     0 in the stage) under the layer spec's names, of its expert-parallel rank's experts
     (numbered from 0), and of the embedding (first stage) or final norm and output layer (last
@@ -262,11 +317,13 @@ def rank_state(model: MegatronModel, layout: Layout, tp_rank: int, pp_rank: int,
             if name in EXPERTS:
                 for j in range(local_experts):
                     expert = tensor[ep_rank * local_experts + j]
-                    state[prefix + legacy_expert_name(name, j, layout.grouped)] = (
-                        split_shards(name, expert, tp)[tp_rank].clone())
+                    state[prefix + legacy_expert_name(name, j, layout.grouped)] = split_shards(name, expert, tp)[
+                        tp_rank
+                    ].clone()
             else:
-                state[prefix + stored_name(name, config, i, layout.spec, legacy=True)] = (
-                    split_shards(name, tensor, tp)[tp_rank].clone())
+                state[prefix + stored_name(name, config, i, layout.spec, legacy=True)] = split_shards(
+                    name, tensor, tp, layout.spec
+                )[tp_rank].clone()
         for module in extra_state_modules(config, i):
             state[f"{prefix}{module}._extra_state"] = None
         if config.is_moe_layer(i):
@@ -274,8 +331,12 @@ def rank_state(model: MegatronModel, layout: Layout, tp_rank: int, pp_rank: int,
                 if layout.grouped:  # one Transformer Engine GroupedLinear for every local expert
                     state[f"{prefix}mlp.experts.{linear}._extra_state"] = None
                 else:
-                    state.update({f"{prefix}mlp.experts.local_experts.{j}.{linear}._extra_state": None
-                                  for j in range(local_experts)})
+                    state.update(
+                        {
+                            f"{prefix}mlp.experts.local_experts.{j}.{linear}._extra_state": None
+                            for j in range(local_experts)
+                        }
+                    )
     if pp_rank == layout.pp - 1:
         state[FINAL_NORM] = model.other(FINAL_NORM)
         if not config.tie_word_embeddings or layout.pp > 1:  # a shared embedding's copy on the last stage
@@ -292,9 +353,13 @@ def write_legacy(directory: Path, model: MegatronModel, args: Namespace, iterati
             for tp_rank in range(layout.tp):
                 rank_dir = directory / rank_dir_name(tp_rank, pp_rank, ep_rank, layout.pp > 1, layout.ep > 1)
                 rank_dir.mkdir(parents=True)
-                state = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-                         "model": rank_state(model, layout, tp_rank, pp_rank, ep_rank),
-                         "num_floating_point_operations_so_far": 0}
+                state = {
+                    "args": args,
+                    "checkpoint_version": CHECKPOINT_VERSION,
+                    "iteration": iteration,
+                    "model": rank_state(model, layout, tp_rank, pp_rank, ep_rank),
+                    "num_floating_point_operations_so_far": 0,
+                }
                 torch.save(state, rank_dir / LEGACY_FILE)
 
 
@@ -303,12 +368,24 @@ def check_layout(config: ModelConfig, layout: Layout) -> None:
     if reason := unmapped_layers(config):
         raise CheckpointError(f"--megatron: {reason}")
     if biases := missing_biases(config):
-        raise CheckpointError(f"--megatron: the model has {biases}, which Megatron's layout (q/k/v biases only) "
-                              "cannot hold")
+        raise CheckpointError(
+            f"--megatron: the model has {biases}, which Megatron's layout (q/k/v biases only) cannot hold"
+        )
     if config.num_hidden_layers % layout.pp:
-        raise CheckpointError(f"--pp {layout.pp}: the model's {config.num_hidden_layers} layers do not split evenly "
-                              f"into {layout.pp} pipeline stages (Megatron-LM's default split)")
+        raise CheckpointError(
+            f"--pp {layout.pp}: the model's {config.num_hidden_layers} layers do not split evenly "
+            f"into {layout.pp} pipeline stages (Megatron-LM's default split)"
+        )
     widths = [("attention heads", config.num_attention_heads), ("query groups", config.num_key_value_heads)]
+    if config.kv_lora_rank and layout.spec == "local":  # the local spec splits MLA's down projections' rows
+        widths.append(
+            (
+                "key/value latent and rotary rows (kv_lora_rank + qk_rope_head_dim)",
+                config.kv_lora_rank + config.qk_rope_head_dim,
+            )
+        )
+        if config.q_lora_rank is not None:
+            widths.append(("query latent rows (q_lora_rank)", config.q_lora_rank))
     if any(not config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
         widths.append(("feed-forward width", config.intermediate_size))
     if config.num_experts:  # megatron-core splits experts over tensor-parallel ranks as dense layers
@@ -321,18 +398,23 @@ def check_layout(config: ModelConfig, layout: Layout) -> None:
     if layout.ep > 1 and not config.num_experts:
         raise CheckpointError(f"--ep {layout.ep}: the model ({config.model_type}) has no experts to divide")
     if config.num_experts % layout.ep:
-        raise CheckpointError(f"--ep {layout.ep}: the model's {config.num_experts} experts do not divide among "
-                              f"{layout.ep} expert-parallel ranks")
+        raise CheckpointError(
+            f"--ep {layout.ep}: the model's {config.num_experts} experts do not divide among "
+            f"{layout.ep} expert-parallel ranks"
+        )
     if layout.grouped and not config.num_experts:
         raise CheckpointError(f"--moe-grouped-gemm: the model ({config.model_type}) has no experts")
     if layout.grouped and layout.legacy and layout.spec == "local":
-        raise CheckpointError("--moe-grouped-gemm with --megatron-spec local and --megatron-format legacy: the local "
-                              "spec keeps grouped experts in megatron-core's legacy GroupedMLP (mlp.experts.weight1/"
-                              "weight2), which llmflow does not write; use the transformer_engine spec (TEGroupedMLP)")
+        raise CheckpointError(
+            "--moe-grouped-gemm with --megatron-spec local and --megatron-format legacy: the local "
+            "spec keeps grouped experts in megatron-core's legacy GroupedMLP (mlp.experts.weight1/"
+            "weight2), which llmflow does not write; use the transformer_engine spec (TEGroupedMLP)"
+        )
 
 
-def write_megatron(work: Path, config: ModelConfig, load: Load, layout: Layout, iteration: int,
-                   vocab_multiple: int, dtype: torch.dtype) -> int:
+def write_megatron(
+    work: Path, config: ModelConfig, load: Load, layout: Layout, iteration: int, vocab_multiple: int, dtype: torch.dtype
+) -> int:
     """The checkpoint root in ``work``: ``iter_{iteration:07d}`` in the chosen format and its
     tracker file, every tensor in ``dtype``. Returns the padded vocabulary."""
     check_layout(config, layout)

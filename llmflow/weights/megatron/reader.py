@@ -38,8 +38,9 @@ from llmflow.weights.megatron.layout import (
     EXPERT_FC1,
     EXPERT_FC2,
     LAYERS,
-    LOCAL_NORM_NAMES,
+    NORM_ALIASES,
     OUTPUT,
+    Spec,
     layer_key,
     merge_shards,
 )
@@ -104,7 +105,8 @@ def iteration_dir(root: Path) -> Path:
     if not tracker.is_file():
         raise CheckpointError(
             f"--megatron {root}: no {TRACKER} (expected a Megatron-LM checkpoint root, or one iter_NNNNNNN "
-            f"directory); found {sorted(p.name for p in root.iterdir())[:10]}")
+            f"directory); found {sorted(p.name for p in root.iterdir())[:10]}"
+        )
     text = tracker.read_text().strip()
     if text == "release":
         directory = root / "release"
@@ -179,19 +181,28 @@ class _DcpTensor:
 class _LegacyTensor:
     """Where legacy rank files hold one canonical tensor: the key in the files of pipeline
     stage ``stage`` (and of each expert-parallel rank, for routed experts), merged over the
-    tensor-parallel ranks as ``merge`` merges."""
+    tensor-parallel ranks as ``merge`` merges in a file of the layer spec ``spec``."""
 
     stage: int
     key: str
     merge: str
     experts: tuple[tuple[int, str], ...] = ()
     """Routed experts: (expert-parallel rank, key in its files) of each expert in global order."""
+    spec: Spec = "local"
 
 
 def canonical_name(name: str) -> str:
     """A layer tensor's canonical name from any spec's (``pre_mlp_layernorm.weight``, the local
-    spec's ``input_layernorm.weight``: the fused names)."""
-    return LOCAL_NORM_NAMES.get(name, name)
+    spec's ``input_layernorm.weight``: the fused names; the Transformer Engine spec's fused MLA
+    latent norms: the local spec's ``q_layernorm``/``kv_layernorm``)."""
+    return NORM_ALIASES.get(name, name)
+
+
+def legacy_spec(names: list[str]) -> Spec:
+    """The layer spec whose modules saved a legacy file of tensors ``names``: the Transformer
+    Engine spec fuses norms into linear layers (``*.layer_norm_weight``), the local spec never
+    does. It tells how MLA's down projections are split (``merge_shards``)."""
+    return "transformer_engine" if any(name.endswith(".layer_norm_weight") for name in names) else "local"
 
 
 @dataclass
@@ -220,8 +231,12 @@ class MegatronCheckpoint:
 
     def summary(self) -> dict[str, Any]:
         """What a manifest records of the source."""
-        return {"directory": str(self.directory), "format": self.format, "iteration": self.iteration,
-                "skipped": self.skipped}
+        return {
+            "directory": str(self.directory),
+            "format": self.format,
+            "iteration": self.iteration,
+            "skipped": self.skipped,
+        }
 
     def read(self, key: str) -> torch.Tensor:
         """The whole tensor of canonical key ``key`` (one layer's, for a layer tensor)."""
@@ -258,7 +273,7 @@ class MegatronCheckpoint:
         where, tp = self._legacy[key], 1 + max(t for t, _, _ in self._ranks)
 
         def whole(ep: int, name: str) -> torch.Tensor:
-            return merge_shards(where.merge, [self._ranks[(t, where.stage, ep)][name] for t in range(tp)])
+            return merge_shards(where.merge, [self._ranks[(t, where.stage, ep)][name] for t in range(tp)], where.spec)
 
         if where.experts:
             return torch.stack([whole(ep, name) for ep, name in where.experts])
@@ -298,8 +313,17 @@ def _open_torch_dist(directory: Path) -> MegatronCheckpoint:
             places = {key: (_DcpTensor(key, None), shape)}
         for canonical, (where, own_shape) in places.items():
             stored[canonical], shapes[canonical], dtypes[canonical] = where, own_shape, dtype
-    return MegatronCheckpoint(directory, "torch_dist", common.get("args"), common.get("iteration"), shapes, dtypes,
-                              sorted(skipped), _reader=reader, _dcp=stored)
+    return MegatronCheckpoint(
+        directory,
+        "torch_dist",
+        common.get("args"),
+        common.get("iteration"),
+        shapes,
+        dtypes,
+        sorted(skipped),
+        _reader=reader,
+        _dcp=stored,
+    )
 
 
 def _rank_files(directory: Path) -> dict[tuple[int, ...], Path]:
@@ -308,22 +332,26 @@ def _rank_files(directory: Path) -> dict[tuple[int, ...], Path]:
     for path in sorted(directory.glob(f"mp_rank_*/{LEGACY_FILE}")):
         match = _RANK_DIR.match(path.parent.name)
         if match is None:
-            raise CheckpointError(f"{path.parent}: expected mp_rank_TT, mp_rank_TT_PPP, mp_rank_TT_EEE or "
-                                  "mp_rank_TT_PPP_EEE")
+            raise CheckpointError(
+                f"{path.parent}: expected mp_rank_TT, mp_rank_TT_PPP, mp_rank_TT_EEE or mp_rank_TT_PPP_EEE"
+            )
         files[(int(match[1]), *(int(n) for n in match[2].split("_")[1:]))] = path
     return files
 
 
-def _rank_axes(files: dict[tuple[int, ...], Path], loaded: dict[tuple[int, ...], Any]) -> dict[tuple[int, ...],
-                                                                                             tuple[int, int, int]]:
+def _rank_axes(
+    files: dict[tuple[int, ...], Path], loaded: dict[tuple[int, ...], Any]
+) -> dict[tuple[int, ...], tuple[int, int, int]]:
     """(tensor, pipeline, expert) rank of each file. Megatron-LM names a rank mp_rank_TT, then
     _PPP with pipeline parallelism, then _EEE with expert parallelism, so one number after TT
     is a pipeline or an expert rank: ``args`` say which, else the files do (every
     expert-parallel rank holds the embedding, only the first pipeline stage does)."""
     suffixes = {len(rank) for rank in files}
     if len(suffixes) > 1:
-        raise CheckpointError(f"{next(iter(files.values())).parents[1]}: rank directories of different layouts "
-                              f"({sorted(p.parent.name for p in files.values())[:6]})")
+        raise CheckpointError(
+            f"{next(iter(files.values())).parents[1]}: rank directories of different layouts "
+            f"({sorted(p.parent.name for p in files.values())[:6]})"
+        )
     if suffixes == {1}:
         return {rank: (rank[0], 0, 0) for rank in files}
     if suffixes == {3}:
@@ -345,40 +373,57 @@ def rank_dir_name(tp: int, pp: int, ep: int, pipeline: bool, expert: bool) -> st
 def _open_legacy(directory: Path) -> MegatronCheckpoint:
     files = _rank_files(directory)
     if not files:
-        raise CheckpointError(f"--megatron {directory}: neither torch_dist (metadata.json) nor legacy "
-                              f"(mp_rank_*/{LEGACY_FILE}) files")
+        raise CheckpointError(
+            f"--megatron {directory}: neither torch_dist (metadata.json) nor legacy (mp_rank_*/{LEGACY_FILE}) files"
+        )
     loaded = {rank: load_pickled(path, mmap=True) for rank, path in files.items()}
     axes = _rank_axes(files, loaded)
     paths = {axes[rank]: path for rank, path in files.items()}
     saved = next(iter(loaded.values())).get("args")  # the sizes it was saved at, when it says
-    sizes = [getattr(saved, name, None) or 1 for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                                                           "expert_model_parallel_size")]
+    sizes = [
+        getattr(saved, name, None) or 1
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size")
+    ]
     tp, pp, ep = (max(sizes[axis], 1 + max(rank[axis] for rank in paths)) for axis in range(3))
-    missing = [rank_dir_name(t, p, e, pp > 1, ep > 1) for t in range(tp) for p in range(pp) for e in range(ep)
-               if (t, p, e) not in paths]
+    missing = [
+        rank_dir_name(t, p, e, pp > 1, ep > 1)
+        for t in range(tp)
+        for p in range(pp)
+        for e in range(ep)
+        if (t, p, e) not in paths
+    ]
     if missing:
-        raise CheckpointError(f"{directory}: ranks {missing} are missing (found {len(files)} rank directories of a "
-                              f"tp={tp}, pp={pp}" + (f", ep={ep}" if ep > 1 else "") + " layout); copy the whole "
-                              "iteration directory")
+        raise CheckpointError(
+            f"{directory}: ranks {missing} are missing (found {len(files)} rank directories of a "
+            f"tp={tp}, pp={pp}" + (f", ep={ep}" if ep > 1 else "") + " layout); copy the whole "
+            "iteration directory"
+        )
     first = loaded[next(rank for rank in files if axes[rank] == (0, 0, 0))]
     if "model" not in first:
         chunks = sorted(k for k in first if re.fullmatch(r"model\d+", k))
-        raise CheckpointError(f"{paths[(0, 0, 0)]}: no 'model' state" + (
-            f" but {chunks}: virtual pipeline stages are not supported" if chunks else f"; keys {sorted(first)}"))
+        raise CheckpointError(
+            f"{paths[(0, 0, 0)]}: no 'model' state"
+            + (f" but {chunks}: virtual pipeline stages are not supported" if chunks else f"; keys {sorted(first)}")
+        )
     args = first.get("args")
     expert_tp = getattr(args, "expert_tensor_parallel_size", None)
     if expert_tp not in (None, tp):
-        raise CheckpointError(f"{paths[(0, 0, 0)]}: args.expert_tensor_parallel_size={expert_tp} differs from the "
-                              f"files' tensor-parallel size {tp}; llmflow reads experts split as the other layers")
+        raise CheckpointError(
+            f"{paths[(0, 0, 0)]}: args.expert_tensor_parallel_size={expert_tp} differs from the "
+            f"files' tensor-parallel size {tp}; llmflow reads experts split as the other layers"
+        )
     ranks = {axes[rank]: state["model"] for rank, state in loaded.items()}
     stage_layers = [len({int(m[1]) for k in ranks[(0, p, 0)] if (m := _LAYER_KEY.match(k))}) for p in range(pp)]
     shapes, dtypes, legacy = {}, {}, {}
 
     def place(canonical: str, where: _LegacyTensor, sample: list[torch.Tensor]) -> None:
-        whole = merge_shards(where.merge, [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in sample])
+        whole = merge_shards(
+            where.merge, [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in sample], where.spec
+        )
         shapes[canonical] = (len(where.experts), *whole.shape) if where.experts else tuple(whole.shape)
         dtypes[canonical], legacy[canonical] = whole.dtype, where
 
+    spec = legacy_spec(list(first["model"]))
     for stage in range(pp):
         offset, state = sum(stage_layers[:stage]), ranks[(0, stage, 0)]
         for key, tensor in state.items():
@@ -391,12 +436,14 @@ def _open_legacy(directory: Path) -> MegatronCheckpoint:
                 continue
             local, name = int(own[1]), own[2]
             if name in _LEGACY_GROUPED_MLP:
-                raise CheckpointError(f"{paths[(0, stage, 0)]}: {key} is the legacy GroupedMLP's (moe_grouped_gemm "
-                                      "without Transformer Engine), which llmflow does not read; save it as "
-                                      "torch_dist, or with SequentialMLP or TEGroupedMLP")
+                raise CheckpointError(
+                    f"{paths[(0, stage, 0)]}: {key} is the legacy GroupedMLP's (moe_grouped_gemm "
+                    "without Transformer Engine), which llmflow does not read; save it as "
+                    "torch_dist, or with SequentialMLP or TEGroupedMLP"
+                )
             expert = _SEQUENTIAL_EXPERT.match(name) or _GROUPED_EXPERT.match(name)
             if expert is None:
-                where = _LegacyTensor(stage, key, canonical_name(name))
+                where = _LegacyTensor(stage, key, canonical_name(name), spec=spec)
                 place(layer_key(where.merge, offset + local), where, [ranks[(t, stage, 0)][key] for t in range(tp)])
             elif int(expert[1] if expert.re is _SEQUENTIAL_EXPERT else expert[2]) == 0:
                 merge = _EXPERT_NAMES[expert[2] if expert.re is _SEQUENTIAL_EXPERT else expert[1]]
@@ -404,31 +451,57 @@ def _open_legacy(directory: Path) -> MegatronCheckpoint:
                 where = _LegacyTensor(stage, key, merge, experts)
                 place(layer_key(merge, offset + local), where, [ranks[(t, stage, 0)][key] for t in range(tp)])
     skipped = sorted(k for k in first if k in ("optimizer", "opt_param_scheduler", "rng_state", "rerun_state_machine"))
-    return MegatronCheckpoint(directory, "legacy", args, first.get("iteration"), shapes, dtypes, skipped,
-                              _ranks=ranks, _legacy=legacy)
+    return MegatronCheckpoint(
+        directory, "legacy", args, first.get("iteration"), shapes, dtypes, skipped, _ranks=ranks, _legacy=legacy
+    )
 
 
-def _expert_keys(ranks: dict[tuple[int, int, int], dict[str, Any]], paths: dict[tuple[int, int, int], Path],
-                 stage: int, local: int, first_key: str, first: re.Match, ep: int) -> tuple[tuple[int, str], ...]:
+def _expert_keys(
+    ranks: dict[tuple[int, int, int], dict[str, Any]],
+    paths: dict[tuple[int, int, int], Path],
+    stage: int,
+    local: int,
+    first_key: str,
+    first: re.Match,
+    ep: int,
+) -> tuple[tuple[int, str], ...]:
     """(expert-parallel rank, key) of every routed expert of one layer's linear, in global
     order: each rank's local experts, numbered from 0 in its files, follow the previous rank's."""
     sequential = first.re is _SEQUENTIAL_EXPERT
     linear = first[2] if sequential else first[1]
     counts, keys = [], []
     for rank in range(ep):
-        own = [int(m[1] if sequential else m[2]) for k in ranks[(0, stage, rank)]
-               if (lm := _LAYER_KEY.match(k)) and int(lm[1]) == local and (m := first.re.match(lm[2]))
-               and (m[2] if sequential else m[1]) == linear]
+        own = [
+            int(m[1] if sequential else m[2])
+            for k in ranks[(0, stage, rank)]
+            if (lm := _LAYER_KEY.match(k))
+            and int(lm[1]) == local
+            and (m := first.re.match(lm[2]))
+            and (m[2] if sequential else m[1]) == linear
+        ]
         counts.append(len(own))
         if sorted(own) != list(range(len(own))):
-            raise CheckpointError(f"{paths[(0, stage, rank)]}: local experts {sorted(own)} of {first_key} are not "
-                                  "numbered 0, 1, ...")
+            raise CheckpointError(
+                f"{paths[(0, stage, rank)]}: local experts {sorted(own)} of {first_key} are not numbered 0, 1, ..."
+            )
         stem = first_key[: first_key.index(".mlp.") + 1]
-        keys += [(rank, stem + (f"mlp.experts.local_experts.{j}.{linear}.weight" if sequential
-                                else f"mlp.experts.{linear}.weight{j}")) for j in range(len(own))]
+        keys += [
+            (
+                rank,
+                stem
+                + (
+                    f"mlp.experts.local_experts.{j}.{linear}.weight"
+                    if sequential
+                    else f"mlp.experts.{linear}.weight{j}"
+                ),
+            )
+            for j in range(len(own))
+        ]
     if len(set(counts)) > 1:
-        raise CheckpointError(f"{paths[(0, stage, counts.index(min(counts)))]}: holds {min(counts)} local experts of "
-                              f"{first_key} where another expert-parallel rank holds {max(counts)}")
+        raise CheckpointError(
+            f"{paths[(0, stage, counts.index(min(counts)))]}: holds {min(counts)} local experts of "
+            f"{first_key} where another expert-parallel rank holds {max(counts)}"
+        )
     return tuple(keys)
 
 
