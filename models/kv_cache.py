@@ -9,7 +9,8 @@ import torch
 class KVCache:
     """Keys and values of the positions processed so far, in buffers [B, Hkv, max_len, D]
     allocated on each layer's first write (so their shapes follow the weights, sharded or
-    not; the values' D may differ from the keys', as in Multi-head Latent Attention), plus
+    not; the values' D may differ from the keys', or be 0: Multi-head Latent Attention caches
+    its latents and rotary key parts as one head of keys, their latent part its values), plus
     the keys' document ids when the batch has any (left padding as a document of its own
     keeps pad positions out of every real token's attention).
 

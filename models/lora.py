@@ -73,6 +73,14 @@ class LoraLinear(nn.Linear):
         return f"{super().extra_repr()}, rank={self.lora_A.out_features}, scaling={self.scaling}"
 
 
+def effective_weight(linear: nn.Linear) -> torch.Tensor:
+    """The weight ``linear`` computes with: a LoRA adapter's update (alpha / r * B @ A) added
+    while the adapter is on, for code that uses a Linear's weight other than by calling it."""
+    if isinstance(linear, LoraLinear) and linear.active:
+        return linear.weight + (linear.lora_B.weight @ linear.lora_A.weight) * linear.scaling
+    return linear.weight
+
+
 def is_lora_param(name: str) -> bool:
     """Whether the parameter (or state-dict key) ``name`` belongs to a LoRA adapter."""
     return any(part in ADAPTER_NAMES for part in name.split("."))

@@ -153,6 +153,34 @@ def test_greedy_generation_matches_transformers(case, make_hf_model):
     assert batched == [generate(model, tokenizer, [p], config)[0].tokens for p in prompts]
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["base", "lora-on-kv_b_proj"])
+def test_the_cache_holds_the_latent_and_decoding_from_it_computes_the_full_forward(make_hf_model, tokens, lora):
+    """Positions fed one at a time after a prefix, through the cache of latents and rotary key
+    parts (kv_lora_rank + qk_rope_head_dim per position, one head), give the logits of one
+    forward over the whole sequence (fp32, within 1e-5), past YaRN's original context and with
+    a LoRA adapter on kv_b_proj, whose update the latent attention folds into the rows it uses."""
+    from llmflow.models.kv_cache import KVCache
+
+    _, path = hf_model(make_hf_model, "q_lora_yarn")
+    model = load_hf_model(path).eval()
+    if lora:
+        apply_lora(model, LoraConfig(rank=4, alpha=8.0, target_modules=["kv_b_proj"]))
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for tensor in lora_state_dict(model).values():
+                tensor.copy_(0.1 * torch.randn(tensor.shape, generator=g))
+    ids = tokens(BATCH, 24)
+    cache = KVCache(24)
+    with torch.no_grad():
+        whole = model(ids)
+        stepped = [model(ids[:, :8], kv_cache=cache)]
+        stepped += [model(ids[:, i : i + 1], kv_cache=cache) for i in range(8, 24)]
+    assert_close(torch.cat(stepped, dim=1), whole)
+    config = model.config
+    keys, values = cache._keys["0"], cache._values["0"]
+    assert keys.shape == (BATCH, 1, 24, config.kv_lora_rank + config.qk_rope_head_dim) and values.shape[-1] == 0
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_checkpoint_and_config_round_trip_bit_exact(case, make_hf_model, tmp_path):
     _, path = hf_model(make_hf_model, case)
@@ -268,7 +296,7 @@ def test_tensor_parallel_plans_compute_what_one_process_does(tmp_path):
     """Two gloo ranks: the training plan (sequence parallel; with and without the query's
     bottleneck, with and without LoRA adapters) gives one process's logits and every gradient,
     the replicated down projections' and norms' included; the generation plan decodes with
-    each rank's heads in its KV cache as one process does."""
+    each rank's heads from the cached latents as one process does."""
     output = run_forked("test_mla:tp_worker", [], 2, tmp_path / "tp", {"OMP_NUM_THREADS": "1"})
     assert sum("MLA tensor parallelism matches one process" in line for line in output) == 2, output
 
@@ -326,7 +354,7 @@ def _check_generation_plan(model: CausalLM, mesh) -> None:
         for step in (ids[:, :6], ids[:, 6:7], ids[:, 7:9]):
             assert_close(model(step, kv_cache=caches[0]), reference(step, kv_cache=caches[1]))
     keys, values = caches[0]._keys["0"], caches[0]._values["0"]
-    assert keys.shape == (2, 2, 12, 20) and values.shape == (2, 2, 12, 10)  # this rank's 2 of 4 heads
+    assert keys.shape == (2, 1, 12, 16 + 8) and values.shape == (2, 1, 12, 0)  # the latents, whole on each rank
 
 
 def tp_worker(argv: list[str] | None = None) -> None:

@@ -199,8 +199,10 @@ def attention_widths(model: ModelConfig) -> tuple[int, int, int]:
 
 def kv_cache_width(model: ModelConfig, tp: int = 1) -> int:
     """Elements of keys and values one attention layer caches per position on one of ``tp``
-    ranks (each rank its own heads; Multi-head Latent Attention's per-head keys and values
-    after ``kv_b_proj``, ``models/blocks/mla.py``)."""
+    ranks: each rank its own heads' keys and values; Multi-head Latent Attention its latent and
+    rotary key part, which every head shares, whole on every rank (``models/blocks/mla.py``)."""
+    if model.kv_lora_rank:
+        return model.kv_lora_rank + model.qk_rope_head_dim
     _, k, v = attention_widths(model)
     return (k + v) // tp
 

@@ -14,10 +14,15 @@ even dims are gathered in front of their odd ones and the rotate-half kernel tur
 which is transformers' ``apply_rotary_pos_emb_interleave`` and leaves queries and keys in that
 order.
 
-Generation caches the per-head keys and values (after ``kv_b_proj``), as ``Attention`` does:
-H x (qk_nope_head_dim + qk_rope_head_dim + v_head_dim) values per position and layer, against
-kv_lora_rank + qk_rope_head_dim for the latent transformers caches (DeepSeek-V3: 128 x 320 =
-40,960 against 576), in exchange for no re-expansion of every cached position at each step.
+Generation caches what MLA needs: each position's normalised latent and its rotated rotary key
+part, kv_lora_rank + qk_rope_head_dim values per position and layer, shared by every head
+(DeepSeek-V3: 576, where per-head keys and values would be 128 x 320 = 40,960, which is what
+transformers caches). With a cache, attention runs in the latent space, as DeepSeek's inference
+does: each head's query part without rotary is taken through that head's key rows of
+``kv_b_proj`` (q W_UK, [kv_lora_rank]), attends over the cached latents and rotary parts as one
+shared key/value head, and the result goes through the head's value rows (W_UV). It is the same
+product regrouped, q_nope . (W_UK c) = (q_nope W_UK) . c, so no cached position is expanded again
+at any step; a LoRA adapter on ``kv_b_proj`` is folded into the rows it uses.
 
 Shapes are read from the weights at run time, so a tensor-parallel plan that gives
 ``q_b_proj``/``q_proj`` and ``kv_b_proj`` some of the heads needs no change here.
@@ -29,10 +34,12 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from llmflow import kernels
 from llmflow.models.blocks.norm import RMSNorm
 from llmflow.models.kv_cache import KVCache
+from llmflow.models.lora import effective_weight
 
 LATENT_NORM_EPS = 1e-6
 """The eps of ``q_a_layernorm`` and ``kv_a_layernorm``: transformers builds them with its
@@ -95,19 +102,34 @@ class MultiHeadLatentAttention(nn.Module):
         q = q.view(batch, seq, -1, self.qk_nope_head_dim + self.qk_rope_head_dim).transpose(1, 2)
         q_nope, q_rot = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent))
-        kv = kv.view(batch, seq, -1, self.qk_nope_head_dim + self.v_head_dim).transpose(1, 2)
-        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
         k_rot = k_rot.view(batch, 1, seq, self.qk_rope_head_dim)
         if self.shared_key_gradient is not None:
             k_rot = self.shared_key_gradient(k_rot)
-        q = torch.cat([q_nope, self._rotary(q_rot, cos, sin)], dim=-1)
-        k_rot = self._rotary(k_rot, cos, sin).expand(-1, k_nope.shape[1], -1, -1)
-        k = torch.cat([k_nope, k_rot], dim=-1)
+        q_rot, k_rot = self._rotary(q_rot, cos, sin), self._rotary(k_rot, cos, sin)
         if cache is not None:
-            k, v = cache[0].update(cache[1], k, v)
-        out = kernels.attention(q, k, v, self.scale, document_ids)
+            out = self._latent_attention(q_nope, q_rot, latent.unsqueeze(1), k_rot, document_ids, cache)
+        else:
+            kv = self.kv_b_proj(latent).view(batch, seq, -1, self.qk_nope_head_dim + self.v_head_dim).transpose(1, 2)
+            k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+            q = torch.cat([q_nope, q_rot], dim=-1)
+            k = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
+            out = kernels.attention(q, k, v, self.scale, document_ids)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def _latent_attention(self, q_nope: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
+                          document_ids: torch.Tensor | None, cache: tuple[KVCache, str]) -> torch.Tensor:
+        """Attention over the cached latents [B, 1, S, kv_lora_rank] and rotary key parts
+        [B, 1, S, qk_rope_head_dim] (the new positions' written first); [B, H, Sq, v_head_dim]."""
+        weight = effective_weight(self.kv_b_proj)
+        weight = weight.to_local() if isinstance(weight, DTensor) else weight  # this rank's heads
+        up = weight.to(q_nope.dtype).view(-1, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        key_rows, value_rows = up.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
+        batch, _, seq, _ = latent.shape
+        keys, _ = cache[0].update(cache[1], torch.cat([latent, k_rot], dim=-1), latent.new_empty(batch, 1, seq, 0))
+        q = torch.cat([torch.einsum("bhsn,hnr->bhsr", q_nope, key_rows), q_rot], dim=-1)
+        out = kernels.attention(q, keys, keys[..., : self.kv_lora_rank], self.scale, document_ids)
+        return torch.einsum("bhsr,hvr->bhsv", out, value_rows)
 
     def _rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.rope_interleave:
