@@ -9,8 +9,6 @@ from typing import TYPE_CHECKING
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from llmflow.models.config import family_of
-
 if TYPE_CHECKING:
     from llmflow.models.config import ModelConfig
 
@@ -89,22 +87,11 @@ def layout_problems(layout: ParallelLayout, world_size: int, config: ModelConfig
             problems.append(f"ep={layout.ep} needs a mixture-of-experts model; {config.model_type} has no experts")
         elif config.num_experts % layout.ep:
             problems.append(f"ep={layout.ep} does not divide the model's num_experts={config.num_experts}")
-        problems += unsplit_layout_problems(layout, config)
         if layout.pp > config.num_hidden_layers:
             problems.append(f"pp={layout.pp} stages but the model has {config.num_hidden_layers} layers; each stage needs one")
     if layout.dp % layout.ep:
         problems.append(f"ep={layout.ep} does not divide dp={layout.dp}: expert-parallel ranks are data-parallel ranks")
     return problems
-
-
-def unsplit_layout_problems(layout: ParallelLayout, config: ModelConfig) -> list[str]:
-    """The layout dimensions above 1 that ``config``'s family does not split (``Family.unsplit_layouts``)."""
-    family = family_of(config.model_type)
-    refused = [f"{name}={getattr(layout, name)}" for name in family.unsplit_layouts if getattr(layout, name) > 1]
-    if not refused:
-        return []
-    return [(f"{', '.join(refused)} is not supported for {config.model_type} yet: the parallel plans do not split "
-             f"{family.unsplit_parts}; use dp or pp")]
 
 
 def validate_layout(layout: ParallelLayout, world_size: int, config: ModelConfig | None = None) -> None:

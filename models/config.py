@@ -319,11 +319,6 @@ class Family:
     """The checkpoint's ``experts.gate_up_proj``/``experts.down_proj`` are transformers' fused
     experts, read into ``GroupedExperts``' stacked projections; False: the family's experts hold
     those tensors as they are (gpt-oss, under ``hf_renames``)."""
-    unsplit_layouts: tuple[str, ...] = ()
-    """Layout dimensions ("tp", "ep", "cp") whose plans do not split this family's own parts
-    yet: a layout above 1 in one of them is refused before launch, naming them."""
-    unsplit_parts: str = ""
-    """What those plans leave unsplit, for the refusal's message."""
     hf_extra_layers: str | None = None
     """What the checkpoint's layers numbered from ``num_hidden_layers`` on hold (the
     multi-token prediction layer of GLM-4.5, as ``model.layers.{num_hidden_layers}``): left

@@ -23,6 +23,12 @@ would on the whole sequence. Attention needs every position:
   the keys up to its end, with the usual kernel and masks. Any head count works; each rank
   holds the whole sequence's keys and values of its layer while it attends.
 
+Multi-head Latent Attention (DeepSeek-V3) goes through either as its per-head queries, keys
+and values (keys and queries ``qk_nope_head_dim + qk_rope_head_dim`` wide, values
+``v_head_dim``): Ulysses sends them whole, as it does grouped-query heads. Attention sinks
+(gpt-oss, a logit per query head) join the softmax of each query wherever it attends: under
+Ulysses each rank takes its head group's sinks, under ring every rank all of its heads'.
+
 Both carry gradients through their collectives. The inputs of a context-parallel forward
 come from ``shard_sequence``: each rank's tokens, labels and position ids, and the document
 ids of the whole sequence (the attention masks are built over it). The loss of a shard is its
@@ -46,6 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from llmflow import kernels
 from llmflow.models.blocks.attention import Attention
+from llmflow.models.blocks.mla import MultiHeadLatentAttention
 from llmflow.models.blocks.rotary import positions_from_documents
 from llmflow.models.config import ModelConfig
 
@@ -82,9 +89,6 @@ def context_parallel_problems(config: ModelConfig, cp: int, seq_length: int | No
     if "linear_attention" in config.layer_types:
         problems.append(f"cp={cp} cannot split {config.model_type}'s Gated DeltaNet layers: their recurrent state runs "
                         "along the whole sequence; train it with cp=1")
-    if config.kv_lora_rank:
-        problems.append(f"cp={cp} does not split {config.model_type}'s Multi-head Latent Attention layers yet; train it "
-                        "with cp=1")
     return problems
 
 
@@ -111,15 +115,18 @@ def _heads_to_seq(x: torch.Tensor, group: ProcessGroup, ranks: int) -> torch.Ten
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                       document_ids: torch.Tensor | None, sliding_window: int | None, group: ProcessGroup,
-                      ranks: int) -> torch.Tensor:
+                      rank: int, ranks: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``kernels.attention`` over the whole sequence of which q [B, Hq, S/cp, D] and k/v
-    [B, Hkv, S/cp, D] hold this rank's positions; ``document_ids`` [B, S] are the whole
-    sequence's. Returns this rank's positions of the output, [B, Hq, S/cp, D]."""
+    [B, Hkv, S/cp, D] (v's width may differ) hold this rank's positions; ``document_ids``
+    [B, S] are the whole sequence's; ``sinks`` [Hq] (gpt-oss), the logit of every query head.
+    Returns this rank's positions of the output, [B, Hq, S/cp, v's width]."""
     if k.shape[1] % ranks:
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     q, k, v = (_seq_to_heads(t, group, ranks) for t in (q, k, v))
-    out = kernels.attention(q, k, v, scale, document_ids, sliding_window)
+    if sinks is not None:  # this rank's head group's
+        sinks = sinks.narrow(0, rank * q.shape[1], q.shape[1])
+    out = kernels.attention(q, k, v, scale, document_ids, sliding_window, sinks)
     return _heads_to_seq(out, group, ranks)
 
 
@@ -140,38 +147,40 @@ def ring_chunks(rank: int, ranks: int) -> tuple[int, int]:
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                    document_ids: torch.Tensor | None, sliding_window: int | None, group: ProcessGroup,
-                   rank: int, ranks: int) -> torch.Tensor:
+                   rank: int, ranks: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``kernels.attention`` over the whole sequence of which q [B, Hq, 2L, D] and k/v [B, Hkv,
-    2L, D] hold this rank's two chunks (``ring_chunks``, L positions each); ``document_ids``
-    [B, S] are the whole sequence's. Returns this rank's positions of the output."""
+    2L, D] (v's width may differ) hold this rank's two chunks (``ring_chunks``, L positions
+    each); ``document_ids`` [B, S] are the whole sequence's; ``sinks`` [Hq] (gpt-oss), the
+    logit of every query head. Returns this rank's positions of the output."""
     chunk = q.shape[2] // 2
-    # [ranks * 2 (k, v), B, Hkv, 2L, D], rank s holding chunks s and 2 ranks - 1 - s.
-    gathered = all_gather_single_autograd(torch.stack([k, v]), 0, group).unflatten(0, (ranks, 2))
+    # [ranks, B, Hkv, 2L, Dk + Dv], rank s holding chunks s and 2 ranks - 1 - s.
+    gathered = all_gather_single_autograd(torch.cat([k, v], dim=-1), 0, group).unflatten(0, (ranks, k.shape[0]))
     pieces: list[torch.Tensor | None] = [None] * (2 * ranks)
     for source in range(ranks):
         first, second = ring_chunks(source, ranks)
         pieces[first], pieces[second] = gathered[source].split(chunk, dim=-2)
-    keys, values = torch.cat(pieces, dim=-2)
+    keys, values = torch.cat(pieces, dim=-2).split([k.shape[-1], v.shape[-1]], dim=-1)
     outputs = []
     for held, index in enumerate(ring_chunks(rank, ranks)):
         end = (index + 1) * chunk  # a query chunk attends to the keys up to its own end
         outputs.append(kernels.attention(q[:, :, held * chunk:(held + 1) * chunk], keys[:, :, :end], values[:, :, :end],
                                          scale, document_ids[:, :end] if document_ids is not None else None,
-                                         sliding_window))
+                                         sliding_window, sinks))
     return torch.cat(outputs, dim=2)
 
 
-def _ulysses_core_attention(self: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            document_ids: torch.Tensor | None) -> torch.Tensor:
+def _ulysses_core_attention(self: Attention | MultiHeadLatentAttention, q: torch.Tensor, k: torch.Tensor,
+                            v: torch.Tensor, document_ids: torch.Tensor | None) -> torch.Tensor:
     place = self.context_parallel
-    return ulysses_attention(q, k, v, self.scale, document_ids, self.sliding_window, place.group, place.ranks)
+    return ulysses_attention(q, k, v, self.scale, document_ids, self.sliding_window, place.group, place.rank,
+                             place.ranks, self.local_sinks())
 
 
-def _ring_core_attention(self: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         document_ids: torch.Tensor | None) -> torch.Tensor:
+def _ring_core_attention(self: Attention | MultiHeadLatentAttention, q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor, document_ids: torch.Tensor | None) -> torch.Tensor:
     place = self.context_parallel
     return ring_attention(q, k, v, self.scale, document_ids, self.sliding_window, place.group, place.rank,
-                          place.ranks)
+                          place.ranks, self.local_sinks())
 
 
 def apply_cp(model: nn.Module, mesh: DeviceMesh, algo: str = "ulysses") -> None:
@@ -179,7 +188,7 @@ def apply_cp(model: nn.Module, mesh: DeviceMesh, algo: str = "ulysses") -> None:
     ranks of ``mesh`` by ``algo`` (``CP_ALGOS``). The model must pass ``context_parallel_problems``."""
     core = {"ulysses": _ulysses_core_attention, "ring": _ring_core_attention}[algo]
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, (Attention, MultiHeadLatentAttention)):
             module.context_parallel = ContextParallelPlace(mesh.get_group(), mesh.get_local_rank(), mesh.size(), algo)
             module.core_attention = types.MethodType(core, module)
 

@@ -1,6 +1,6 @@
 """Expert parallelism, applied from outside the model: the experts of every MoE layer are
-split over the ranks of an "ep" mesh dimension (dim 0 of each stacked projection,
-``Shard(0)``: rank r holds experts [r E/ep, (r + 1) E/ep)), and each layer's tokens travel
+split over the ranks of an "ep" mesh dimension (dim 0 of each stacked projection and of
+gpt-oss's per-expert biases, ``Shard(0)``: rank r holds experts [r E/ep, (r + 1) E/ep)), and each layer's tokens travel
 to the ranks holding their experts and back with two all-to-alls.
 
 ``MoE.forward`` hands its experts the (token, choice) rows sorted by expert with the count
@@ -26,7 +26,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
 
-from llmflow.models.blocks.moe import GroupedExperts, MoE
+from llmflow.models.blocks.moe import MoE
 
 
 class _Dispatch:
@@ -38,7 +38,7 @@ class _Dispatch:
     """For each row of the regrouped (by local expert) order, its row in arrival order."""
 
 
-def _dispatch(module: GroupedExperts, inputs: tuple[torch.Tensor, ...], mesh: DeviceMesh):
+def _dispatch(module: nn.Module, inputs: tuple[torch.Tensor, ...], mesh: DeviceMesh):
     rows, counts, *scale = inputs
     group = mesh.get_group()
     ranks = mesh.size()
@@ -61,7 +61,7 @@ def _dispatch(module: GroupedExperts, inputs: tuple[torch.Tensor, ...], mesh: De
     return arrived[0], receiving.sum(0), *arrived[1:]
 
 
-def _combine(module: GroupedExperts, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+def _combine(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     state = module._dispatch
     arrival_order = torch.empty_like(output).index_copy(0, state.order, output)
     return all_to_all_single_autograd(arrival_order, state.sent, state.received, mesh.get_group())
@@ -82,8 +82,8 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh) -> None:
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters ``apply_ep`` split (DTensors on the "ep" mesh; not those FSDP shards)."""
-    return [p for module in model.modules() if isinstance(module, GroupedExperts)
-            for p in module.parameters() if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("ep",)]
+    return [p for module in model.modules() if isinstance(module, MoE)
+            for p in module.experts.parameters() if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("ep",)]
 
 
 def sum_gradients(params: list[nn.Parameter], groups: list[dist.ProcessGroup | None], scale: float = 1.0) -> None:

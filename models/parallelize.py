@@ -67,11 +67,11 @@ def layer_tp_plan(config: ModelConfig) -> dict[str, ParallelStyle]:
     sequence shards, and hand plain tensors to the residual add."""
     plan = {
         "input_layernorm": SequenceParallel(),
-        "self_attn": PrepareModuleInput(
+        "self_attn": HeadSplitAttention(PrepareModuleInput(
             input_layouts=(Shard(1), None, None, None),
             desired_input_layouts=(Replicate(), None, None, None),
             use_local_output=True,
-        ),
+        )),
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
@@ -134,6 +134,23 @@ def _without_attention(plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyl
 def _latent_head_split(low_rank_query: bool, output: RowwiseParallel) -> dict[str, ParallelStyle]:
     query = "self_attn.q_b_proj" if low_rank_query else "self_attn.q_proj"
     return {query: ColwiseParallel(), "self_attn.kv_b_proj": ColwiseParallel(), "self_attn.o_proj": output}
+
+
+class HeadSplitAttention(ParallelStyle):
+    """Attention (``self_attn``) under a plan that splits its heads: its learned sinks, one logit
+    per query head (gpt-oss), split with them (``Shard(0)``, each rank its heads' in the order
+    ColwiseParallel gives ``q_proj``'s rows), and its input laid out by ``prepare`` when given."""
+
+    def __init__(self, prepare: PrepareModuleInput | None = None) -> None:
+        super().__init__()
+        self.prepare = prepare
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        sinks = getattr(module, "sinks", None)
+        if sinks is not None:
+            split = distribute_tensor(sinks.data, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+            module.sinks = nn.Parameter(split, requires_grad=sinks.requires_grad)
+        return self.prepare._apply(module, device_mesh) if self.prepare is not None else module
 
 
 class LatentAttentionParallel(ParallelStyle):
@@ -324,7 +341,8 @@ def apply_tp(model: CausalLM, mesh: DeviceMesh, lora: bool = False) -> None:
 def inference_layer_tp_plan() -> dict[str, ParallelStyle]:
     """The generation plan of one decoder layer: attention heads and FFN columns split
     across ranks (q/k/v and gate/up column-parallel, o/down row-parallel), everything else
-    whole. Norms, embedding and output projection stay plain tensors on every rank.
+    whole. Norms, embedding and output projection stay plain tensors on every rank, and so
+    does a mixture of experts (``apply_tp_inference`` drops the MLP entries from its layers).
 
     Not the sequence-parallel plan of training: a decoding step feeds one token per row,
     which cannot be split along the sequence, and sequence parallelism only saves
@@ -333,6 +351,7 @@ def inference_layer_tp_plan() -> dict[str, ParallelStyle]:
     k/v come out of their projections as this rank's heads only, which is what the KV cache
     stores (it sizes its buffers from the first keys it is given)."""
     return {
+        "self_attn": HeadSplitAttention(),
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
@@ -349,8 +368,10 @@ def apply_tp_inference(model: CausalLM, mesh: DeviceMesh) -> None:
     layout, so its shards can then be allocated without ever holding the whole model."""
     if problems := inference_tp_problems(model.config, mesh.size()):
         raise NotImplementedError(problems[0])
-    for layer in model.model.layers.values():
+    for name, layer in model.model.layers.items():
         plan = inference_layer_tp_plan()
+        if model.config.is_moe_layer(int(name)):  # the experts whole on every rank, as in training
+            plan = {key: style for key, style in plan.items() if not key.startswith("mlp.")}
         if isinstance(attention := getattr(layer, "self_attn", None), MultiHeadLatentAttention):
             plan = latent_inference_layer_tp_plan(plan, attention.low_rank_query)
         parallelize_module(layer, mesh, plan)

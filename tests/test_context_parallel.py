@@ -4,7 +4,8 @@ load-balanced), give the whole sequence's logits (each rank its positions), loss
 gradients (summed over the ranks) within 1e-5 in fp32, for grouped-query attention whose
 key/value heads split over the ranks and for one key/value head repeated to them, with q/k
 norms, Qwen3.5's gated attention, a mixture of experts, packed documents crossing the ranks'
-boundaries and a sliding window; and the layouts they cannot split are named before any work."""
+boundaries and a sliding window, DeepSeek-V3's Multi-head Latent Attention (values narrower
+than keys) and gpt-oss's attention sinks; and the layouts they cannot split are named before any work."""
 
 from __future__ import annotations
 
@@ -34,6 +35,16 @@ CASES = {
         "model_type": "qwen3_5_text", "num_key_value_heads": 2, "layer_types": ["full_attention"] * 2,
         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
         "linear_value_head_dim": 16, "documents": True},
+    # Keys and queries 8 + 8 wide, values 12; a dense layer, then experts under group-limited routing.
+    "deepseek_v3 latent attention, packed documents": {
+        "model_type": "deepseek_v3", "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 8, "v_head_dim": 12, "first_k_dense_replace": 1, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
+        "moe_intermediate_size": 32, "documents": True},
+    # Random sinks (set by the worker), a sliding layer then a full one, biased experts.
+    "gpt_oss sinks, sliding window 8, packed documents": {
+        "model_type": "gpt_oss", "num_key_value_heads": 2, "sliding_window": 8, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "documents": True},
 }
 
 
@@ -67,6 +78,9 @@ def cp_worker(argv: list[str]) -> None:
     for (name, case), algo in itertools.product(CASES.items(), CP_ALGOS):
         model = CausalLM(_config(case))
         model.init_weights(generator=torch.Generator().manual_seed(0))
+        for param_name, param in model.named_parameters():
+            if param_name.endswith(".sinks"):  # init_weights starts them at zero
+                param.data.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(2))
         parallel = CausalLM(_config(case))
         parallel.load_state_dict(model.state_dict())
         apply_cp(parallel, mesh, algo)

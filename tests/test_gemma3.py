@@ -316,22 +316,6 @@ def test_megatron_layout_refuses_the_sandwich_norms():
     assert "post_feedforward_layernorm" in reason
 
 
-@pytest.mark.slow
-def test_two_ranks_generate_what_one_process_generates(sample_tokenizer_model, tmp_path, capsys, monkeypatch):
-    """``llmflow generate --nproc 2``: heads and MLP columns split, the four norms and both
-    rotary tables on every rank; prompts longer than the window."""
-    from test_generate_tp import generate_cli
-
-    model = sample_tokenizer_model("gemma3_text", **GEMMA)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in (
-        "The capital of", "Once upon a time in a land far away there lived")))
-    one = generate_cli(model, prompts, capsys)
-    assert all(r["completion"] for r in one)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    assert generate_cli(model, prompts, capsys, "--nproc", "2") == one
-
-
 # --- training at tp=2 and pp=2 ---------------------------------------------------------------
 
 STEPS = 4

@@ -46,6 +46,23 @@ def test_two_ranks_generate_what_one_process_generates(sample_model, prompts_fil
     assert generate_cli(sample_model, prompts_file, capsys, "--nproc", "2") == one
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["deepseek_v3", "gemma3_text", "gpt_oss"])
+def test_two_ranks_generate_what_one_process_generates_for_the_frontier_families(
+        family, sample_tokenizer_model, prompts_file, capsys, monkeypatch):
+    """Their own splits (``models/parallelize.py``): Multi-head Latent Attention's heads after its
+    whole down projections, Gemma 3's four norms and two rotary tables on every rank, gpt-oss's
+    sinks split with the heads; prompts longer than the sliding windows, the model sharded on
+    the meta device and loaded shard by shard."""
+    from test_frontier_flows import FAMILIES
+
+    model = sample_tokenizer_model(family, **FAMILIES[family])
+    one = generate_cli(model, prompts_file, capsys)
+    assert all(r["completion"] for r in one)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert generate_cli(model, prompts_file, capsys, "--nproc", "2") == one
+
+
 def _one_rank_group(monkeypatch) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 
 import pytest
 import torch
@@ -290,15 +289,10 @@ def glm_assets(sample_assets, tmp_path_factory, make_hf_model):
 def train_glm(assets, out, nproc=1, **overrides) -> dict[int, dict[str, float]]:
     """The compared metrics of every step line of a run of ``overrides``, by step."""
     from forked_workers import train_forked
-    from train_helpers import config
+    from train_helpers import config, step_metrics
 
     lines = train_forked(config(assets, out, **{"steps": 4, **overrides}), nproc, env={"OMP_NUM_THREADS": "1"})
-    steps = {}
-    for line in lines:
-        if match := re.match(r"^step (\d+)/\d+ \| (.*)", line):
-            fields = dict(field.split(" ", 1) for field in match[2].split(" | "))
-            steps[int(match[1])] = {key: float(fields[key]) for key in TRAIN_TOLERANCES if key in fields}
-    return steps
+    return step_metrics(lines, TRAIN_TOLERANCES)
 
 
 def correction_biases(out) -> torch.Tensor:

@@ -22,7 +22,6 @@ import llmflow.kernels as K
 from llmflow.data.tokenizer import load_tokenizer
 from llmflow.infer.generate import GenerateConfig, generate
 from llmflow.kernels import fused, reference
-from llmflow.mesh import ParallelLayout, layout_problems
 from llmflow.models import ConfigError, ModelConfig
 from llmflow.weights import load_hf_model, load_model, save_hf_model
 from llmflow.weights.hf_names import hf_names
@@ -207,13 +206,3 @@ def test_refused_config_keys(make_hf_model, override, key):
     config = {**json.loads((path / "config.json").read_text()), **override}
     with pytest.raises(ConfigError, match=key):
         ModelConfig.from_hf(config)
-
-
-def test_layouts_that_do_not_split_the_sinks_and_biased_experts_are_refused(make_hf_model):
-    """tp, ep and cp above 1 are refused before launch in one line naming them; dp and pp are not."""
-    _, path = hf_model(make_hf_model)
-    config = ModelConfig.from_file(path / "config.json")
-    assert layout_problems(ParallelLayout.of_world(4, tp=2, dp=2, ep=2), 4, config) == [
-        ("tp=2, ep=2 is not supported for gpt_oss yet: the parallel plans do not split its attention sinks (per "
-         "head) and its biased experts; use dp or pp")]
-    assert layout_problems(ParallelLayout.of_world(2, pp=1), 2, config) == []

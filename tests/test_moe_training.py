@@ -5,14 +5,12 @@ each holding half of every micro-batch, train what one process does (fp32, 1e-5)
 from __future__ import annotations
 
 import json
-import re
-import shutil
 from pathlib import Path
 
 import pytest
 from forked_workers import train_forked
 from torch.distributed.checkpoint import FileSystemReader
-from train_helpers import TOLERANCE, config, training_assets
+from train_helpers import TOLERANCE, assert_same, config, resume_from, step_metrics, training_assets
 
 from llmflow.models import ModelConfig
 from llmflow.train.preflight import check_training, parallel_problems
@@ -38,49 +36,9 @@ def assets(sample_assets, tmp_path_factory, make_hf_model) -> dict[str, Path]:
     return {**assets, "model": path}
 
 
-def step_metrics(lines: list[str]) -> dict[int, dict[str, float]]:
-    """The compared metrics of every step line, by step."""
-    steps = {}
-    for line in lines:
-        if match := re.match(r"^step (\d+)/\d+ \| (.*)", line):
-            fields = dict(field.split(" ", 1) for field in match[2].split(" | "))
-            steps[int(match[1])] = {key: float(fields[key]) for key in TOLERANCES if key in fields}
-    return steps
-
-
 def train(assets, out: Path, nproc: int = 1, **overrides) -> dict[int, dict[str, float]]:
     cfg = config(assets, out, **{"steps": 4, **overrides})
-    return step_metrics(train_forked(cfg, nproc, env={"OMP_NUM_THREADS": "1"}))
-
-
-def assert_same(got: dict[int, dict[str, float]], want: dict[int, dict[str, float]],
-                tolerances: dict[str, float] = TOLERANCES) -> None:
-    """Every metric of every step of ``got`` as in ``want``."""
-    assert got and set(got) <= set(want)
-    for step, metrics in got.items():
-        assert metrics.keys() == want[step].keys(), (step, metrics, want[step])
-        for key, value in metrics.items():
-            assert abs(value - want[step][key]) <= tolerances[key], (step, key, got, want)
-
-
-@pytest.mark.slow
-def test_two_data_parallel_ranks_train_the_auxiliary_loss_of_one_process(assets, tmp_path):
-    one = train(assets, tmp_path / "one", micro_batch_size=4)
-    two = train(assets, tmp_path / "two", nproc=2, dp=2, micro_batch_size=2)
-    plain = train(assets, tmp_path / "plain", micro_batch_size=4, router_aux_loss_coef=0.0)
-    assert sorted(one) == sorted(two) == [1, 2, 3, 4]
-    assert_same(two, one)
-    # Reported either way; trained only with its weight: the first step is the same, later ones differ.
-    assert 1.0 <= one[1]["moe_aux_loss"] and 1.0 <= one[1]["max_expert_load"] <= 4 / 2
-    assert plain[1]["loss"] == one[1]["loss"] and abs(plain[4]["loss"] - one[4]["loss"]) > 1e-6
-
-
-def resume_from(out: Path, step: int) -> None:
-    """Make ``out`` a run directory whose latest checkpoint is the one of ``step``."""
-    for later in out.glob("step_*"):
-        if int(later.name.removeprefix("step_")) > step:
-            shutil.rmtree(later)
-    (out / "latest").write_text(f"step_{step:08d}\n")
+    return step_metrics(train_forked(cfg, nproc, env={"OMP_NUM_THREADS": "1"}), TOLERANCES)
 
 
 def expert_chunks(out: Path) -> list[int]:
@@ -100,21 +58,21 @@ def test_expert_parallel_ranks_train_what_one_process_does_and_resume_on_other_l
     ep = train(assets, tmp_path / "ep", nproc=2, dp=2, ep=2, micro_batch_size=2, steps=6, save_interval=3,
                activation_checkpointing="full")
     assert sorted(ep) == list(range(1, 7)) and expert_chunks(tmp_path / "ep") == [0, 2]
-    assert_same(ep, one)
+    assert_same(ep, one, TOLERANCES)
     resume_from(tmp_path / "ep", 3)
     resumed = train(assets, tmp_path / "ep", nproc=2, dp=2, micro_batch_size=2, steps=6)
     assert sorted(resumed) == [4, 5, 6]
-    assert_same(resumed, one)
+    assert_same(resumed, one, TOLERANCES)
 
     # The auxiliary loss is not trained (nor reported) under pp: compare runs without it.
     plain = train(assets, tmp_path / "plain", steps=6, micro_batch_size=4, router_aux_loss_coef=0.0)
     pipelined = train(assets, tmp_path / "pp", nproc=4, pp=2, dp=2, ep=2, micro_batch_size=2, steps=6,
                       save_interval=3, router_aux_loss_coef=0.0)
-    assert_same(pipelined, {step: {"loss": m["loss"], "grad_norm": m["grad_norm"]} for step, m in plain.items()})
+    assert_same(pipelined, {step: {"loss": m["loss"], "grad_norm": m["grad_norm"]} for step, m in plain.items()}, TOLERANCES)
     resume_from(tmp_path / "pp", 3)
     resumed = train(assets, tmp_path / "pp", nproc=2, dp=2, ep=2, micro_batch_size=2, steps=6, router_aux_loss_coef=0.0)
     assert sorted(resumed) == [4, 5, 6]
-    assert_same(resumed, plain)
+    assert_same(resumed, plain, TOLERANCES)
 
 # Its gradient norms (about 5) are printed to 4 decimals: two ranks' fp32 sums, a few 1e-5 off
 # one process's, can move the last printed digit by 2.
@@ -157,10 +115,10 @@ def test_sequence_shards_route_their_own_tokens_and_train_what_one_process_does(
     one = train(assets, tmp_path / "one", micro_batch_size=4)
     two = train(assets, tmp_path / "two", nproc=2, micro_batch_size=4, **{parallel: 2})
     assert sorted(two) == [1, 2, 3, 4]
-    assert_same(two, one)
+    assert_same(two, one, TOLERANCES)
     experts = train(assets, tmp_path / "experts", nproc=4, dp=2, ep=2, micro_batch_size=2, **{parallel: 2})
     assert sorted(experts) == [1, 2, 3, 4]
-    assert_same(experts, one)
+    assert_same(experts, one, TOLERANCES)
 
 
 @pytest.mark.slow
@@ -171,7 +129,7 @@ def test_lora_on_a_mixture_of_experts_trains_alike_with_experts_split(assets, tm
     one = train(assets, tmp_path / "one", micro_batch_size=4, lora=lora)
     ep = train(assets, tmp_path / "ep", nproc=2, dp=2, ep=2, micro_batch_size=2, lora=lora)
     assert sorted(ep) == [1, 2, 3, 4]
-    assert_same(ep, one)
+    assert_same(ep, one, TOLERANCES)
 
 
 @pytest.mark.parametrize("overrides, nproc, problem", [

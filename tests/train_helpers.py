@@ -4,6 +4,8 @@ and launching a run and reading its losses from the step lines."""
 from __future__ import annotations
 
 import re
+import shutil
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from forked_workers import train_forked
@@ -70,3 +72,32 @@ reduction's order the same from run to run, whatever the machine's load."""
 def train_in_subprocess(cfg: TrainConfig) -> dict[int, float]:
     """Train ``cfg`` in one process without a process group, single-threaded; its losses by step."""
     return losses(train_forked(cfg, 1, env=SINGLE_THREAD))
+
+
+def step_metrics(lines: list[str], keys: Iterable[str]) -> dict[int, dict[str, float]]:
+    """The metrics ``keys`` (those a step line has) of every step line, by step."""
+    wanted = set(keys)
+    steps = {}
+    for line in lines:
+        if match := re.match(r"^step (\d+)/\d+ \| (.*)", line):
+            fields = dict(field.split(" ", 1) for field in match[2].split(" | "))
+            steps[int(match[1])] = {key: float(value) for key, value in fields.items() if key in wanted}
+    return steps
+
+
+def assert_same(got: dict[int, dict[str, float]], want: dict[int, dict[str, float]],
+                tolerances: Mapping[str, float]) -> None:
+    """Every metric of every step of ``got`` as in ``want``, within its tolerance."""
+    assert got and set(got) <= set(want)
+    for step, metrics in got.items():
+        assert metrics.keys() == want[step].keys(), (step, metrics, want[step])
+        for key, value in metrics.items():
+            assert abs(value - want[step][key]) <= tolerances[key], (step, key, got, want)
+
+
+def resume_from(out: Path, step: int) -> None:
+    """Make ``out`` a run directory whose latest checkpoint is the one of ``step``."""
+    for later in out.glob("step_*"):
+        if int(later.name.removeprefix("step_")) > step:
+            shutil.rmtree(later)
+    (out / "latest").write_text(f"step_{step:08d}\n")

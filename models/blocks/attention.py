@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from llmflow import kernels
+from llmflow.models.blocks.local import local_part
 from llmflow.models.blocks.norm import rms_norm
 from llmflow.models.kv_cache import KVCache
 
@@ -88,7 +89,11 @@ class Attention(nn.Module):
                        document_ids: torch.Tensor | None) -> torch.Tensor:
         """Causal attention of q [B, Hq, S, D] over k/v [B, Hkv, S', D]: the step context
         parallelism replaces (``models/context_parallel.py``)."""
-        return kernels.attention(q, k, v, self.scale, document_ids, self.sliding_window, self.sinks)
+        return kernels.attention(q, k, v, self.scale, document_ids, self.sliding_window, self.local_sinks())
+
+    def local_sinks(self) -> torch.Tensor | None:
+        """The sinks of this rank's heads (a tensor-parallel plan splits them with the heads)."""
+        return None if self.sinks is None else local_part(self.sinks)
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

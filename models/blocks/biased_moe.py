@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmflow import kernels
+from llmflow.models.blocks.local import local_part
 from llmflow.models.blocks.moe import TopKRouter
 
 
@@ -51,11 +52,11 @@ class ClampedSwiGLUExperts(nn.Module):
         """x [N, hidden] holds ``counts[e]`` rows for each expert e, in expert order; each row's
         output (biases included) times ``scale`` [N, 1] when given."""
         rows = x.shape[0]
-        gate_up = kernels.grouped_mm(x, self.gate_up_weight.to(x.dtype).transpose(1, 2), counts)
-        gate_up = gate_up + self.gate_up_bias.to(x.dtype).repeat_interleave(counts, dim=0, output_size=rows)
+        gate_up = kernels.grouped_mm(x, local_part(self.gate_up_weight).to(x.dtype).transpose(1, 2), counts)
+        gate_up = gate_up + local_part(self.gate_up_bias).to(x.dtype).repeat_interleave(counts, dim=0, output_size=rows)
         gate = gate_up[..., ::2].clamp(max=self.limit)
         up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
         hidden = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-        out = kernels.grouped_mm(hidden, self.down_weight.to(x.dtype).transpose(1, 2), counts)
-        out = out + self.down_bias.to(x.dtype).repeat_interleave(counts, dim=0, output_size=rows)
+        out = kernels.grouped_mm(hidden, local_part(self.down_weight).to(x.dtype).transpose(1, 2), counts)
+        out = out + local_part(self.down_bias).to(x.dtype).repeat_interleave(counts, dim=0, output_size=rows)
         return out if scale is None else out * scale

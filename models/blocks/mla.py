@@ -34,9 +34,9 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from llmflow import kernels
+from llmflow.models.blocks.local import local_part
 from llmflow.models.blocks.norm import RMSNorm
 from llmflow.models.kv_cache import KVCache
 from llmflow.models.lora import effective_weight
@@ -47,6 +47,9 @@ RMSNorm's default, whatever ``rms_norm_eps`` says."""
 
 
 class MultiHeadLatentAttention(nn.Module):
+    sliding_window = None
+    """Every position attends to every earlier one (read by context parallelism, as ``Attention``'s)."""
+
     def __init__(
         self,
         hidden_size: int,
@@ -114,15 +117,23 @@ class MultiHeadLatentAttention(nn.Module):
             k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
             q = torch.cat([q_nope, q_rot], dim=-1)
             k = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
-            out = kernels.attention(q, k, v, self.scale, document_ids)
+            out = self.core_attention(q, k, v, document_ids)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       document_ids: torch.Tensor | None) -> torch.Tensor:
+        """Causal attention of q/k [B, H, S, qk_head_dim] and v [B, H, S, v_head_dim] in training
+        and prefill: the step context parallelism replaces (``models/context_parallel.py``)."""
+        return kernels.attention(q, k, v, self.scale, document_ids)
+
+    def local_sinks(self) -> None:
+        """No attention sinks (``Attention.local_sinks``' counterpart for context parallelism)."""
 
     def _latent_attention(self, q_nope: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
                           document_ids: torch.Tensor | None, cache: tuple[KVCache, str]) -> torch.Tensor:
         """Attention over the cached latents [B, 1, S, kv_lora_rank] and rotary key parts
         [B, 1, S, qk_rope_head_dim] (the new positions' written first); [B, H, Sq, v_head_dim]."""
-        weight = effective_weight(self.kv_b_proj)
-        weight = weight.to_local() if isinstance(weight, DTensor) else weight  # this rank's heads
+        weight = local_part(effective_weight(self.kv_b_proj))  # this rank's heads
         up = weight.to(q_nope.dtype).view(-1, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         key_rows, value_rows = up.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
         batch, _, seq, _ = latent.shape

@@ -13,7 +13,6 @@ the statistics of its last forward (``routing``): after the model's forward,
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmflow import kernels
+from llmflow.models.blocks.local import local_part
 from llmflow.models.blocks.mlp import MLP
 
 
@@ -81,19 +81,11 @@ class GroupedExperts(nn.Module):
         expert parallelism: this rank's experts, ``models/expert_parallel.py``); each row's
         output times ``scale`` [N, 1] when given (applied to the SwiGLU's output, the narrower
         of the down projection's two sides)."""
-        gate, up, down = (_local(w, x.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        gate, up, down = (local_part(w).to(x.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
         hidden = kernels.swiglu(kernels.grouped_mm(x, gate, counts), kernels.grouped_mm(x, up, counts))
         if scale is not None:
             hidden = hidden * scale
         return kernels.grouped_mm(hidden, down, counts)
-
-
-def _local(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """This rank's experts of a weight expert parallelism split (a DTensor), in the compute dtype.
-    DTensor is looked up, not imported: importing it takes a second, and a DTensor exists only
-    where the code that made it has imported it."""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return (weight.to_local() if dtensor and isinstance(weight, dtensor.DTensor) else weight).to(dtype)
 
 
 class MoE(nn.Module):

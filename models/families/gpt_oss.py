@@ -8,9 +8,10 @@ biases, [in, out] per expert) compute a clamped SwiGLU of interleaved gate/up co
 (``swiglu_alpha``, ``swiglu_limit``). The experts of the published checkpoints are stored
 MXFP4 (``_blocks``/``_scales``), decoded at load by ``llmflow/weights/quantized.py``.
 
-Refused: layer types other than sliding/full, sliding layers without a window, a
-``swiglu_alpha``/``swiglu_limit`` that is not a number, and tp, ep or cp above 1 (the plans do
-not split the sinks and the biased experts yet).
+Under tensor parallelism the sinks are split with the heads; expert parallelism splits the
+experts' biases with their weights; context parallelism adds each head's sink to its queries'
+softmax under both algorithms. Refused: layer types other than sliding/full, sliding layers
+without a window, and a ``swiglu_alpha``/``swiglu_limit`` that is not a number.
 """
 
 from __future__ import annotations
@@ -81,5 +82,4 @@ def build_layer(config: ModelConfig, index: int) -> DecoderLayer:
 
 
 GPT_OSS = Family("gpt_oss", read_options, build_layer, "GptOssForCausalLM", write_options, hf_renames=HF_RENAMES,
-                 hf_fused_experts=False, unsplit_layouts=("tp", "ep", "cp"),
-                 unsplit_parts="its attention sinks (per head) and its biased experts")
+                 hf_fused_experts=False)
