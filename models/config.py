@@ -166,6 +166,11 @@ class ModelConfig:
     embedding_padding_idx: int | None = None
     """The embedding row its lookup passes no gradient to (nn.Embedding's ``padding_idx``: Gemma
     3's ``pad_token_id``, as its transformers model builds the embedding); None: every row's."""
+    attention_sinks: bool = False
+    """Each attention head has a learned logit (``sinks``) that joins every query's softmax as a
+    column whose probability is dropped (gpt-oss)."""
+    biased_experts: bool = False
+    """The router and both projections of every routed expert have biases (gpt-oss)."""
     expert_swiglu_alpha: float = 1.702
     """Sigmoid gain of the clamped SwiGLU of gpt-oss's experts (``swiglu_alpha``)."""
     expert_swiglu_limit: float = 7.0

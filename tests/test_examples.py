@@ -51,6 +51,11 @@ PUBLISHED_PARAMETERS = {  # the model cards' parameter counts
     # computed, the model cards' 671B (37B activated) and 106B (12B active) rounded.
     "deepseek-v3": 671_026_404_352,
     "glm-4.5-air": 106_852_245_504,
+    # The model cards' 1T (32B activated; computed here: 1026.41 B, 32.86 B) and gpt-oss's 20.91 B
+    # and 116.83 B total, whose active 3.61 B and 5.13 B leave out the embedding (ours count it).
+    "kimi-k2": 1_026_408_209_408,
+    "gpt-oss-20b": 20_914_757_184,
+    "gpt-oss-120b": 116_829_156_672,
 }
 KINDS = ("pretrain", "finetune", "lora")
 ONE_NODE = {(kind, 1) for kind in KINDS}
@@ -74,7 +79,18 @@ EXAMPLE_SETS = {  # (kind, nodes) of each model's configs
     "deepseek-v3": {("finetune", 64), ("lora", 32)},
     # 107B: full finetuning on 8 nodes (64 devices), LoRA on 2.
     "glm-4.5-air": {("finetune", 8), ("lora", 2)},
+    # 1.03T: full finetuning on 96 nodes (768 devices, ep=384), LoRA on 32 (the smallest count,
+    # 32 nodes, Kimi K2's report trains on).
+    "kimi-k2": {("finetune", 96), ("lora", 32)},
+    # 21B: both on one node.
+    "gpt-oss-20b": {("finetune", 1), ("lora", 1)},
+    # 117B: full finetuning on 8 nodes, LoRA on 2 (its bf16 weights and the 201k-token logits
+    # leave one node's devices 61 GiB).
+    "gpt-oss-120b": {("finetune", 8), ("lora", 2)},
 }
+LOAD_PEAKS = {"kimi-k2/lora-32nodes.yaml"}
+"""Examples whose peak is loading: Kimi K2's 384 experts of a projection are one stored tensor
+(21 GiB in fp32, which DCP reads whole), more than a LoRA step over frozen shards holds."""
 LONG = "-32k"
 LONG_EXAMPLES = {"qwen2.5-7b": {"finetune"}}
 """The kinds of each model's long-sequence configs (``{kind}-32k.yaml``, 32768 tokens a row)."""
@@ -196,8 +212,9 @@ def test_example_passes_the_checks_and_fits_64_gb(path):
     assert (config.data.kind == "pretrain") == (kind(path) == "pretrain")
     assert (config.method == "dpo") == (config.data.kind == "preference") == (kind(path) == "dpo")
     _, p = plan(path)
-    # Each rank loads its shards of the converted checkpoint: loading is never the peak.
-    assert p.fits and p.peak_moment != LOAD, p.table()
+    # Each rank loads its shards of the converted checkpoint: loading is the peak only where a
+    # stored tensor read whole outweighs the step (LOAD_PEAKS).
+    assert p.fits and (p.peak_moment == LOAD) == (str(path.relative_to(EXAMPLES)) in LOAD_PEAKS), p.table()
     text = path.read_text()
     command = COMMAND.search(text)
     assert command, "no llmflow train command for the config"

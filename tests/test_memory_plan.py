@@ -109,6 +109,14 @@ def glm4_moe(**changes) -> ModelConfig:
     return qwen2(**{**values, **changes})
 
 
+def gpt_oss(**changes) -> ModelConfig:
+    """A small gpt-oss shaped like moe(): attention with biases and sinks, sliding and full
+    layers, every layer 8 biased experts of width 256, top-2."""
+    values = {"model_type": "gpt_oss", "head_dim": 64, "num_local_experts": 8, "num_experts_per_tok": 2,
+              "intermediate_size": 256, "sliding_window": 128}
+    return qwen2(**{**values, **changes})
+
+
 def qwen3_5(family: str = "qwen3_5_text", types: str | None = None, **changes) -> ModelConfig:
     """A small Qwen3.5 shaped like qwen2(): Gated DeltaNets of 4 key heads each serving 2 value
     heads, heads 64 wide; gated attention every 4th layer, or on ``types`` layers only
@@ -146,7 +154,7 @@ def term(plan, prefix: str) -> int:
                                     moe("mixtral", num_local_experts=4), qwen3_5(), qwen3_5(attention_bias=True),
                                     qwen3_5("qwen3_5_moe_text"), qwen3_5("qwen3_next", mlp_only_layers=[1]),
                                     mla(), mla(3, True), mla(3, True, q_lora_rank=None, attention_bias=True),
-                                    glm4_moe(first_k_dense_replace=1, num_hidden_layers=3)])
+                                    glm4_moe(first_k_dense_replace=1, num_hidden_layers=3), gpt_oss()])
 def test_parameter_counts_equal_the_modules(config):
     with torch.device("meta"):
         model = CausalLM(config)

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -62,6 +63,14 @@ CASES = {
     "moe_yarn": {**MLA, **ROUTING, "q_lora_rank": 24, "num_hidden_layers": 3, "first_k_dense_replace": 1,
                  "rope_parameters": YARN},
 }
+# Kimi K2's shape: 1 dense layer, then experts in one group (n_group = topk_group = 1), one
+# shared expert, its YaRN (beta_fast = beta_slow = 1, both mscales 1) and routed scaling.
+KIMI_K2 = {**MLA, **ROUTING, "q_lora_rank": 24, "num_hidden_layers": 3, "first_k_dense_replace": 1, "n_group": 1,
+           "topk_group": 1, "n_shared_experts": 1, "routed_scaling_factor": 2.827,
+           "rope_parameters": {**YARN, "beta_fast": 1, "beta_slow": 1, "mscale_all_dim": 1.0}}
+KIMI_K2_AUTO_MAP = {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                    "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                    "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
 MLA_TARGETS = ["q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 
 
@@ -190,6 +199,29 @@ def test_checkpoint_and_config_round_trip_bit_exact(case, make_hf_model, tmp_pat
     for name, tensor in original.items():
         assert torch.equal(written[name], tensor), name
     assert json.loads((saved / "config.json").read_text()) == json.loads((path / "config.json").read_text())
+
+
+def test_a_kimi_k2_checkpoint_computes_deepseek_v3s_logits_and_exports_as_itself(make_hf_model, tokens, tmp_path):
+    """Kimi K2 ships DeepSeek-V3's architecture under model_type kimi_k2 (config and modelling code
+    remote, by auto_map): read as DeepSeek-V3, it computes transformers' DeepseekV3ForCausalLM
+    logits, and its export reproduces every tensor and its own config.json."""
+    hf, path = make_hf_model("deepseek_v3", **KIMI_K2)
+    kimi = tmp_path / "kimi"
+    kimi.mkdir()
+    shutil.copy(path / "model.safetensors", kimi)
+    config = {**json.loads((path / "config.json").read_text()), "model_type": "kimi_k2", "auto_map": KIMI_K2_AUTO_MAP}
+    (kimi / "config.json").write_text(json.dumps(config))
+    ours = load_hf_model(kimi).eval()
+    assert ours.config.model_type == "kimi_k2" and ours.config.n_group == 1
+    ids = tokens(BATCH, SEQ)
+    with torch.no_grad():
+        got, expected = ours(ids), hf(ids).logits
+    print(f"kimi_k2: largest logit difference {(got - expected).abs().max():.1e}")
+    assert_close(got, expected)
+    saved = save_hf_model(ours, tmp_path / "out")
+    assert json.loads((saved / "config.json").read_text()) == config
+    original, written = load_file(kimi / "model.safetensors"), load_file(saved / "model.safetensors")
+    assert sorted(written) == sorted(original) and all(torch.equal(written[n], t) for n, t in original.items())
 
 
 def test_the_multi_token_prediction_layer_is_left_out(make_hf_model, tokens, tmp_path, caplog):

@@ -295,8 +295,10 @@ def _targets(lora: LoraConfig | None, model: ModelConfig, layer: int = 0) -> set
 
 
 def expert_params(model: ModelConfig) -> int:
-    """Parameters of one routed expert: its gate, up and down projections."""
-    return 3 * model.moe_intermediate_size * model.hidden_size
+    """Parameters of one routed expert: its gate, up and down projections (with
+    ``biased_experts``, their biases too)."""
+    width, h = model.moe_intermediate_size, model.hidden_size
+    return 3 * width * h + (2 * width + h) * model.biased_experts
 
 
 def layer_experts(model: ModelConfig, layer: int) -> int:
@@ -307,8 +309,10 @@ def layer_experts(model: ModelConfig, layer: int) -> int:
 def layer_params(model: ModelConfig, tp: int = 1, layer: int = 0) -> int:
     """Parameters of decoder layer ``layer`` on one tensor-parallel rank (norms whole: the two of
     the residual stream, four with ``sandwich_norms``, and, with ``qk_norm``, the per-head ones of
-    queries and keys; Multi-head Latent Attention's ``_latent_extras``). A
-    mixture-of-experts layer holds its router [experts, hidden], every routed expert and the
+    queries and keys; ``attention_sinks``, one per head; Multi-head Latent Attention's
+    ``_latent_extras``). A
+    mixture-of-experts layer holds its router [experts, hidden] (and its bias, with
+    ``biased_experts``), every routed expert and the
     shared expert with its gate, which tensor parallelism does not split (the sigmoid router's
     fp32 ``e_score_correction_bias`` is a buffer, ``layer_buffers``). A Gated DeltaNet
     holds, beside its Linears, its convolution [channels, 1, kernel], A_log and dt_bias per
@@ -330,8 +334,9 @@ def layer_params(model: ModelConfig, tp: int = 1, layer: int = 0) -> int:
         # Column-parallel biases split with their weights; row-parallel ones stay whole.
         total += (gate * q + 2 * kv) * model.qkv_bias // tp + h * model.o_bias
         total += 2 * model.head_dim * model.qk_norm
+        total += model.num_attention_heads // tp * model.attention_sinks  # split with the heads
     if model.is_moe_layer(layer):
-        total += model.num_experts * h + layer_experts(model, layer)
+        total += model.num_experts * (h + model.biased_experts) + layer_experts(model, layer)
     else:
         total += 2 * model.intermediate_size * model.mlp_bias // tp + h * model.mlp_bias
     return total + _layer_norms(model) * h

@@ -6,7 +6,7 @@ Adding one is writing its module (and any block it needs) and registering it bel
 """
 
 from llmflow.models.config import register_family
-from llmflow.models.families.deepseek_v3 import DEEPSEEK_V3
+from llmflow.models.families.deepseek_v3 import DEEPSEEK_V3, KIMI_K2
 from llmflow.models.families.gemma3 import GEMMA3_TEXT
 from llmflow.models.families.glm4_moe import GLM4_MOE
 from llmflow.models.families.gpt_oss import GPT_OSS
@@ -33,6 +33,7 @@ register_family(QWEN3_5)
 register_family(QWEN3_5_MOE_TEXT)
 register_family(QWEN3_5_MOE)
 register_family(DEEPSEEK_V3)
+register_family(KIMI_K2)
 register_family(GLM4_MOE)
 register_family(GEMMA3_TEXT)
 register_family(GPT_OSS)

@@ -4,12 +4,17 @@ on the first ``first_k_dense_replace`` layers and DeepSeek's mixture of experts 
 (``moe_options.read_sigmoid_routing``: the sigmoid router with ``e_score_correction_bias`` and
 groups, ungated ``shared_experts``). A model whose every layer is dense has no experts at all.
 
+Kimi K2 (``moonshotai/Kimi-K2-*``) is this architecture under ``model_type: kimi_k2`` (its
+config.json's ``architectures`` is ``DeepseekV3ForCausalLM``, its config class remote code):
+``KIMI_K2`` reads it as DeepSeek-V3 and writes ``kimi_k2`` back on export.
+
 The Hub's checkpoints hold the multi-token prediction layer as the layer after the last one
 (``model.layers.{num_hidden_layers}``), which is left out, as transformers leaves it out.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from llmflow.models.blocks.decoder_layer import DecoderLayer
@@ -88,3 +93,5 @@ def build_layer(config: ModelConfig, index: int) -> DecoderLayer:
 
 DEEPSEEK_V3 = Family("deepseek_v3", read_options, build_layer, "DeepseekV3ForCausalLM", write_options,
                      hf_extra_layers=MTP)
+KIMI_K2 = dataclasses.replace(DEEPSEEK_V3, model_type="kimi_k2")
+"""Kimi K2's config.json: DeepSeek-V3's keys (384 experts in one group, one dense layer)."""

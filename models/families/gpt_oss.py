@@ -59,6 +59,7 @@ def read_options(hf: dict[str, Any], source: str) -> dict[str, Any]:
             "rms_norm_eps": hf.get("rms_norm_eps", DEFAULTS["rms_norm_eps"]),
             "max_position_embeddings": hf.get("max_position_embeddings", DEFAULTS["max_position_embeddings"]),
             "moe_intermediate_size": hf["intermediate_size"], **experts, "dense_layers": (),
+            "attention_sinks": True, "biased_experts": True,
             "expert_swiglu_alpha": float(hf.get("swiglu_alpha", DEFAULTS["swiglu_alpha"])),
             "expert_swiglu_limit": float(hf.get("swiglu_limit", DEFAULTS["swiglu_limit"])),
             "embedding_padding_idx": hf.get("pad_token_id")}
@@ -73,7 +74,7 @@ def write_options(config: ModelConfig) -> dict[str, Any]:
 def build_layer(config: ModelConfig, index: int) -> DecoderLayer:
     attention = Attention(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
                           qkv_bias=config.qkv_bias, o_bias=config.o_bias, sliding_window=config.layer_window(index),
-                          sinks=True)
+                          sinks=config.attention_sinks)
     hidden, width, count = config.hidden_size, config.moe_intermediate_size, config.num_experts
     router = BiasedTopKRouter(hidden, count, config.num_experts_per_tok)
     experts = ClampedSwiGLUExperts(hidden, width, count, config.expert_swiglu_alpha, config.expert_swiglu_limit)
