@@ -199,8 +199,17 @@ def test_lora_adapter_counts_of_hybrid_layers(config, targets):
     _assert_adapter_counts(config, targets)
 
 
-def _assert_adapter_counts(config, targets):
-    lora = LoraConfig(rank=8) if targets is None else LoraConfig(rank=8, target_modules=targets)
+@pytest.mark.parametrize("config", [moe(num_hidden_layers=2, mlp_only_layers=[1]), gpt_oss(), mla(3, True)],
+                         ids=["qwen3_moe", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("parameters", [["experts.gate_up_proj", "experts.down_proj"], ["mlp.experts.down_proj"]])
+def test_lora_adapter_counts_of_the_routed_experts(config, parameters):
+    _assert_adapter_counts(config, ["o_proj"], parameters)
+
+
+def _assert_adapter_counts(config, targets, parameters=()):
+    lora = LoraConfig(rank=8, target_parameters=list(parameters))
+    if targets is not None:
+        lora = lora.model_copy(update={"target_modules": targets})
     with torch.device("meta"):
         model = CausalLM(config)
     apply_lora(model, lora)

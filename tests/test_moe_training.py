@@ -122,14 +122,36 @@ def test_sequence_shards_route_their_own_tokens_and_train_what_one_process_does(
 
 
 @pytest.mark.slow
-def test_lora_on_a_mixture_of_experts_trains_alike_with_experts_split(assets, tmp_path):
-    """LoRA adapters on attention over frozen experts, which ep=2 splits: the losses, gradient
-    norms and routing of one process."""
+@pytest.mark.parametrize("experts", [False, True], ids=["frozen-experts", "adapted-experts"])
+def test_lora_on_a_mixture_of_experts_trains_alike_with_experts_split(assets, tmp_path, experts):
+    """LoRA adapters on attention over the experts, frozen or adapted too (target_parameters:
+    each expert's adapters split over the ranks with it), which ep=2 splits: the losses,
+    gradient norms and routing of one process; the ep=2 run's adapters merged by
+    ``llmflow export --merge-lora`` equal the run's model with its adapters merged in memory."""
     lora = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    if experts:
+        lora["target_parameters"] = ["experts.gate_up_proj", "experts.down_proj"]
     one = train(assets, tmp_path / "one", micro_batch_size=4, lora=lora)
     ep = train(assets, tmp_path / "ep", nproc=2, dp=2, ep=2, micro_batch_size=2, lora=lora)
     assert sorted(ep) == [1, 2, 3, 4]
     assert_same(ep, one, TOLERANCES)
+    if experts:
+        import torch
+        from safetensors.torch import load_file
+
+        from llmflow.weights import load_model, save_hf_model
+        from llmflow.weights.export import ExportConfig, export
+
+        exported = export(ExportConfig(ckpt=tmp_path / "ep", out=tmp_path / "merged", merge_lora=True))
+        merged, _ = load_model(tmp_path / "ep")
+        expected = load_file(save_hf_model(merged, tmp_path / "in-memory") / "model.safetensors")
+        written = load_file(exported / "model.safetensors")
+        assert sorted(written) == sorted(expected)
+        base = load_file(assets["model"] / "model.safetensors")
+        moved = [n for n in expected if ".experts." in n and not torch.equal(expected[n], base[n])]
+        assert moved  # the experts' adapters trained
+        for name, tensor in expected.items():
+            torch.testing.assert_close(written[name], tensor, atol=1e-6, rtol=0, msg=name)
 
 
 @pytest.mark.parametrize("overrides, nproc, problem", [

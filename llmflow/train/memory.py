@@ -289,7 +289,7 @@ def _targets(lora: LoraConfig | None, model: ModelConfig, layer: int = 0) -> set
     found = set()
     for name in _linear_shapes(model, layer):
         full = f"model.layers.{layer}.{name}"
-        if any(full == t or full.endswith("." + t) for t in lora.target_modules):
+        if _matches_any(full, lora.target_modules):
             found.add(name)
     return found
 
@@ -365,11 +365,28 @@ def _layer_norms(model: ModelConfig) -> int:
     return 4 if model.sandwich_norms else 2
 
 
+def expert_lora_params(model: ModelConfig, lora: LoraConfig, layer: int) -> int:
+    """The parameters of the adapters ``lora.target_parameters`` puts on layer ``layer``'s routed
+    experts: r (in + out) per expert of each weight it names (``gate_up_proj``: hidden ->
+    2 moe_intermediate_size; ``down_proj``: back)."""
+    if not model.is_moe_layer(layer):
+        return 0
+    h, width = model.hidden_size, model.moe_intermediate_size
+    features = {"gate_up_proj": h + 2 * width, "down_proj": width + h}
+    return sum(model.num_experts * lora.rank * size for target, size in features.items()
+               if _matches_any(f"model.layers.{layer}.mlp.experts.{target}", lora.target_parameters))
+
+
+def _matches_any(name: str, targets: list[str]) -> bool:
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
 def lora_layer_params(model: ModelConfig, lora: LoraConfig, tp: int = 1, layer: int = 0) -> int:
     """LoRA adapter parameters of decoder layer ``layer`` on one tensor-parallel rank: lora_A
     [r, in] and lora_B [out, r]; the side a column- (row-) parallel weight splits is split.
-    The routed experts (no Linears) get none."""
-    total = 0
+    The routed experts' adapters (``expert_lora_params``), which tensor parallelism does not
+    split, count too."""
+    total = expert_lora_params(model, lora, layer)
     shapes = _linear_shapes(model, layer)
     for name in _targets(lora, model, layer):
         (i, o), (cut_in, cut_out) = shapes[name], _split(name, tp)
@@ -748,13 +765,16 @@ def _stage_plan(model: ModelConfig, shape: TrainShape, pp_rank: int) -> tuple[li
     lora = shape.lora
     # Under expert parallelism (ep > 1) each rank holds 1/ep of every MoE layer's experts whole,
     # outside FSDP2; everything else (and at ep = 1 the experts too) is sharded over dp * cp.
+    # The experts' adapters go with their experts.
     experts = [layer_experts(model, i) if ep > 1 else 0 for i in indices]
-    local = [e // ep for e in experts]
     adapters = [lora_layer_params(model, lora, tp, i) if lora is not None else 0 for i in indices]
-    unit = [layer_params(model, tp, i) - e + a for i, e, a in zip(indices, experts, adapters, strict=True)]
+    expert_adapters = [expert_lora_params(model, lora, i) if lora is not None and ep > 1 else 0 for i in indices]
+    local = [(e + x) // ep for e, x in zip(experts, expert_adapters, strict=True)]
+    unit = [layer_params(model, tp, i) - e + a - x
+            for i, e, a, x in zip(indices, experts, adapters, expert_adapters, strict=True)]
     params = sum(unit) + root  # sharded over dp * cp
-    trainable = params if lora is None else sum(adapters)
-    local_trainable = sum(local) if lora is None else 0
+    trainable = params if lora is None else sum(adapters) - sum(expert_adapters)
+    local_trainable = sum(local) if lora is None else sum(expert_adapters) // ep
     all_adapters = sum(lora_layer_params(model, lora, 1, i) for i in range(model.num_hidden_layers)) if lora else 0
     over = f"sharded over {shape.fsdp_label}" if sharded else "whole"
     if sum(local):

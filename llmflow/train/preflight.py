@@ -35,7 +35,7 @@ from llmflow.data.tokenize_instruction import STAGE as INSTRUCTION_STAGE
 from llmflow.data.tokenize_preference import STAGE as PREFERENCE_STAGE
 from llmflow.data.tokenize_pretrain import STAGE as PRETRAIN_STAGE
 from llmflow.mesh import ParallelLayout, layout_problems, product
-from llmflow.models import ModelConfig
+from llmflow.models import LoraConfig, ModelConfig
 from llmflow.models.context_parallel import context_parallel_problems, sequence_split_problems
 from llmflow.train.config import TrainConfig
 from llmflow.train.data import pretrain_prefix
@@ -348,8 +348,10 @@ def resume_problems(config: TrainConfig, model: ModelConfig | None) -> list[str]
 def _same_lora(before: dict[str, Any], now: dict[str, Any], model: ModelConfig | None) -> bool:
     """Whether two recorded LoRA settings train the same adapters of ``model``: equal but for
     target lists that adapt the same modules (a run recorded with an older default list
-    resumes under the current default)."""
-    rest = [{k: v for k, v in settings.items() if k != "target_modules"} for settings in (before, now)]
+    resumes under the current default) and for settings recorded before they existed, read
+    as their defaults (``target_parameters``)."""
+    rest = [{k: v for k, v in LoraConfig.model_validate(settings).model_dump().items() if k != "target_modules"}
+            for settings in (before, now)]
     return rest[0] == rest[1] and _same_targets(before.get("target_modules"), now.get("target_modules"), model)
 
 

@@ -40,7 +40,15 @@ from llmflow.weights.carried import Carried, untrained_tensors
 from llmflow.weights.errors import CheckpointError
 from llmflow.weights.hf import write_hf_weights
 from llmflow.weights.hf_names import TIED_INPUT, TIED_OUTPUT, hf_names, is_stacked_experts, split_experts
-from llmflow.weights.lora_adapters import LORA_A, LORA_B, check_adapter_shapes, lora_modules, lora_scale, merged_loader
+from llmflow.weights.lora_adapters import (
+    LORA_A,
+    LORA_B,
+    check_adapter_shapes,
+    is_expert_adapter,
+    lora_modules,
+    lora_scale,
+    merged_loader,
+)
 from llmflow.weights.megatron.exporter import Layout, check_layout, write_megatron
 from llmflow.weights.quantized import (
     FP8_SCALES,
@@ -232,6 +240,9 @@ def write_peft_adapter(work: Path, lora: Source, vocab_size: int, config: Export
     modules = lora_modules(lora)
     if any(m.endswith("embed_tokens") for m in modules):
         raise CheckpointError(f"{lora.path}: PEFT export of embed_tokens adapters is not supported; use merge_lora")
+    if experts := [m for m in modules if is_expert_adapter(m)]:
+        raise CheckpointError(f"{lora.path}: PEFT export of adapters on the routed experts (target_parameters, "
+                              f"{experts[0]}) is not supported; export with merge_lora")
     dtype = _DTYPES[config.dtype] if config.dtype else None
     tensors = lora.load([m + s for m in modules for s in (LORA_A, LORA_B)])
     model = ModelConfig.from_hf(lora.meta.hf_config, source=str(lora.path))

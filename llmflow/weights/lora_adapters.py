@@ -1,6 +1,9 @@
 """The adapters of a LoRA checkpoint (``...q_proj.lora_A.weight`` [r, in] and
-``...q_proj.lora_B.weight`` [out, r] beside no other tensor), checked against the base
-weights and merged into them: ``W + alpha / rank * B @ A``."""
+``...q_proj.lora_B.weight`` [out, r] beside no other tensor; on the routed experts
+``...mlp.experts.lora.{gate_up_proj,down_proj}.lora_A.weight`` [experts, r, in] and
+``lora_B.weight`` [experts, out, r]), checked against the base weights and merged into them:
+``W + alpha / rank * B @ A``, each expert's into its part of the stacked weights
+(``LORA_PARTS`` of the experts modules)."""
 
 from __future__ import annotations
 
@@ -8,11 +11,32 @@ from collections.abc import Callable
 
 import torch
 
+from llmflow.models.blocks.biased_moe import ClampedSwiGLUExperts
+from llmflow.models.blocks.moe import GroupedExperts
+from llmflow.models.lora import ExpertAdapterPart
 from llmflow.weights.errors import CheckpointError
 from llmflow.weights.tensor_source import Source
 from llmflow.weights.training_checkpoint import META
 
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
+EXPERT_PARTS: dict[str, ExpertAdapterPart] = {**GroupedExperts.LORA_PARTS, **ClampedSwiGLUExperts.LORA_PARTS}
+"""The stacked expert weights an expert adapter updates, by their last name."""
+
+
+def adapter_of(name: str) -> tuple[str, ExpertAdapterPart | None] | None:
+    """The adapter module that would update the checkpoint tensor ``name`` (a Linear's
+    ``.weight``; a stacked expert weight, with its part of the adapter's update), or None."""
+    if name.endswith(".weight"):
+        return name.removesuffix(".weight"), None
+    parent, _, leaf = name.rpartition(".")
+    if parent.endswith(".experts") and (part := EXPERT_PARTS.get(leaf)) is not None:
+        return f"{parent}.lora.{part.target}", part
+    return None
+
+
+def is_expert_adapter(module: str) -> bool:
+    """Whether the adapter module ``module`` is on the routed experts (``...experts.lora.*``)."""
+    return ".experts.lora." in module
 
 
 def lora_modules(source: Source) -> list[str]:
@@ -38,25 +62,42 @@ def lora_scale(source: Source) -> float:
 
 
 def check_adapter_shapes(lora: Source, weights: Source, names: list[str], modules: list[str]) -> None:
-    """Every adapter belongs to a written weight W [out, in], with A [r, in] and B [out, r]."""
+    """Every adapter belongs to a written weight W [out, in], with A [r, in] and B [out, r]; an
+    expert adapter to the stacked weights it updates, with A [experts, r, in] and B [experts,
+    out, r] (out: the rows of its parts together)."""
+    bases: dict[str, list[tuple[str, ExpertAdapterPart | None]]] = {}
+    for name in names:
+        if (found := adapter_of(name)) is not None and found[0] in modules:
+            bases.setdefault(found[0], []).append((name, found[1]))
     for module in modules:
-        a, b = lora.tensors[module + LORA_A].shape, lora.tensors[module + LORA_B].shape
-        name = module + ".weight"
-        weight = weights.tensors[name].shape if name in names else None
-        if weight is None or len(a) != 2 or len(b) != 2 or a[0] != b[1] or (b[0], a[1]) != weight:
+        a, b = tuple(lora.tensors[module + LORA_A].shape), tuple(lora.tensors[module + LORA_B].shape)
+        written = bases.get(module, [])
+        shapes = [tuple(weights.tensors[name].shape) for name, _ in written]
+        if is_expert_adapter(module):
+            rows = [part.features(shape)[1] for (_, part), shape in zip(written, shapes, strict=True)]
+            expected = written and len(a) == len(b) == 3 and a[:2] == (b[0], b[2]) and all(
+                (s[0], part.features(s)[0]) == (a[0], a[2]) for (_, part), s in zip(written, shapes, strict=True)) \
+                and sum(rows) == b[1]
+        else:
+            expected = written and len(a) == len(b) == 2 and a[0] == b[1] and (b[0], a[1]) == shapes[0]
+        if not expected:
             raise CheckpointError(
                 f"{lora.path}: adapter of {module} (A {a}, B {b}) does not fit a base weight "
-                f"({'none written' if weight is None else weight}) in {weights.path}"
+                f"({shapes or 'none written'}) in {weights.path}"
             )
 
 
 def merge_adapters(weights: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], scale: float) -> None:
-    """``W += scale * B @ A`` (computed in float32) for every adapted weight in ``weights``."""
+    """``W += scale * B @ A`` (computed in float32) for every adapted weight in ``weights``, a
+    stacked expert weight's part of each expert's update into it."""
     for name, weight in weights.items():
-        module = name.removesuffix(".weight")
-        if module + LORA_A in adapters:
-            a, b = adapters[module + LORA_A].float(), adapters[module + LORA_B].float()
-            weights[name] = (weight.float() + scale * (b @ a)).to(weight.dtype)
+        found = adapter_of(name)
+        if found is None or found[0] + LORA_A not in adapters:
+            continue
+        module, part = found
+        a, b = adapters[module + LORA_A].float(), adapters[module + LORA_B].float()
+        delta = scale * (b @ a)
+        weights[name] = (weight.float() + (delta if part is None else part.of(delta))).to(weight.dtype)
 
 
 def merged_loader(lora: Source, weights: Source) -> Callable[[list[str]], dict[str, torch.Tensor]]:
@@ -65,7 +106,7 @@ def merged_loader(lora: Source, weights: Source) -> Callable[[list[str]], dict[s
 
     def load(names: list[str]) -> dict[str, torch.Tensor]:
         tensors = weights.load(names)
-        adapted = [m for m in modules if m + ".weight" in tensors]
+        adapted = sorted({found[0] for name in tensors if (found := adapter_of(name)) and found[0] in modules})
         if adapted:
             merge_adapters(tensors, lora.load([m + s for m in adapted for s in (LORA_A, LORA_B)]), scale)
         return tensors

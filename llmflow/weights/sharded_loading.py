@@ -35,7 +35,7 @@ from torch import nn
 
 from llmflow.models.config import ModelConfig
 from llmflow.models.decoder import CausalLM
-from llmflow.models.lora import LoraLinear, init_lora_weights, is_lora_param
+from llmflow.models.lora import ExpertLora, LoraLinear, init_lora_weights, is_lora_param
 from llmflow.weights.errors import CheckpointError
 from llmflow.weights.finite import check_finite
 from llmflow.weights.hf import StoredParts, stored_parameters
@@ -237,5 +237,14 @@ def _init_adapters(model: nn.Module, generator: torch.Generator, device: torch.d
             nn.Linear(features, out, bias=False, device=device, dtype=a.dtype)
         if _is_meta(a):  # a layer of another pipeline stage: drawn and dropped, so the later adapters get their values
             nn.init.kaiming_uniform_(torch.empty(a.shape, dtype=a.dtype, device=device), a=math.sqrt(5), generator=generator)
+        else:
+            init_lora_weights(module, generator)
+    for module in model.modules():  # then the experts' adapters, rows of PEFT's [experts * r, in] each
+        if not isinstance(module, ExpertLora):
+            continue
+        a = module.lora_A.weight
+        if _is_meta(a):
+            rows = torch.empty(a.shape, dtype=a.dtype, device=device).view(-1, a.shape[-1])
+            nn.init.kaiming_uniform_(rows, a=math.sqrt(5), generator=generator)
         else:
             init_lora_weights(module, generator)

@@ -9,6 +9,8 @@ The experts keep the checkpoint's layout, [in, out] per expert (``gate_up_weight
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,6 +18,7 @@ from torch import nn
 from llmflow import kernels
 from llmflow.models.blocks.local import local_part
 from llmflow.models.blocks.moe import TopKRouter
+from llmflow.models.lora import ExpertAdapterPart, adapted_expert_weight, expert_deltas
 
 
 class BiasedTopKRouter(TopKRouter):
@@ -38,9 +41,16 @@ class ClampedSwiGLUExperts(nn.Module):
     columns) clamped to at most ``limit``, up (odd columns) to [-limit, limit];
     out = ((up + 1) * gate * sigmoid(alpha * gate)) W_d + b_d."""
 
+    LORA_PARTS: ClassVar[dict[str, ExpertAdapterPart]] = {"gate_up_weight": ExpertAdapterPart("gate_up_proj", transposed=True),
+                  "down_weight": ExpertAdapterPart("down_proj", transposed=True)}
+    """The checkpoint's ``gate_up_proj`` and ``down_proj`` as they are ([in, out] per expert),
+    which LoRA's ``target_parameters`` name."""
+
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, alpha: float,
                  limit: float) -> None:
         super().__init__()
+        self.lora: nn.ModuleDict | None = None
+        """LoRA adapters by the checkpoint's weight name (``models/lora.py``), or None."""
         self.gate_up_weight = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * intermediate_size))
         self.gate_up_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size))
         self.down_weight = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
@@ -52,11 +62,14 @@ class ClampedSwiGLUExperts(nn.Module):
         """x [N, hidden] holds ``counts[e]`` rows for each expert e, in expert order; each row's
         output (biases included) times ``scale`` [N, 1] when given."""
         rows = x.shape[0]
-        gate_up = kernels.grouped_mm(x, local_part(self.gate_up_weight).to(x.dtype).transpose(1, 2), counts)
+        deltas = expert_deltas(self, x.dtype)
+        gate_up_weight, down_weight = (adapted_expert_weight(self, name, local_part(getattr(self, name)).to(x.dtype),
+                                                             deltas) for name in ("gate_up_weight", "down_weight"))
+        gate_up = kernels.grouped_mm(x, gate_up_weight.transpose(1, 2), counts)
         gate_up = gate_up + local_part(self.gate_up_bias).to(x.dtype).repeat_interleave(counts, dim=0, output_size=rows)
         gate = gate_up[..., ::2].clamp(max=self.limit)
         up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
         hidden = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-        out = kernels.grouped_mm(hidden, local_part(self.down_weight).to(x.dtype).transpose(1, 2), counts)
+        out = kernels.grouped_mm(hidden, down_weight.transpose(1, 2), counts)
         out = out + local_part(self.down_bias).to(x.dtype).repeat_interleave(counts, dim=0, output_size=rows)
         return out if scale is None else out * scale

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from torch import nn
 from llmflow import kernels
 from llmflow.models.blocks.local import local_part
 from llmflow.models.blocks.mlp import MLP
+from llmflow.models.lora import ExpertAdapterPart, adapted_expert_weight, expert_deltas
 
 
 @dataclass
@@ -70,8 +72,15 @@ class GroupedExperts(nn.Module):
     dim 0, each expert's slice laid out as nn.Linear's weight (``gate_proj`` [E, I, H],
     ``up_proj`` [E, I, H], ``down_proj`` [E, H, I])."""
 
+    LORA_PARTS: ClassVar[dict[str, ExpertAdapterPart]] = {"gate_proj": ExpertAdapterPart("gate_up_proj", 0, 2), "up_proj": ExpertAdapterPart("gate_up_proj", 1, 2),
+                  "down_proj": ExpertAdapterPart("down_proj")}
+    """Where each weight sits in transformers' (``gate_up_proj`` [E, 2I, H], gate rows first;
+    ``down_proj``), which LoRA's ``target_parameters`` name."""
+
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int) -> None:
         super().__init__()
+        self.lora: nn.ModuleDict | None = None
+        """LoRA adapters by transformers' weight name (``models/lora.py``), or None."""
         self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
@@ -81,7 +90,9 @@ class GroupedExperts(nn.Module):
         expert parallelism: this rank's experts, ``models/expert_parallel.py``); each row's
         output times ``scale`` [N, 1] when given (applied to the SwiGLU's output, the narrower
         of the down projection's two sides)."""
-        gate, up, down = (local_part(w).to(x.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        deltas = expert_deltas(self, x.dtype)
+        gate, up, down = (adapted_expert_weight(self, name, local_part(getattr(self, name)).to(x.dtype), deltas)
+                          for name in ("gate_proj", "up_proj", "down_proj"))
         hidden = kernels.swiglu(kernels.grouped_mm(x, gate, counts), kernels.grouped_mm(x, up, counts))
         if scale is not None:
             hidden = hidden * scale
