@@ -127,7 +127,8 @@ def test_lora_on_a_mixture_of_experts_trains_alike_with_experts_split(assets, tm
     """LoRA adapters on attention over the experts, frozen or adapted too (target_parameters:
     each expert's adapters split over the ranks with it), which ep=2 splits: the losses,
     gradient norms and routing of one process; the ep=2 run's adapters merged by
-    ``llmflow export --merge-lora`` equal the run's model with its adapters merged in memory."""
+    ``llmflow export --merge-lora`` equal the run's model with its adapters merged in memory,
+    and exported as a PEFT adapter they load into PEFT on transformers' model with its logits."""
     lora = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
     if experts:
         lora["target_parameters"] = ["experts.gate_up_proj", "experts.down_proj"]
@@ -152,6 +153,15 @@ def test_lora_on_a_mixture_of_experts_trains_alike_with_experts_split(assets, tm
         assert moved  # the experts' adapters trained
         for name, tensor in expected.items():
             torch.testing.assert_close(written[name], tensor, atol=1e-6, rtol=0, msg=name)
+        # Without --merge-lora, PEFT's layout: PeftModel on transformers' model computes the run's logits.
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        adapter = export(ExportConfig(ckpt=tmp_path / "ep", out=tmp_path / "peft"))
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(assets["model"]), adapter).eval()
+        ids = torch.arange(48).view(2, 24) % merged.config.vocab_size
+        with torch.no_grad():
+            torch.testing.assert_close(peft(ids).logits, merged.eval()(ids), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("overrides, nproc, problem", [

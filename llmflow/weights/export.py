@@ -44,10 +44,12 @@ from llmflow.weights.lora_adapters import (
     LORA_A,
     LORA_B,
     check_adapter_shapes,
+    expert_targets,
     is_expert_adapter,
     lora_modules,
     lora_scale,
     merged_loader,
+    peft_expert_tensor,
 )
 from llmflow.weights.megatron.exporter import Layout, check_layout, write_megatron
 from llmflow.weights.quantized import (
@@ -240,13 +242,17 @@ def write_peft_adapter(work: Path, lora: Source, vocab_size: int, config: Export
     modules = lora_modules(lora)
     if any(m.endswith("embed_tokens") for m in modules):
         raise CheckpointError(f"{lora.path}: PEFT export of embed_tokens adapters is not supported; use merge_lora")
-    if experts := [m for m in modules if is_expert_adapter(m)]:
-        raise CheckpointError(f"{lora.path}: PEFT export of adapters on the routed experts (target_parameters, "
-                              f"{experts[0]}) is not supported; export with merge_lora")
     dtype = _DTYPES[config.dtype] if config.dtype else None
     tensors = lora.load([m + s for m in modules for s in (LORA_A, LORA_B)])
     model = ModelConfig.from_hf(lora.meta.hf_config, source=str(lora.path))
-    out = {PEFT_PREFIX + hf_names(n, model)[0]: _finish(n, t, vocab_size, dtype) for n, t in tensors.items()}
+    targets = expert_targets(modules)
+    out = {}
+    for name, tensor in tensors.items():
+        if is_expert_adapter(name):
+            key, value = peft_expert_tensor(name, tensor, targets)
+        else:
+            key, value = hf_names(name, model)[0], tensor
+        out[PEFT_PREFIX + key] = _finish(name, value, vocab_size, dtype)
     write_safetensors(work / ADAPTER_WEIGHTS, {n: (t.dtype, tuple(t.shape)) for n, t in out.items()}, out.values())
     lora_config = lora.meta.lora or {}
     adapter_config = {
@@ -256,7 +262,8 @@ def write_peft_adapter(work: Path, lora: Source, vocab_size: int, config: Export
         "r": lora_config["rank"],
         "lora_alpha": lora_config["alpha"],
         "lora_dropout": lora_config.get("dropout", 0.0),
-        "target_modules": sorted({m.rpartition(".")[2] for m in modules}),
+        "target_modules": sorted({m.rpartition(".")[2] for m in modules if not is_expert_adapter(m)}),
+        "target_parameters": [f"experts.{t}" for t in targets] or None,
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,

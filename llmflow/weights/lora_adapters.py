@@ -13,7 +13,7 @@ import torch
 
 from llmflow.models.blocks.biased_moe import ClampedSwiGLUExperts
 from llmflow.models.blocks.moe import GroupedExperts
-from llmflow.models.lora import ExpertAdapterPart
+from llmflow.models.lora import EXPERT_TARGETS, ExpertAdapterPart
 from llmflow.weights.errors import CheckpointError
 from llmflow.weights.tensor_source import Source
 from llmflow.weights.training_checkpoint import META
@@ -112,3 +112,25 @@ def merged_loader(lora: Source, weights: Source) -> Callable[[list[str]], dict[s
         return tensors
 
     return load
+
+
+def expert_targets(modules: list[str]) -> list[str]:
+    """The expert weights (``EXPERT_TARGETS``, in that order) that ``modules``' expert adapters update."""
+    present = {m.rpartition(".")[2] for m in modules if is_expert_adapter(m)}
+    return [t for t in EXPERT_TARGETS if t in present]
+
+
+def peft_expert_tensor(name: str, tensor: torch.Tensor, targets: list[str]) -> tuple[str, torch.Tensor]:
+    """An expert adapter's factor (``...experts.lora.{target}.lora_A.weight`` [experts, r, in] or
+    ``lora_B.weight`` [experts, out, r]) as PEFT's ParamWrapper saves it: lora_A [experts r, in]
+    (rows expert-major), lora_B [out, r experts] (columns rank-major), under the experts module,
+    one ``base_layer.`` deeper for each target after this one in ``targets`` (PEFT wraps a module's
+    targeted parameters one inside the other, the first innermost)."""
+    module, _, factor = name.rpartition(".lora_")  # factor: "A.weight" or "B.weight"
+    experts_module, _, target = module.rpartition(".lora.")
+    depth = len(targets) - 1 - targets.index(target)
+    if factor.startswith("A"):
+        value = tensor.reshape(-1, tensor.shape[-1])
+    else:
+        value = tensor.permute(1, 2, 0).reshape(tensor.shape[1], -1)
+    return f"{experts_module}.{'base_layer.' * depth}lora_{factor}", value
