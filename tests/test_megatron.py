@@ -212,6 +212,19 @@ def test_biases_megatron_has_no_place_for_are_refused_before_writing(make_hf_mod
     assert not (tmp_path / "back").exists()
 
 
+@pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 4.0},
+                                  {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}])
+def test_rotary_scalings_megatron_args_do_not_carry_are_refused(rope, make_hf_model, tmp_path):
+    """Megatron-LM's GPT arguments carry Llama 3's rotary scaling alone (use_rope_scaling): a
+    linear or YaRN scaling of plain attention is refused, not written as plain rotary."""
+    _, model = make_hf_model("llama", rope_parameters={"rope_theta": 10000.0, **rope}, **GQA)
+    ckpt = convert(ConvertConfig(hf=model, out=tmp_path / "ckpt"))
+    with pytest.raises(CheckpointError, match=f"llama rotates with rope_type '{rope['rope_type']}', which llmflow's "
+                                              r"Megatron arguments do not carry \(plain rotary, or Llama 3's"):
+        export(ExportConfig(ckpt=ckpt, megatron=tmp_path / "m"))
+    assert not (tmp_path / "m").exists()
+
+
 def test_hybrid_linear_attention_models_are_refused_in_one_line(make_hf_model, tmp_path):
     """Qwen3.5's Gated DeltaNet layers and gated attention have no place in llmflow's Megatron
     layout: export and import refuse in one line naming why, before writing anything."""

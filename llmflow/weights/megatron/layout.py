@@ -410,12 +410,17 @@ def unmapped_layers(config: ModelConfig) -> str | None:
     megatron-core 0.16.1 has modules (``ssm.gated_delta_net.GatedDeltaNet`` with its own fused
     ``in_proj``, ``attention_output_gate``) that llmflow maps no tensor of; Gemma 3's norms
     after attention and the MLP, for which megatron-core 0.16.1's ``TransformerLayer`` has no
-    place; and what megatron-core's MLA and sigmoid router compute otherwise
+    place; attention rotating by a scaling other than Llama 3's (linear, YaRN: Megatron-LM's
+    arguments for a GPT model carry ``use_rope_scaling`` alone); and what megatron-core's MLA and
+    sigmoid router compute otherwise
     (``mla_problem``, ``router_problem``: YaRN without truncation or with a given
     attention_factor, latent norms of another eps than the layers', groups not scored by
     their best 2 experts, weights renormalised other than megatron-core does)."""
     if config.kv_lora_rank and (problem := mla_problem(config)):
         return problem
+    if not config.kv_lora_rank and config.rope_type not in ("default", "llama3"):
+        return (f"{config.model_type} rotates with rope_type {config.rope_type!r}, which llmflow's Megatron "
+                "arguments do not carry (plain rotary, or Llama 3's scaling as use_rope_scaling)")
     if problem := router_problem(config):
         return problem
     if config.sandwich_norms:
