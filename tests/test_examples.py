@@ -75,8 +75,9 @@ EXAMPLE_SETS = {  # (kind, nodes) of each model's configs
     # 27B parameters and a 262,208-token vocabulary whole on every tensor-parallel rank: full
     # training takes 16 devices (tp=8 x dp=2).
     "gemma-3-27b": {("lora", 1), *((kind, 2) for kind in KINDS)},
-    # 671B parameters at 16 bytes each for full training: 64 nodes (512 devices), LoRA on 32.
-    "deepseek-v3": {("finetune", 64), ("lora", 32)},
+    # 671B parameters at 16 bytes each for full training: 64 nodes (512 devices), and the 256
+    # (2048 devices) of DeepSeek-V3's report; LoRA on 32.
+    "deepseek-v3": {("finetune", 64), ("finetune", 256), ("lora", 32)},
     # 107B: full finetuning on 8 nodes (64 devices), LoRA on 2.
     "glm-4.5-air": {("finetune", 8), ("lora", 2)},
     # 1.03T: full finetuning on 96 nodes (768 devices, ep=384), LoRA on 32 (the smallest count,
