@@ -16,13 +16,13 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
-from llmflow.models.blocks.local import local_part
+from llmflow.models.expert_adapters import adapted_expert_weight
+from llmflow.models.local import local_part
 
 ADAPTER_NAMES = ("lora_A", "lora_B")
 
@@ -97,28 +97,6 @@ EXPERT_TARGETS = ("gate_up_proj", "down_proj")
 """The expert weights ``target_parameters`` can name, as transformers names them."""
 
 
-@dataclass(frozen=True)
-class ExpertAdapterPart:
-    """Where an experts module's stacked weight [experts, ...] sits in the transformers weight an
-    expert adapter updates (``target``): the ``part``-th of ``parts`` equal blocks of its rows
-    (output features), stored as [out, in] per expert, or [in, out] when ``transposed``."""
-
-    target: str
-    part: int = 0
-    parts: int = 1
-    transposed: bool = False
-
-    def of(self, delta: torch.Tensor) -> torch.Tensor:
-        """This weight's share of ``delta`` [experts, out, in], in its own layout."""
-        piece = delta.chunk(self.parts, dim=1)[self.part]
-        return piece.transpose(1, 2) if self.transposed else piece
-
-    def features(self, shape: torch.Size) -> tuple[int, int]:
-        """(in, out) of this weight's part, from its shape [experts, ., .]."""
-        first, second = shape[1], shape[2]
-        return (first, second) if self.transposed else (second, first)
-
-
 class _Factor(nn.Module):
     """One factor of an expert adapter, as a module holding ``weight`` (PEFT's names)."""
 
@@ -148,22 +126,6 @@ class ExpertLora(nn.Module):
         """alpha / r * B_e @ A_e for this rank's experts, [experts, out, in] in ``dtype``."""
         a, b = local_part(self.lora_A.weight).to(dtype), local_part(self.lora_B.weight).to(dtype)
         return torch.bmm(b, a) * self.scaling
-
-
-def expert_deltas(experts: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The update of each active adapter of an experts module (``lora``), by target."""
-    adapters = getattr(experts, "lora", None)
-    if adapters is None:
-        return {}
-    return {target: adapter.delta(dtype) for target, adapter in adapters.items() if adapter.active}
-
-
-def adapted_expert_weight(experts: nn.Module, name: str, weight: torch.Tensor,
-                          deltas: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``weight`` (the compute-dtype local experts of ``experts``' parameter ``name``) with its
-    share of the adapters' ``deltas`` added."""
-    part = experts.LORA_PARTS[name]
-    return weight + part.of(deltas[part.target]) if part.target in deltas else weight
 
 
 def effective_weight(linear: nn.Linear) -> torch.Tensor:

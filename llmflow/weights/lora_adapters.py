@@ -13,7 +13,8 @@ import torch
 
 from llmflow.models.blocks.biased_moe import ClampedSwiGLUExperts
 from llmflow.models.blocks.moe import GroupedExperts
-from llmflow.models.lora import EXPERT_TARGETS, ExpertAdapterPart
+from llmflow.models.expert_adapters import ExpertAdapterPart
+from llmflow.models.lora import EXPERT_TARGETS
 from llmflow.weights.errors import CheckpointError
 from llmflow.weights.tensor_source import Source
 from llmflow.weights.training_checkpoint import META

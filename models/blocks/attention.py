@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from llmflow import kernels
-from llmflow.models.blocks.local import local_part
 from llmflow.models.blocks.norm import rms_norm
 from llmflow.models.kv_cache import KVCache
+from llmflow.models.local import local_part
 
 
 class Attention(nn.Module):

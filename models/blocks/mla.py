@@ -36,9 +36,9 @@ import torch
 from torch import nn
 
 from llmflow import kernels
-from llmflow.models.blocks.local import local_part
 from llmflow.models.blocks.norm import RMSNorm
 from llmflow.models.kv_cache import KVCache
+from llmflow.models.local import local_part
 from llmflow.models.lora import effective_weight
 
 LATENT_NORM_EPS = 1e-6

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmflow import kernels
-from llmflow.models.blocks.local import local_part
 from llmflow.models.blocks.mlp import MLP
-from llmflow.models.lora import ExpertAdapterPart, adapted_expert_weight, expert_deltas
+from llmflow.models.expert_adapters import ExpertAdapterPart, adapted_expert_weight, expert_deltas
+from llmflow.models.local import local_part
 
 
 @dataclass
