@@ -12,7 +12,9 @@ AGIEval and BBH a group of those tasks aggregated as its agieval_en and bbh_cot_
 groups aggregate; no network (HF_*_OFFLINE). Shots are both tools' defaults, the harness's
 (0 for BoolQ and AGIEval, 8 chain-of-thought exemplars for GSM8K, 3 for BBH); the
 generative groups generate greedily at most ``--max-new-tokens`` tokens on both sides
-(lm-eval ``--gen_kwargs max_gen_toks=N``).
+(lm-eval ``--gen_kwargs max_gen_toks=N``). ``--apply-chat-template`` renders every prompt with the
+model's chat template on both sides (lm-eval's ``--apply_chat_template``, few-shot examples as
+turns by default on both).
 
 Both must agree, every round (the run fails otherwise): lm-eval's logged contexts hash to
 llmflow's prompts_sha256; for BoolQ and AGIEval every document's choice log-likelihoods
@@ -28,7 +30,7 @@ llmflow / lm-eval; ``--record`` appends the result to bench/RESULTS.md and repla
 ``bench.eval`` rows of its Current table.
 
     python -m bench.eval [--groups boolq agieval gsm8k bbh] [--limit N] [--max-new-tokens 64]
-                         [--batch-size 8] [--rounds 5] [--threads 1] [--record]
+                         [--batch-size 8] [--apply-chat-template] [--rounds 5] [--threads 1] [--record]
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ def write_tasks(group: Group, data: Path, tasks_dir: Path) -> str:
 def lm_eval_side(group: Group, model: Path, harness: str, tasks_dir: Path, out: Path, args) -> list[str]:
     extra = ["--limit", str(args.limit)] if args.limit else []
     extra += ["--gen_kwargs", f"max_gen_toks={args.max_new_tokens}"] if group.generative else []
+    extra += ["--apply_chat_template"] if args.apply_chat_template else []
     return lm_eval_command(model, [harness], tasks_dir, out, args.batch_size, *extra)
 
 
@@ -114,6 +117,7 @@ def llmflow_side(group: Group, model: Path, data: Path, out: Path, args) -> list
     command += ["--tasks", json.dumps(list(group.tasks))] if len(group.tasks) > 1 else []
     command += ["--limit", str(args.limit)] if args.limit else []
     command += ["--max-new-tokens", str(args.max_new_tokens)] if group.generative else []
+    command += ["--apply-chat-template"] if args.apply_chat_template else []
     return command
 
 
@@ -234,16 +238,18 @@ def record(rows: list[dict], lines: list[str], args, load_after: float) -> None:
         for row in rows
     ]
     limit = f" --limit {args.limit}" if args.limit else ""
+    chat = " --apply-chat-template" if args.apply_chat_template else ""
+    harness_chat = " --apply_chat_template" if args.apply_chat_template else ""
     entry = [
         (f"### {', '.join(args.groups)} against the real lm-evaluation-harness, whole process ({day}, {cpu_model()}, "
          f"{os.cpu_count()} cores, torch {torch.__version__}, lm_eval {harness}, {args.threads} thread(s) per process, "
          f"load average {loads} at the rounds' starts, {load_after:.1f} after)"),
         "",
-        (f"`python -m bench.eval --groups {' '.join(args.groups)}{limit} --max-new-tokens {args.max_new_tokens} "
+        (f"`python -m bench.eval --groups {' '.join(args.groups)}{limit}{chat} --max-new-tokens {args.max_new_tokens} "
          f"--batch-size {args.batch_size} --rounds {args.rounds} --threads {args.threads}`: `lm_eval --model hf "
          f"--model_args pretrained=DIR,dtype=float32 --tasks <local copies of the harness's tasks and groups>{limit} "
-         f"--batch_size {args.batch_size} --device cpu --log_samples` (generative groups: `--gen_kwargs "
-         f"max_gen_toks={args.max_new_tokens}`) against `llmflow eval GROUP{limit} --batch-size {args.batch_size}` "
+         f"--batch_size {args.batch_size} --device cpu --log_samples{harness_chat}` (generative groups: `--gen_kwargs "
+         f"max_gen_toks={args.max_new_tokens}`) against `llmflow eval GROUP{limit}{chat} --batch-size {args.batch_size}` "
          f"(`--max-new-tokens {args.max_new_tokens}`), the sample model and data (BoolQ, 2 AGIEval tasks, GSM8K, "
          f"2 BBH subtasks), the harness's default shots, medians over {args.rounds} rounds after one untimed run of "
          "each, order alternating; every round the same prompts (hash), log-likelihoods and predictions, or "
@@ -261,6 +267,8 @@ def main() -> None:
     parser.add_argument("--limit", type=int, help="the first N documents of each task (default: all of the sample's)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="most tokens generated per document (gsm8k, bbh)")
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--apply-chat-template", action="store_true",
+                        help="both sides render the prompts with the model's chat template (few-shot as turns)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1,
                         help="OMP_NUM_THREADS of both sides (on a shared 2-core machine two threads spin-wait on each other)")

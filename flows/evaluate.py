@@ -1,5 +1,5 @@
 """The evaluate flow: a model (hub, local directory, training checkpoint) on MMLU and,
-when asked, C-Eval, CMMLU, BoolQ and AGIEval."""
+when asked, any other benchmark ``llmflow eval`` runs, under the evaluation's chat settings."""
 
 from __future__ import annotations
 

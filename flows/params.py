@@ -27,6 +27,7 @@ from pydantic.fields import FieldInfo
 from llmflow.cluster.launcher import LaunchSettings
 from llmflow.data.conversations import Format, PreferenceFormat
 from llmflow.data.tokenize_instruction import TemplateName
+from llmflow.evaluate.chat_context import ChatSettings
 from llmflow.mesh import ParallelLayout
 from llmflow.models.context_parallel import sequence_split_problems
 from llmflow.train.config import DataConfig, OptimConfig, TrainConfig
@@ -41,12 +42,15 @@ MEGATRON = "megatron://"
 """Prefix of a model source that is a Megatron-LM / MindSpeed-LLM checkpoint on this machine
 (``megatron:///abs/path``)."""
 
-Benchmark = Literal["mmlu", "ceval", "cmmlu", "boolq", "agieval", "gsm8k", "bbh", "humaneval"]
+Benchmark = Literal["mmlu", "ceval", "cmmlu", "boolq", "agieval", "gsm8k", "bbh", "humaneval", "mmlu-pro", "gpqa-diamond",
+                    "minerva-math500", "minerva-math", "ifeval"]
 """A benchmark's name, as ``llmflow eval`` names it."""
 
 Stage = Literal[
     "sample", "download", "convert", "tokenize-instruction", "tokenize-pretrain", "eval-mmlu", "eval-ceval",
-    "eval-cmmlu", "eval-boolq", "eval-agieval", "eval-gsm8k", "eval-bbh", "eval-humaneval", "train", "export", "infer",
+    "eval-cmmlu", "eval-boolq", "eval-agieval", "eval-gsm8k", "eval-bbh", "eval-humaneval", "eval-mmlu-pro",
+    "eval-gpqa-diamond", "eval-minerva-math500", "eval-minerva-math",
+    "eval-ifeval", "train", "export", "infer",
     "register", "probe-compare", "tokenize-preference", "reference-logps", "heldout-rewards",
 ]
 """A stage's name as the Prefect UI shows it (its task's name)."""
@@ -54,6 +58,20 @@ Stage = Literal[
 
 class Params(BaseModel):
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+
+LOGLIKELIHOOD_BENCHMARKS = ("mmlu", "ceval", "cmmlu", "boolq", "agieval")
+"""The benchmarks scored by the log-likelihood of their answers (no thinking first)."""
+
+
+def thinking_problems(benchmarks: list[str], evaluation: ChatSettings) -> list[str]:
+    """Why ``evaluation`` cannot run ``benchmarks``: thinking asked for a benchmark scored by
+    log-likelihood (lm-evaluation-harness refuses it too)."""
+    scored = [b for b in benchmarks if b in LOGLIKELIHOOD_BENCHMARKS]
+    if evaluation.enable_thinking and scored:
+        return [(f"evaluation.enable_thinking=true: {', '.join(scored)} score the log-likelihood of their answers, "
+                 "which a model thinking first cannot be; evaluate generative benchmarks with thinking, apart")]
+    return []
 
 
 P = TypeVar("P", bound=Params)
@@ -294,10 +312,25 @@ class BenchmarkSources(Params):
     bbh_tasks: list[str] | None = None
     """BBH tasks to run, by lm-evaluation-harness's names (bbh_cot_fewshot_navigate, ...; default:
     all 27; with "sample", the sample's boolean_expressions and object_counting)."""
+    mmlu_pro: str = "hf://TIGER-Lab/MMLU-Pro"
+    """MMLU-Pro data: the hub dataset, a local copy of its layout or "sample"."""
+    mmlu_pro_tasks: list[str] | None = None
+    """MMLU-Pro categories to run, by lm-evaluation-harness's names (mmlu_pro_law, ...; default:
+    all 14; with "sample", the sample's history, other and computer science)."""
+    gpqa_diamond: str = "hf://Idavidrein/gpqa"
+    """GPQA Diamond data: the hub dataset (gated: accept its terms and set HF_TOKEN), a local
+    directory holding gpqa_diamond.csv, or "sample"."""
+    minerva_math500: str = "hf://HuggingFaceH4/MATH-500"
+    """MATH-500 data: the hub dataset, a local directory holding its test.jsonl, or "sample"."""
+    minerva_math: str = "hf://EleutherAI/hendrycks_math"
+    """MATH (seven subjects) data: the hub dataset, a local copy of its layout or "sample"."""
+    ifeval: str = "hf://google/IFEval"
+    """IFEval data: the hub dataset, a local directory holding its ifeval_input_data.jsonl, or "sample"."""
 
 
-class EvalParams(Params):
-    """The MMLU evaluation (lm-evaluation-harness's prompts and scoring)."""
+class EvalParams(ChatSettings):
+    """The evaluation: MMLU's settings and those every benchmark shares, the chat settings
+    among them (lm-evaluation-harness's prompts and scoring)."""
 
     data: str = SAMPLE
     """MMLU data: hf://cais/mmlu, a local directory in the cais/mmlu or the original CSV
@@ -310,11 +343,10 @@ class EvalParams(Params):
     """Only the first N test questions of each subject."""
     batch_size: int = Field(default=8, ge=1)
     """Sequences per forward pass."""
-    template: str = "none"
-    """Chat template for the prompts: "none" (plain, as lm-evaluation-harness), "tokenizer" or a named one."""
     max_new_tokens: int | None = Field(default=None, ge=1)
-    """Most tokens generated per question by the generative benchmarks (gsm8k, bbh, humaneval);
-    empty: lm-evaluation-harness's (256, 1024 and 1024), which a model must have room for."""
+    """Most tokens generated per question by the generative benchmarks; empty: each task's
+    lm-evaluation-harness default (256 for gsm8k, minerva-math and gpqa-diamond, 1024 for bbh and
+    humaneval, 1280 for ifeval, 2048 for mmlu-pro), which a model must have room for."""
 
 
 SAMPLE_PROMPTS = (
@@ -433,6 +465,8 @@ class FinetuneEvalParams(_SequenceSplit):
     def _gate_is_scored(self) -> FinetuneEvalParams:
         if self.gate_benchmark not in self.benchmarks:
             raise ValueError(f"gate_benchmark={self.gate_benchmark!r} is not among benchmarks={self.benchmarks}")
+        if problems := thinking_problems(self.benchmarks, self.evaluation):
+            raise ValueError("; ".join(problems))
         return self
 
     @model_validator(mode="after")
@@ -488,9 +522,15 @@ class PretrainParams(_SequenceSplit):
     refresh: list[Stage] = Field(default_factory=list)
     """Stages to run again even when their inputs are unchanged."""
 
+    @model_validator(mode="after")
+    def _mmlu_takes_the_settings(self) -> PretrainParams:
+        if problems := thinking_problems(["mmlu"], self.evaluation):
+            raise ValueError("; ".join(problems))
+        return self
+
 
 class EvaluateParams(Params):
-    """Evaluate one model on multiple-choice benchmarks."""
+    """Evaluate one model on benchmarks."""
 
     workspace: str | None = None
     """Directory of every stage's output (and the default MLflow store); empty: $LLMFLOW_WORKSPACE
@@ -501,7 +541,8 @@ class EvaluateParams(Params):
     revision: str | None = None
     """Hub revision of the model."""
     benchmarks: list[Benchmark] = Field(default_factory=lambda: ["mmlu"], min_length=1)
-    """Benchmarks to run: mmlu (data from evaluation.data), ceval, cmmlu, boolq, agieval, gsm8k, bbh."""
+    """Benchmarks to run: mmlu (data from evaluation.data), ceval, cmmlu, boolq, agieval, gsm8k, bbh,
+    humaneval, minerva-math500, minerva-math, mmlu-pro, gpqa-diamond, ifeval."""
     evaluation: EvalParams = EvalParams()
     """Settings shared by the benchmarks (evaluation.data is MMLU's; shots and subjects are the
     four-choice benchmarks'; the others run at lm-evaluation-harness's default shots)."""
@@ -509,6 +550,12 @@ class EvaluateParams(Params):
     """Data of the benchmarks other than MMLU."""
     refresh: list[Stage] = Field(default_factory=list)
     """Stages to run again even when their inputs are unchanged."""
+
+    @model_validator(mode="after")
+    def _benchmarks_take_the_settings(self) -> EvaluateParams:
+        if problems := thinking_problems(self.benchmarks, self.evaluation):
+            raise ValueError("; ".join(problems))
+        return self
 
 
 class RunSide(Params):

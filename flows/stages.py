@@ -21,12 +21,14 @@ from llmflow import tracking
 from llmflow.artifacts import atomic_file, read_manifest
 from llmflow.data.tokenize_pretrain import PretrainTokenizeConfig
 from llmflow.download import DownloadConfig, parse_source
+from llmflow.evaluate.chat_context import ChatSettings
 from llmflow.evaluate.engine import EvalConfig
 from llmflow.evaluate.task_groups import TASK_GROUPS, config_type
 from llmflow.flows.params import MEGATRON, SAMPLE, BenchmarkSources, EvalParams
 from llmflow.sample.assets import SampleConfig
 from llmflow.sample.choice_tasks import AGIEVAL_TASKS as SAMPLE_AGIEVAL_TASKS
 from llmflow.sample.generative_tasks import BBH_SUBTASKS as SAMPLE_BBH_SUBTASKS
+from llmflow.sample.reasoning_choice_tasks import MMLU_PRO_CATEGORIES as SAMPLE_MMLU_PRO_CATEGORIES
 from llmflow.tasks.common import StageArtifact
 from llmflow.tasks.convert import convert_task
 from llmflow.tasks.download import download_task
@@ -103,7 +105,8 @@ def run(task: Task, *args: Any, refresh: Collection[str] = (), **kwargs: Any) ->
 
 
 SAMPLE_TASKS = {"agieval": [f"agieval_{t.replace('-', '_')}" for t in SAMPLE_AGIEVAL_TASKS],
-                "bbh": [f"bbh_cot_fewshot_{t}" for t in SAMPLE_BBH_SUBTASKS]}
+                "bbh": [f"bbh_cot_fewshot_{t}" for t in SAMPLE_BBH_SUBTASKS],
+                "mmlu-pro": [f"mmlu_pro_{c.replace(' ', '_')}" for c in SAMPLE_MMLU_PRO_CATEGORIES]}
 """The tasks the sample assets hold of the groups it does not hold whole."""
 
 
@@ -111,14 +114,14 @@ def run_eval(workspace: Path, evaluation: EvalParams, model: str | Path, data: s
              refresh: Collection[str] = (), benchmark: str = "mmlu", tasks: list[str] | None = None) -> StageArtifact:
     """The ``benchmark`` evaluation stage on ``model`` into ``eval/{name}-{settings}``; hub data
     is cached under the workspace's ``downloads/``. The benchmarks other than the four-choice
-    ones (``tasks``: which of their tasks) take the shared limit, batch size and template and
-    run at lm-evaluation-harness's default shots."""
+    ones (``tasks``: which of their tasks) take the shared limit, batch size and chat settings
+    and run at lm-evaluation-harness's default shots."""
     common = {"model": model, "data": data, "cache_dir": workspace / "downloads",
               "out": workspace / "eval" / f"{name}-{settings_tag(benchmark, evaluation, *([tasks] if tasks else []))}"}
     if benchmark in TASK_GROUPS:
         config_class = config_type(TASK_GROUPS[benchmark])
-        settings = evaluation.model_dump(include={"limit", "batch_size", "template", "max_new_tokens"} & set(
-            config_class.model_fields))
+        shared = {"limit", "batch_size", "max_new_tokens", *ChatSettings.model_fields}
+        settings = evaluation.model_dump(include=shared & set(config_class.model_fields))
         config = config_class(**common, **settings, tasks=tasks)
         return run(EVAL_TASKS[benchmark], config, refresh=refresh)
     config = EvalConfig(**common, **evaluation.model_dump(exclude={"data", "max_new_tokens"}))
@@ -130,9 +133,12 @@ def run_benchmarks(context: FlowRun, evaluation: EvalParams, data: BenchmarkSour
     """Each of ``benchmarks``' evaluation stages on ``model``, its data from ``evaluation.data``
     (MMLU) or ``data``; "sample" sources are the sample stage's copies (with the sample's
     AGIEval and BBH tasks unless others are named)."""
-    sources = {"mmlu": evaluation.data, **data.model_dump(exclude={"agieval_tasks", "bbh_tasks"})}
-    tasks = {"agieval": data.agieval_tasks or (SAMPLE_TASKS["agieval"] if data.agieval == SAMPLE else None),
-             "bbh": data.bbh_tasks or (SAMPLE_TASKS["bbh"] if data.bbh == SAMPLE else None)}
+    chosen = {"agieval": data.agieval_tasks, "bbh": data.bbh_tasks, "mmlu-pro": data.mmlu_pro_tasks}
+    fields = data.model_dump(exclude={f"{group.replace('-', '_')}_tasks" for group in chosen})
+    # A source's field is its benchmark's name with underscores (mmlu_pro: mmlu-pro).
+    sources = {"mmlu": evaluation.data, **{name.replace("_", "-"): source for name, source in fields.items()}}
+    tasks = {group: names or (SAMPLE_TASKS[group] if sources[group] == SAMPLE else None)
+             for group, names in chosen.items()}
     return {benchmark: run_eval(context.workspace, evaluation, model,
                                 context.sources.benchmark_data(benchmark, sources[benchmark]), name,
                                 context.refresh, benchmark, tasks.get(benchmark))

@@ -9,7 +9,8 @@ from prefect.artifacts import create_markdown_artifact
 from llmflow import tracking
 
 BENCHMARK_TITLES = {"mmlu": "MMLU", "ceval": "C-Eval", "cmmlu": "CMMLU", "boolq": "BoolQ", "agieval": "AGIEval",
-                    "gsm8k": "GSM8K", "bbh": "BBH", "humaneval": "HumanEval"}
+                    "gsm8k": "GSM8K", "bbh": "BBH", "humaneval": "HumanEval", "minerva-math500": "MATH-500",
+                    "minerva-math": "MATH", "mmlu-pro": "MMLU-Pro", "gpqa-diamond": "GPQA Diamond", "ifeval": "IFEval"}
 
 
 def summary_markdown(flow: str, result: dict[str, Any], mlflow_run: str) -> str:

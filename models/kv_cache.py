@@ -58,6 +58,16 @@ class KVCache:
         """Replace ``layer``'s states with those after the positions it just processed."""
         self._linear[layer] = (conv, recurrent)
 
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows ``rows`` (indices, in their new order): generation drops the
+        rows that have finished."""
+        for layer in self._keys:
+            self._keys[layer] = self._keys[layer].index_select(0, rows)
+            self._values[layer] = self._values[layer].index_select(0, rows)
+        self._linear = {layer: tuple(s.index_select(0, rows) for s in states) for layer, states in self._linear.items()}
+        if self._documents is not None:
+            self._documents = self._documents.index_select(0, rows)
+
     def repeat(self, batch: int, max_len: int) -> KVCache:
         """A cache of ``batch`` rows with room for ``max_len`` positions, each row starting
         with this one-row cache's positions (a prompt prefix computed once, shared by a batch)."""

@@ -2,7 +2,8 @@
 with accuracy per subject, and the lm-evaluation-harness task groups (BoolQ, AGIEval, GSM8K,
 BBH, HumanEval) with each task's metrics, and GRPO's held-out rewards; the scores as MLflow
 metrics, the table in MLflow and as a Prefect artifact, and, while it runs, how far it has got
-as a Prefect progress artifact."""
+as a Prefect progress artifact; the settings, chat settings included, are the run's params and
+each task's first prompt one of its artifacts."""
 
 from __future__ import annotations
 
@@ -45,6 +46,14 @@ def results_table(results: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def log_first_prompts(run_id: str, prompts: dict[str, str]) -> None:
+    """Each task's first prompt, exactly as the model saw it, as ``prompts/{task}.txt`` of the run."""
+    from mlflow import MlflowClient
+
+    for name, prompt in prompts.items():
+        MlflowClient().log_text(run_id, prompt, f"prompts/{name}.txt")
+
+
 def evaluate_benchmark(benchmark: Benchmark, config: engine.EvalConfig) -> StageArtifact:
     """Evaluate ``config.model`` on ``benchmark`` into ``config.out`` inside the stage's MLflow
     run; the per-subject table goes to MLflow and to a Prefect table artifact."""
@@ -55,6 +64,7 @@ def evaluate_benchmark(benchmark: Benchmark, config: engine.EvalConfig) -> Stage
         artifact = artifact_for(benchmark.stage, engine.evaluate(benchmark, config, progress))
         results = json.loads((Path(artifact.path) / "results.json").read_text())
         tracking.log_metrics(run_id, accuracy_metrics(results))
+        log_first_prompts(run_id, {benchmark.name: results["first_prompt"]})
         table = results_table(results)
         MlflowClient().log_table(run_id, {key: [row[key] for row in table] for key in table[0]},
                                  f"{benchmark.name}_subjects.json")
@@ -102,6 +112,7 @@ def evaluate_group(group: TaskGroup | GenerativeGroup, config: ChoiceEvalConfig 
         artifact = artifact_for(group.stage, evaluate(group, config, progress))
         results = json.loads((Path(artifact.path) / "results.json").read_text())
         tracking.log_metrics(run_id, task_metrics(results))
+        log_first_prompts(run_id, {name: t["first_prompt"] for name, t in results["tasks"].items()})
         table = task_table(results)
         MlflowClient().log_table(run_id, {key: [row[key] for row in table] for key in table[0]}, f"{group.name}_tasks.json")
     headline = results["headline"]

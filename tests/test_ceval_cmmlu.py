@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from llmflow.cli import main
-from llmflow.data.templates import load_template
 from llmflow.data.tokenizer import load_tokenizer
 from llmflow.evaluate.benchmarks import CEVAL, CMMLU, Benchmark
+from llmflow.evaluate.chat_context import ChatSettings, PromptRenderer
 from llmflow.evaluate.engine import EvalConfig, evaluate, prompts_for, select_questions
-from llmflow.evaluate.prompts import CONTINUATIONS
+from llmflow.evaluate.prompts import CONTINUATIONS, continuations
 from llmflow.evaluate.questions import BenchmarkDataError
 from llmflow.evaluate.scoring import model_requests, score_loglikelihood
 from llmflow.weights import load_model
@@ -172,13 +172,12 @@ def test_layout_errors_name_what_was_found(tmp_path):
 
 
 @torch.no_grad()
-def reference_scores(benchmark: Benchmark, sample: Path, data_path: Path, shots: int, template: str) -> torch.Tensor:
+def reference_scores(benchmark: Benchmark, sample: Path, data_path: Path, shots: int, chat: bool) -> torch.Tensor:
     """Every question's four continuations scored one (context, continuation) sequence at a time."""
     data = benchmark.load(data_path)
-    prompts = prompts_for(benchmark, select_questions(benchmark, data, 2), data, shots)
-    if template != "none":
-        prompts = [load_template(sample / "model", template).prompt(p) for p in prompts]
-    requests = model_requests(sample / "model", prompts, [CONTINUATIONS] * len(prompts))
+    renderer = PromptRenderer(ChatSettings(apply_chat_template=chat), sample / "model")
+    prompts = prompts_for(benchmark, select_questions(benchmark, data, 2), data, shots, renderer)
+    requests = model_requests(sample / "model", prompts, [continuations(renderer)] * len(prompts))
     model = load_model(sample / "model")[0].eval()
     return score_loglikelihood(model, requests, batch_size=1, max_length=1024)
 
@@ -203,7 +202,7 @@ def test_ceval_command_writes_results_scored_as_loglikelihood(sample, ceval, tmp
     assert [(r["subject"], r["index"]) for r in rows] == [("computer_network", 0), ("computer_network", 1),
                                                           ("logic", 0), ("logic", 1)]
     scores = torch.tensor([r["scores"] for r in rows])
-    torch.testing.assert_close(scores, reference_scores(CEVAL, sample, hub, 2, "none"), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(scores, reference_scores(CEVAL, sample, hub, 2, False), atol=1e-4, rtol=1e-4)
     answers = ["ABCD"[(i + len(s)) % 4] for s in ("computer_network", "logic") for i in range(2)]
     assert [r["answer"] for r in rows] == answers
     assert [r["prediction"] for r in rows] == ["ABCD"[i] for i in scores.argmax(1).tolist()]
@@ -220,14 +219,14 @@ def test_cmmlu_letters_after_the_chinese_answer_prompt(sample, cmmlu, tmp_path):
     requests = model_requests(sample / "model", ["题目\n答案："], [CONTINUATIONS])
     assert requests[0].continuations == [tokenizer.encode(f" {x}", add_special_tokens=False).ids for x in "ABCD"]
     assert requests[0].single_token
-    for template, single_pass in (("none", 4), ("tokenizer", 0)):
-        out = evaluate(CMMLU, EvalConfig(model=sample / "model", data=str(archive), out=tmp_path / template,
-                                         shots=1, limit=2, template=template))
+    for chat, single_pass in ((False, 4), (True, 0)):
+        out = evaluate(CMMLU, EvalConfig(model=sample / "model", data=str(archive), out=tmp_path / str(chat),
+                                         shots=1, limit=2, apply_chat_template=chat))
         results = json.loads((out / "results.json").read_text())
         assert results["single_pass_questions"] == single_pass and results["settings"]["layout"] == "zip"
         assert list(results["categories"]) == ["Humanities", "Other"]
         scores = torch.tensor([r["scores"] for r in read_jsonl(out / "predictions.jsonl")])
-        torch.testing.assert_close(scores, reference_scores(CMMLU, sample, archive, 1, template), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(scores, reference_scores(CMMLU, sample, archive, 1, chat), atol=1e-4, rtol=1e-4)
 
 
 def test_hub_sources_fetch_only_the_files_read(hub, sample, ceval, cmmlu, tmp_path):

@@ -271,6 +271,7 @@ def test_finetune_eval_scores_every_task_group_before_and_after_and_gates_on_agi
 
 def test_the_sample_tasks_of_the_groups_it_holds_in_part_are_their_groups_tasks():
     from llmflow.evaluate.generative_tasks import BBH
+    from llmflow.evaluate.mmlu_pro import MMLU_PRO
     from llmflow.evaluate.task_groups import TASK_GROUPS
     from llmflow.flows.params import Benchmark
     from llmflow.flows.stages import SAMPLE_TASKS
@@ -278,7 +279,10 @@ def test_the_sample_tasks_of_the_groups_it_holds_in_part_are_their_groups_tasks(
 
     assert [t.name for t in select_tasks(AGIEVAL.title, AGIEVAL.tasks, SAMPLE_TASKS["agieval"])] == SAMPLE_TASKS["agieval"]
     assert [t.name for t in select_tasks(BBH.title, BBH.tasks, SAMPLE_TASKS["bbh"])] == SAMPLE_TASKS["bbh"]
-    assert set(TASK_GROUPS) == {"boolq", "agieval", "gsm8k", "bbh", "humaneval"}
+    assert {t.name for t in select_tasks(MMLU_PRO.title, MMLU_PRO.tasks, SAMPLE_TASKS["mmlu-pro"])} == set(
+        SAMPLE_TASKS["mmlu-pro"])
+    assert set(TASK_GROUPS) == {"boolq", "agieval", "gsm8k", "bbh", "humaneval", "minerva-math500", "minerva-math",
+                                "mmlu-pro", "gpqa-diamond", "ifeval"}
     assert set(BENCHMARK_TITLES) == set(Benchmark.__args__) == {"mmlu", "ceval", "cmmlu", *TASK_GROUPS}
 
 

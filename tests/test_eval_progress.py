@@ -5,6 +5,7 @@ terminal and a line each 10% elsewhere (the Prefect task's progress artifact: te
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,19 @@ def test_a_log_gets_a_line_at_the_start_and_each_tenth():
     assert lines == [f"eval mmlu: {p}% ({p * 40 // 100}/40 questions)" for p in range(0, 101, 10)]
 
 
+def test_a_detail_follows_the_count():
+    stream = io.StringIO()
+    progress = TerminalProgress("eval gsm8k", "texts", stream)
+    progress(0, 4)
+    progress(4, 4, "31.2 tokens/s")
+    assert stream.getvalue().splitlines() == ["eval gsm8k: 0% (0/4 texts)", "eval gsm8k: 100% (4/4 texts, 31.2 tokens/s)"]
+    bar = Terminal()
+    progress = TerminalProgress("eval gsm8k", "texts", bar)
+    progress(4, 4, "31.2 tokens/s")
+    progress.close()
+    assert "31.2 tokens/s" in bar.getvalue()
+
+
 def test_a_terminal_gets_a_bar():
     stream = Terminal()
     progress = TerminalProgress("eval mmlu", "questions", stream)
@@ -66,7 +80,15 @@ def test_scoring_reports_each_batch_and_the_command_line_shows_it(sample, tmp_pa
 
 def test_generation_reports_each_batch(sample, tmp_path):
     calls: list[tuple[int, int]] = []
+    details: list[str] = []
     config = GenerativeEvalConfig(model=sample / "model", data=sample / "gsm8k", out=tmp_path / "out", limit=3,
                                   batch_size=1, max_new_tokens=2, shots=0)
-    evaluate_generative(GSM8K, config, lambda done, total: calls.append((done, total)))
+
+    def progress(done: int, total: int, detail: str = "") -> None:
+        calls.append((done, total))
+        details.append(detail)
+
+    evaluate_generative(GSM8K, config, progress)
     assert_runs_from_start_to_end(calls, 3)
+    # After the first call (nothing generated yet), the tokens generated per second so far.
+    assert details[0] == "" and all(re.fullmatch(r"\d+\.\d tokens/s", d) for d in details[1:])

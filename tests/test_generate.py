@@ -162,6 +162,47 @@ def test_stop_strings_and_streamed_text(llama):
     assert safe_text("abc</s", ["</stop>"]) == "abc"
 
 
+def test_the_stop_window_finds_a_stop_string_when_the_whole_text_does(llama):
+    """Token by token, a window of the last tokens sees a stop string at the same token as the
+    whole text's decoding: multi-byte characters split across tokens, special tokens between
+    a stop string's tokens, stop strings that start with a space."""
+    from llmflow.infer.generate import _Row, _stopped, special_ids
+
+    tokenizer = load_tokenizer(llama)
+    special = special_ids(tokenizer)
+    assert {tokenizer.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", EOS)} <= special
+    rng = random.Random(3)
+    for _ in range(200):
+        words = rng.choices(WORDS, k=12)
+        tokens = tokenizer.encode(" ".join(words)).ids
+        for _ in range(rng.randint(0, 4)):
+            tokens.insert(rng.randrange(len(tokens) + 1), rng.choice(sorted(special)))
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        start = rng.randrange(len(text))
+        stops = [text[start : start + rng.randint(1, 8)], "never there"]
+        whole = next(n for n in range(1, len(tokens) + 1)
+                     if any(s in tokenizer.decode(tokens[:n], skip_special_tokens=True) for s in stops))
+        windowed = next(n for n in range(1, len(tokens) + 1) if _stopped(tokenizer, _Row([], tokens[:n]), stops, special))
+        assert windowed == whole, (tokens, stops)
+
+
+def test_finished_rows_leave_the_batch_without_changing_the_others(llama):
+    """Greedy rows that stop at different steps (eos, a stop string, the length limit)
+    generate in a batch what each generates alone."""
+    from llmflow.infer.generator import load_generator
+
+    gen = load_generator(llama)
+    prompts = ["the cat sat", "green", "漢字 ü on a mat", "dogs ran over", "fish"]
+    free = gen.run(prompts, GenerateConfig(max_new_tokens=20, eos_token_ids=[-1]))
+    # Stop strings from two rows' texts, early in one and late in the other; an eos for a third.
+    config = GenerateConfig(max_new_tokens=20, stop=[free[0].text[2:4], free[2].text[-3:-1]],
+                            eos_token_ids=[free[3].tokens[10]])
+    batched = gen.run(prompts, config)
+    assert len({r.finish_reason for r in batched}) > 1 and len({len(r.tokens) for r in batched}) > 2
+    alone = [gen.run([p], config)[0] for p in prompts]
+    assert [(r.tokens, r.text, r.finish_reason) for r in batched] == [(r.tokens, r.text, r.finish_reason) for r in alone]
+
+
 def test_cli_streams_a_templated_prompt(llama, capsys):
     from llmflow.cli import main
     from llmflow.data.templates import load_template

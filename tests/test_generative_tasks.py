@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-import torch
 from harness_exemplars import MODULE, harness_exemplars, harness_tasks, render
-from harness_runs import harness_results, harness_task, ours, run_harness
+from harness_runs import harness_results, harness_task, ours, parrot_model, run_harness
 from parquet_rows import write_parquet
 
 from llmflow.evaluate.generative_engine import (
@@ -212,34 +211,14 @@ def test_settings_and_missing_tasks_are_refused_before_the_model_loads(data, tmp
 # --- against the real lm-evaluation-harness ----------------------------------------------------
 
 
-def parrot_model(model: Path, out: Path, text: str) -> Path:
-    """The sample model rebuilt to answer every prompt with ``text`` and its eos: every layer
-    adds nothing (its output projections are zero), so the last token's embedding alone picks
-    the next token, and the embeddings chain ``text``'s tokens (whose ids must differ)."""
-    import transformers
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
-    chain = tokenizer.encode(text, add_special_tokens=False)
-    assert len(set(chain)) == len(chain) and tokenizer.eos_token_id not in chain
-    config = {**json.loads((model / "config.json").read_text()), "tie_word_embeddings": False}
-    parrot = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**config))
-    rest = parrot.config.hidden_size - 1  # the direction of every token outside the chain
-    with torch.no_grad():
-        for p in parrot.parameters():
-            p.zero_()
-        parrot.model.norm.weight.fill_(1.0)
-        embed, head = parrot.model.embed_tokens.weight, parrot.lm_head.weight
-        embed[:, rest] = 10.0
-        head[chain[0], rest] = 1.0
-        for i, token in enumerate(chain):
-            embed[token] = 0.0
-            embed[token, i] = 10.0
-            head[chain[i + 1] if i + 1 < len(chain) else tokenizer.eos_token_id, i] = 1.0
-    parrot.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-        if (model / name).is_file():
-            shutil.copyfile(model / name, out / name)
-    return out
+def bbh_harness_tasks(tasks: Path, data: Path, prefix: str = "llmflow_") -> Path:
+    """``tasks``, holding the harness's own tasks of ``BBH_PAIR`` (named ``prefix`` + name)
+    reading ``data``'s subtasks."""
+    tasks.mkdir(exist_ok=True)
+    for name in BBH_PAIR:
+        subtask = name.removeprefix("bbh_cot_fewshot_")
+        harness_task(tasks, f"{prefix}{name}", f"bbh/cot_fewshot/{subtask}.yaml", {"test": next((data / subtask).glob("*"))})
+    return tasks
 
 
 def harness_samples(out: Path, task: str) -> dict[str, list[dict]]:
@@ -304,11 +283,7 @@ def test_bbh_agrees_with_lm_eval_task_by_task_and_as_a_size_weighted_group(sampl
     object_counting documents are right."""
     model = parrot_model(sample_assets() / "model", tmp_path / "parrot", " So the answer is 7.")
     data = sample_assets() / "bbh"
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    for name in BBH_PAIR:
-        subtask = name.removeprefix("bbh_cot_fewshot_")
-        harness_task(tasks, f"llmflow_{name}", f"bbh/cot_fewshot/{subtask}.yaml", {"test": next((data / subtask).glob("*"))})
+    tasks = bbh_harness_tasks(tmp_path / "tasks", data)
     # The bbh_cot_fewshot group's own aggregation (bbh/cot_fewshot/_bbh_cot_fewshot.yaml) over these two tasks.
     (tasks / "llmflow_bbh.yaml").write_text(
         "group: llmflow_bbh\ntask:\n" + "".join(f"  - llmflow_{n}\n" for n in BBH_PAIR)

@@ -20,7 +20,8 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 from harness_exemplars import harness_tasks
-from test_generative_tasks import parrot_model, write_parquet
+from harness_runs import parrot_model
+from parquet_rows import write_parquet
 
 from llmflow.evaluate.generative_engine import (
     Generation,

@@ -13,9 +13,10 @@ import torch
 
 from llmflow.cli import main
 from llmflow.evaluate.benchmarks import MMLU
+from llmflow.evaluate.chat_context import ChatSettings, PromptRenderer
 from llmflow.evaluate.engine import EvalConfig, evaluate, prompts_for, select_questions, summarize
 from llmflow.evaluate.mmlu_data import load_mmlu
-from llmflow.evaluate.prompts import CONTINUATIONS
+from llmflow.evaluate.prompts import continuations
 from llmflow.evaluate.questions import BenchmarkDataError, Question
 from llmflow.evaluate.scoring import (
     model_requests,
@@ -127,13 +128,11 @@ def reference_scores(model, requests) -> torch.Tensor:
     return scores
 
 
-def sample_requests(sample, shots: int, limit: int = 2, template=None):
+def sample_requests(sample, shots: int, limit: int = 2, chat: bool = False):
     data = load_mmlu(sample / "mmlu" / "hf")
-    prompts = prompts_for(MMLU, select_questions(MMLU, data, limit), data, shots)
-    if template is not None:
-
-        prompts = [template.prompt(p) for p in prompts]
-    return model_requests(sample / "model", prompts, [CONTINUATIONS] * len(prompts))
+    renderer = PromptRenderer(ChatSettings(apply_chat_template=chat), sample / "model")
+    prompts = prompts_for(MMLU, select_questions(MMLU, data, limit), data, shots, renderer)
+    return model_requests(sample / "model", prompts, [continuations(renderer)] * len(prompts))
 
 
 def test_single_pass_scores_equal_loglikelihood(sample, model):
@@ -159,11 +158,9 @@ def test_batched_equals_unbatched(sample, model, padding_side):
 
 
 def test_multi_token_continuations_fall_back_to_loglikelihood(sample, model):
-    from llmflow.data.templates import load_template
-
     # The chat prompt ends in a newline, which (as lm-evaluation-harness does) moves into the
-    # continuation: "\n A" is more than one token.
-    requests = sample_requests(sample, shots=0, limit=1, template=load_template(sample / "model", "tokenizer"))
+    # continuation: "\nA" is more than one token.
+    requests = sample_requests(sample, shots=0, limit=1, chat=True)
     assert not any(r.single_token for r in requests)
     scores, fast = score_requests(model, requests, batch_size=3, max_length=1024)
     assert not any(fast)

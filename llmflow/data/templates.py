@@ -156,13 +156,15 @@ class ChatTemplate:
         payload = json.dumps([self.source, list(self.special_tokens)])
         return hashlib.sha256(payload.encode()).hexdigest()
 
-    def render(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
-        """The conversation as text, optionally followed by the assistant's turn header."""
+    def render(self, messages: list[Message], add_generation_prompt: bool = False, **variables: Any) -> str:
+        """The conversation as text, optionally followed by the assistant's turn header;
+        ``variables`` are the template's own (``enable_thinking``), as ``apply_chat_template``
+        passes its further keyword arguments."""
         import jinja2
 
         try:
             return _compile(self.source).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **dict(self.special_tokens)
+                messages=messages, add_generation_prompt=add_generation_prompt, **(dict(self.special_tokens) | variables)
             )
         except jinja2.exceptions.TemplateError as e:
             raise TemplateError(f"chat template {self.name!r}: {e}") from e
@@ -226,10 +228,17 @@ def tokenizer_config(tokenizer_dir: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
+def template_file(tokenizer_dir: str | Path) -> Path:
+    """The file a tokenizer's own chat template is read from: ``chat_template.jinja`` where
+    transformers (>= 4.43) saved it apart, else ``tokenizer_config.json``."""
+    jinja_file = Path(tokenizer_dir) / "chat_template.jinja"
+    return jinja_file if jinja_file.is_file() else Path(tokenizer_dir) / "tokenizer_config.json"
+
+
 def _own_template(tokenizer_dir: Path, config: dict[str, Any]) -> str | None:
-    jinja_file = tokenizer_dir / "chat_template.jinja"  # transformers >= 4.43 may save it apart
-    if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
+    path = template_file(tokenizer_dir)
+    if path.suffix == ".jinja":
+        return path.read_text(encoding="utf-8")
     template = config.get("chat_template")
     if isinstance(template, list):  # named variants: [{"name": "default", "template": ...}, ...]
         by_name = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}

@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import Field
 
-from llmflow.data.templates import load_template
+from llmflow.evaluate.chat_context import PLAIN_PROMPTS, Example, PromptRenderer, check_loglikelihood
 from llmflow.evaluate.choice_tasks import ChoiceTask, Doc, TaskGroup
 from llmflow.evaluate.fewshot import HARNESS_SEED, fewshot_indices
 from llmflow.evaluate.hub_data import is_hub_source, local_data
@@ -38,7 +38,6 @@ from llmflow.progress import Progress, no_progress
 from llmflow.runtime import available_device
 
 TARGET_DELIMITER = " "
-FEWSHOT_DELIMITER = "\n\n"
 
 
 class ChoiceEvalConfig(EvalSettings):
@@ -77,8 +76,9 @@ def group_data(group: TaskGroup, tasks: list[ChoiceTask], data: str | Path, cach
     return Path(cache_dir).expanduser() / "hf" / group.hub_root.removeprefix("hf://")
 
 
-def build_runs(group: TaskGroup, tasks: list[ChoiceTask], root: Path, config: ChoiceEvalConfig) -> list[TaskRun]:
-    """Every task's documents (its first ``limit``) with their few-shot prompts."""
+def build_runs(group: TaskGroup, tasks: list[ChoiceTask], root: Path, config: ChoiceEvalConfig,
+               renderer: PromptRenderer = PLAIN_PROMPTS) -> list[TaskRun]:
+    """Every task's documents (its first ``limit``) with their few-shot prompts, rendered by ``renderer``."""
     if len(group.tasks) > 1:
         check_task_directories(group.title, root, tasks, lambda task: group.local_dir(root, task), "dataset")
     runs = []
@@ -93,15 +93,16 @@ def build_runs(group: TaskGroup, tasks: list[ChoiceTask], root: Path, config: Ch
             shots = fewshot_indices(docs, pool, config.shots, config.fewshot_seed)
         except ValueError as e:
             raise ValueError(f"{task.name} data {where}: {e}") from None
-        contexts = ["".join(pool[i].text + TARGET_DELIMITER + pool[i].choices[pool[i].gold[0]] + FEWSHOT_DELIMITER
-                            for i in picked) + doc.text for doc, picked in zip(docs, shots)]
+        contexts = [renderer.prompt("", [Example(pool[i].text, pool[i].choices[pool[i].gold[0]]) for i in picked],
+                                    doc.text, task.name) for doc, picked in zip(docs, shots)]
         runs.append(TaskRun(task, docs, shots, contexts))
     return runs
 
 
-def continuations(doc: Doc) -> list[str]:
-    """What is scored after the prompt: each choice after the target delimiter."""
-    return [TARGET_DELIMITER + choice for choice in doc.choices]
+def continuations(doc: Doc, renderer: PromptRenderer = PLAIN_PROMPTS) -> list[str]:
+    """What is scored after the prompt: each choice after the target delimiter (none under a
+    chat template)."""
+    return [renderer.continuation_delimiter(TARGET_DELIMITER) + choice for choice in doc.choices]
 
 
 def doc_outcome(doc: Doc, lls: list[float]) -> dict[str, Any]:
@@ -113,14 +114,16 @@ def doc_outcome(doc: Doc, lls: list[float]) -> dict[str, Any]:
             "acc": float(pred in doc.gold), "acc_norm": float(pred_norm in doc.gold)}
 
 
-def task_results(run: TaskRun, outcomes: list[dict[str, Any]], shots: int, seed: int) -> dict[str, Any]:
+def task_results(run: TaskRun, outcomes: list[dict[str, Any]], shots: int, seed: int,
+                 renderer: PromptRenderer) -> dict[str, Any]:
     """A task's metrics with their standard errors, its size and what fixes its prompts."""
     results: dict[str, Any] = {"version": run.task.version, "samples": len(outcomes)}
     for metric in run.task.metrics:
         values = [o[metric] for o in outcomes]
         results[metric] = sum(values) / len(values)
         results[f"{metric}_stderr"] = stderr_of_mean(values)
-    results["prompts_sha256"] = prompts_sha256(run.contexts, [continuations(d) for d in run.docs])
+    results["prompts_sha256"] = prompts_sha256(run.contexts, [continuations(d, renderer) for d in run.docs])
+    results["first_prompt"] = run.contexts[0]
     results["fewshot"] = {"shots": shots, "split": run.task.fewshot_split if shots else None,
                           "sampler": "lm-evaluation-harness default (seeded, n + 1 drawn per document, "
                                      "the document itself left out)",
@@ -133,23 +136,22 @@ def evaluate_choices(group: TaskGroup, config: ChoiceEvalConfig, progress: Progr
     ``progress`` hears how many documents are scored."""
     if config.device != "auto":
         available_device(config.device)  # a device that is not there is refused before any download
+    check_loglikelihood(config, group.title)
     tasks = select_tasks(group.title, group.tasks, config.tasks)
     root = group_data(group, tasks, config.data, config.cache_dir)
-    runs = build_runs(group, tasks, root, config)
+    renderer = PromptRenderer.for_model(config, config.model)
+    runs = build_runs(group, tasks, root, config, renderer)
     model, tok_dir, max_length = load_for_eval(config)
     contexts = [c for run in runs for c in run.contexts]
-    if config.template != "none":
-        template = load_template(tok_dir, config.template)
-        contexts = [template.prompt(c) for c in contexts]
     start = time.monotonic()
-    requests = model_requests(tok_dir, contexts, [continuations(d) for run in runs for d in run.docs])
+    requests = model_requests(tok_dir, contexts, [continuations(d, renderer) for run in runs for d in run.docs])
     scores, _ = score_requests(model, requests, config.batch_size, max_length, config.padding_side, progress=progress)
     seconds = time.monotonic() - start
     rows = iter(scores.tolist())
     tasks_out, lines = {}, []
     for run in runs:
         outcomes = [doc_outcome(doc, next(rows)[: len(doc.choices)]) for doc in run.docs]
-        tasks_out[run.task.name] = task_results(run, outcomes, config.shots, config.fewshot_seed)
+        tasks_out[run.task.name] = task_results(run, outcomes, config.shots, config.fewshot_seed, renderer)
         for index, (outcome, picked) in enumerate(zip(outcomes, run.shots)):
             lines.append(json.dumps({"task": run.task.name, "index": index, **outcome, "fewshot": picked}) + "\n")
     results: dict[str, Any] = {"benchmark": group.name, "tasks": tasks_out}

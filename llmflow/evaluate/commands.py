@@ -1,7 +1,8 @@
 """``llmflow eval mmlu|ceval|cmmlu`` (four-choice benchmarks), ``llmflow eval boolq|agieval``
-(tasks whose documents carry their own choices), ``llmflow eval gsm8k|bbh`` (generative
-chain-of-thought tasks) and ``llmflow eval humaneval`` (generated code run in the sandbox): one
-command per benchmark. Each shows its progress on stderr (``llmflow.progress``)."""
+(tasks whose documents carry their own choices), ``llmflow eval
+gsm8k|bbh|minerva-math500|minerva-math|mmlu-pro|gpqa-diamond`` (generative chain-of-thought
+tasks), ``llmflow eval ifeval`` (instruction following) and ``llmflow eval humaneval``
+(generated code run in the sandbox): one command per benchmark. Each shows its progress on stderr (``llmflow.progress``)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,11 @@ from llmflow.evaluate.choice_tasks import AGIEVAL, BOOLQ, TaskGroup
 from llmflow.evaluate.engine import EvalConfig, evaluate, format_table
 from llmflow.evaluate.generative_engine import GenerativeEvalConfig, evaluate_generative
 from llmflow.evaluate.generative_tasks import BBH, GSM8K, GenerativeGroup
+from llmflow.evaluate.gpqa import GPQA_DIAMOND
 from llmflow.evaluate.humaneval import HUMANEVAL
+from llmflow.evaluate.ifeval import IFEVAL
+from llmflow.evaluate.minerva_math import MINERVA_MATH, MINERVA_MATH500
+from llmflow.evaluate.mmlu_pro import MMLU_PRO
 from llmflow.progress import TerminalProgress
 
 
@@ -122,6 +127,51 @@ class HumanEvalCommand(GenerativeCommand):
     group = HUMANEVAL
 
 
+class MinervaMath500Command(GenerativeCommand):
+    """Evaluate a model on MATH-500 as lm-evaluation-harness's minerva_math500 task does: the 4
+    Minerva exemplars, greedy generation until "Problem:", exact_match (the final answer
+    normalised, sympy equivalence) and math_verify; writes results.json and predictions.jsonl
+    into --out."""
+
+    group = MINERVA_MATH500
+
+
+class MinervaMathCommand(GenerativeCommand):
+    """Evaluate a model on MATH's seven subjects as lm-evaluation-harness's minerva_math group
+    does: the 4 Minerva exemplars, greedy generation, exact_match and math_verify, micro
+    (size-weighted, the harness's group score) and macro averages; writes results.json and
+    predictions.jsonl into --out."""
+
+    group = MINERVA_MATH
+
+
+class MMLUProCommand(GenerativeCommand):
+    """Evaluate a model on MMLU-Pro as lm-evaluation-harness's mmlu_pro group does: 5 worked
+    validation examples of the same category, greedy chain of thought, exact match of the letter
+    after "the answer is", per category and size-weighted over them; writes results.json and
+    predictions.jsonl into --out."""
+
+    group = MMLU_PRO
+
+
+class GPQADiamondCommand(GenerativeCommand):
+    """Evaluate a model on GPQA Diamond as lm-evaluation-harness's gpqa_diamond_cot_zeroshot
+    (default) or gpqa_diamond_cot_n_shot task does: the choices shuffled as the harness shuffles
+    them, greedy chain of thought, exact match of the strict-match and flexible-extract answers;
+    writes results.json and predictions.jsonl into --out."""
+
+    group = GPQA_DIAMOND
+
+
+class IFEvalCommand(GenerativeCommand):
+    """Evaluate a model on IFEval as lm-evaluation-harness's ifeval task does: the prompt alone,
+    greedy generation until eos (1280 tokens at most), every instruction judged strictly and
+    loosely by the harness's own checkers, prompt- and instruction-level accuracies; writes
+    results.json and predictions.jsonl into --out."""
+
+    group = IFEVAL
+
+
 class EvalCommands(BaseModel):
     """Evaluate models on benchmarks."""
 
@@ -143,6 +193,16 @@ class EvalCommands(BaseModel):
     """BIG-Bench Hard exact match with lm-evaluation-harness's bbh_cot_fewshot prompts, generation and filter."""
     humaneval: CliSubCommand[HumanEvalCommand]
     """HumanEval pass@1 (or sampled pass@k) with lm-evaluation-harness's humaneval prompt and generation, programs run in the sandbox."""
+    minerva_math500: CliSubCommand[MinervaMath500Command]
+    """MATH-500 exact match and math_verify with lm-evaluation-harness's minerva_math500 prompt, generation and scoring."""
+    minerva_math: CliSubCommand[MinervaMathCommand]
+    """MATH (seven subjects) exact match and math_verify with lm-evaluation-harness's minerva_math group."""
+    mmlu_pro: CliSubCommand[MMLUProCommand]
+    """MMLU-Pro exact match with lm-evaluation-harness's mmlu_pro prompts (5-shot chain of thought), per category."""
+    gpqa_diamond: CliSubCommand[GPQADiamondCommand]
+    """GPQA Diamond exact match with lm-evaluation-harness's gpqa_diamond_cot_zeroshot (or _cot_n_shot) prompts and filters."""
+    ifeval: CliSubCommand[IFEvalCommand]
+    """IFEval instruction following (prompt and instruction level, strict and loose) with lm-evaluation-harness's ifeval prompt, generation and checkers."""
 
     def cli_cmd(self) -> None:
         CliApp.run_subcommand(self)

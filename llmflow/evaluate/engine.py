@@ -26,10 +26,10 @@ from llmflow.artifacts import (
     manifest_payload,
     write_json_atomic,
 )
-from llmflow.data.templates import load_template
 from llmflow.evaluate.benchmarks import Benchmark
+from llmflow.evaluate.chat_context import PLAIN_PROMPTS, PromptRenderer, check_loglikelihood
 from llmflow.evaluate.hub_data import local_data
-from llmflow.evaluate.prompts import CONTINUATIONS
+from llmflow.evaluate.prompts import continuations
 from llmflow.evaluate.provenance import llmflow_version, model_identity, prompts_sha256
 from llmflow.evaluate.questions import LETTERS, BenchmarkData, Question
 from llmflow.evaluate.scoring import model_requests, score_requests
@@ -58,10 +58,11 @@ def select_questions(benchmark: Benchmark, data: BenchmarkData, limit: int | Non
     return [q for subject in sorted(split) for q in split[subject][:limit]]
 
 
-def prompts_for(benchmark: Benchmark, questions: list[Question], data: BenchmarkData, shots: int) -> list[str]:
-    """The plain-text prompt of every question."""
+def prompts_for(benchmark: Benchmark, questions: list[Question], data: BenchmarkData, shots: int,
+                renderer: PromptRenderer = PLAIN_PROMPTS) -> list[str]:
+    """The prompt of every question, rendered by ``renderer``."""
     fewshot = data.splits[benchmark.fewshot_split]
-    return [benchmark.prompt.build_prompt(q, fewshot.get(q.subject, []), shots) for q in questions]
+    return [benchmark.prompt.build_prompt(q, fewshot.get(q.subject, []), shots, renderer) for q in questions]
 
 
 def _accuracy(correct: int, questions: int) -> dict[str, Any]:
@@ -111,16 +112,16 @@ def evaluate(benchmark: Benchmark, config: EvalConfig, progress: Progress = no_p
     ``progress`` hears how many questions are scored."""
     if config.device != "auto":
         available_device(config.device)  # a device that is not there is refused before any download
+    check_loglikelihood(config, benchmark.title)
     data_dir = local_data(config.data, config.cache_dir, benchmark.hub_include(config.subjects))
     data = benchmark.load(data_dir, config.subjects)
     questions = select_questions(benchmark, data, config.limit)
-    prompts = prompts_for(benchmark, questions, data, config.shots)
+    renderer = PromptRenderer.for_model(config, config.model)
+    prompts = prompts_for(benchmark, questions, data, config.shots, renderer)
+    answers = continuations(renderer)
     model, tok_dir, max_length = load_for_eval(config)
-    if config.template != "none":
-        template = load_template(tok_dir, config.template)
-        prompts = [template.prompt(p) for p in prompts]
     start = time.monotonic()
-    requests = model_requests(tok_dir, prompts, [CONTINUATIONS] * len(prompts))
+    requests = model_requests(tok_dir, prompts, [answers] * len(prompts))
     groups = [q.subject for q in questions] if config.shared_prefix else None
     scores, fast = score_requests(model, requests, config.batch_size, max_length, config.padding_side, groups,
                                   progress=progress)
@@ -133,12 +134,13 @@ def evaluate(benchmark: Benchmark, config: EvalConfig, progress: Progress = no_p
     results["headline"] = {"metric": "accuracy", "average": "micro", "value": results["accuracy"],
                            "stderr": results["accuracy_stderr"]}
     results["macro_accuracy"] = sum(v["accuracy"] for v in subjects) / len(subjects)
-    results["prompts_sha256"] = prompts_sha256(prompts, [CONTINUATIONS] * len(prompts))
+    results["prompts_sha256"] = prompts_sha256(prompts, [answers] * len(prompts))
+    results["first_prompt"] = prompts[0]
     results["fewshot"] = {"shots": config.shots, "split": benchmark.fewshot_split,
                           "sampler": "lm-evaluation-harness first_n (the subject's first questions, in file order)"}
     results["model"] = model_identity(config.model)
     results["llmflow_version"] = llmflow_version()
-    results["settings"] = {**config.model_dump(mode="json"), "layout": data.layout, "data_dir": str(data_dir),
+    results["settings"] = {**config.model_dump(mode="json"), "fewshot_as_multiturn": config.multiturn, "layout": data.layout, "data_dir": str(data_dir),
                            "split": benchmark.eval_split, "max_length": max_length}
     results["single_pass_questions"] = sum(fast)
     results["seconds"] = seconds

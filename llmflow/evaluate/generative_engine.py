@@ -34,8 +34,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from llmflow.data.templates import load_template
 from llmflow.data.tokenizer import hf_tokenizer
+from llmflow.evaluate.chat_context import PLAIN_PROMPTS, PromptRenderer
 from llmflow.evaluate.generative_tasks import Doc, GenerativeGroup, GenerativeTask, Scored
 from llmflow.evaluate.hub_data import local_data
 from llmflow.evaluate.provenance import prompts_sha256
@@ -100,9 +100,11 @@ class Generation:
 def task_settings(tasks: list[GenerativeTask], config: GenerativeEvalConfig) -> tuple[int, int]:
     """The shots and new tokens of every task: the config's, else the harness's defaults (which
     a group's tasks share); an error for samples too few for a sampling task's metrics."""
-    shots = config.shots if config.shots is not None else len(tasks[0].exemplars)
+    first = tasks[0]
+    default = first.fewshot.shots if first.fewshot is not None else len(first.exemplars)
+    shots = config.shots if config.shots is not None else default
     for task in tasks:
-        if shots > len(task.exemplars):
+        if task.fewshot is None and shots > len(task.exemplars):
             raise ValueError(f"shots={shots}: {task.name} has {len(task.exemplars)} exemplars (lm-evaluation-harness's "
                              "fixed chain-of-thought examples); use at most that many")
         if task.temperature > 0 and config.samples is not None and config.samples < task.min_repeats:
@@ -111,9 +113,9 @@ def task_settings(tasks: list[GenerativeTask], config: GenerativeEvalConfig) -> 
     return shots, config.max_new_tokens or tasks[0].max_gen_toks
 
 
-def build_runs(group: GenerativeGroup, tasks: list[GenerativeTask], root: Path, shots: int,
-               limit: int | None) -> list[TaskRun]:
-    """Every task's documents (its first ``limit``) with their prompts."""
+def build_runs(group: GenerativeGroup, tasks: list[GenerativeTask], root: Path, shots: int, limit: int | None,
+               renderer: PromptRenderer = PLAIN_PROMPTS) -> list[TaskRun]:
+    """Every task's documents (its first ``limit``) with their prompts, rendered by ``renderer``."""
     if any(task.subdir for task in group.tasks):
         check_task_directories(group.title, root, tasks, lambda task: root / task.subdir, "subtask")
     runs = []
@@ -121,7 +123,8 @@ def build_runs(group: GenerativeGroup, tasks: list[GenerativeTask], root: Path, 
         docs = task.read(root / task.subdir)[:limit]
         if not docs:
             raise BenchmarkDataError(f"{task.name} data {root / task.subdir}: no documents")
-        runs.append(TaskRun(task, docs, [task.prompt(doc, shots) for doc in docs]))
+        exemplars = task.fewshot(root / task.subdir, docs, shots) if task.fewshot is not None else [None] * len(docs)
+        runs.append(TaskRun(task, docs, [task.prompt(doc, shots, renderer, e) for doc, e in zip(docs, exemplars)]))
     return runs
 
 
@@ -145,11 +148,26 @@ def repetition_penalty(tok_dir: Path) -> float:
     return float(json.loads(path.read_text()).get("repetition_penalty") or 1.0) if path.is_file() else 1.0
 
 
+def answer_text(hf: Any, tokens: Sequence[int], think_end_token: str | None) -> str:
+    """The generated tokens as the harness's text: decoded without special tokens, less the
+    reasoning up to the last ``think_end_token`` (text, or digits for a token id)."""
+    if think_end_token is not None and think_end_token.isdigit():
+        end = int(think_end_token)
+        last = max((i for i, t in enumerate(tokens) if t == end), default=None)
+        text = hf.decode(tokens if last is None else tokens[last + 1 :], skip_special_tokens=True)
+        return text.lstrip()
+    text = hf.decode(tokens, skip_special_tokens=True)
+    return text.split(think_end_token)[-1].lstrip() if think_end_token else text
+
+
 def generate(generator: Generator, prompts: list[str], config: GenerateConfig, max_length: int,
-             batch_size: int, on_batch: Callable[[int], None] | None = None) -> list[Generation]:
+             batch_size: int, on_batch: Callable[[int, int], None] | None = None,
+             think_end_token: str | None = None) -> list[Generation]:
     """Continuations of ``prompts`` as the harness's hf backend makes them (see the module); a
     sampling ``config``'s seed is the first batch's, each later batch's one more. ``on_batch``
-    is called with the number of continuations of each batch once it is generated."""
+    is called with the number of continuations of each batch and the tokens they hold once it
+    is generated. A
+    ``think_end_token`` removes the reasoning before the stop strings cut the text."""
     hf = hf_tokenizer(generator.tokenizer_dir)
     ids = encode_texts(generator.tokenizer, prompts, hf.bos_token)
     keep = max_length - config.max_new_tokens
@@ -158,11 +176,12 @@ def generate(generator: Generator, prompts: list[str], config: GenerateConfig, m
     for number, start in enumerate(range(0, len(order), batch_size)):
         rows = order[start : start + batch_size]
         batch_config = config.model_copy(update={"seed": config.seed + number})
-        for i, result in zip(rows, generator.run([ids[i][-keep:] for i in rows], batch_config)):
-            text = harness_cut(hf.decode(result.tokens, skip_special_tokens=True), config.stop)
+        results = generator.run([ids[i][-keep:] for i in rows], batch_config)
+        for i, result in zip(rows, results):
+            text = harness_cut(answer_text(hf, result.tokens, think_end_token), config.stop)
             out[i] = Generation(text, result.finish_reason, len(result.prompt_tokens), len(ids[i]) > keep)
         if on_batch is not None:
-            on_batch(len(rows))
+            on_batch(len(rows), sum(len(r.tokens) for r in results))
     return out
 
 
@@ -173,13 +192,15 @@ def generations_per_doc(task: GenerativeTask, samples: int | None) -> int:
 
 def generate_samples(generator: Generator, task: GenerativeTask, prompts: list[str], config: GenerateConfig,
                      samples: int | None, max_length: int, batch_size: int,
-                     on_batch: Callable[[int], None] | None = None) -> list[list[Generation]]:
+                     on_batch: Callable[[int, int], None] | None = None,
+                     think_end_token: str | None = None) -> list[list[Generation]]:
     """Each prompt's generations (``generations_per_doc``), sampled at the task's temperature
     and top_p when it samples."""
     repeats = generations_per_doc(task, samples)
     if task.temperature > 0:
         config = config.model_copy(update={"temperature": task.temperature, "top_p": task.top_p})
-    flat = generate(generator, [p for p in prompts for _ in range(repeats)], config, max_length, batch_size, on_batch)
+    flat = generate(generator, [p for p in prompts for _ in range(repeats)], config, max_length, batch_size, on_batch,
+                    think_end_token)
     return [flat[i : i + repeats] for i in range(0, len(flat), repeats)]
 
 
@@ -198,12 +219,18 @@ def task_results(run: TaskRun, generations: list[list[Generation]], scores: list
     """A task's metrics (means over its documents) with their standard errors, its size and
     what fixes its prompts and generations."""
     results: dict[str, Any] = {"version": run.task.version, "samples": len(scores)}
-    for metric in scores[0].values:
-        values = [s.values[metric] for s in scores]
-        results[metric] = sum(values) / len(values)
-        results[f"{metric}_stderr"] = stderr_of_mean(values)
+    aggregate = getattr(run.task.scorer, "aggregate", None)
+    if aggregate is not None:  # IFEval's instruction-level accuracies pool every prompt's instructions
+        results.update(aggregate(scores))
+    else:
+        for metric in scores[0].values:
+            values = [s.values[metric] for s in scores]
+            results[metric] = sum(values) / len(values)
+            results[f"{metric}_stderr"] = stderr_of_mean(values)
     results["prompts_sha256"] = prompts_sha256(run.contexts, [config.stop] * len(run.contexts))
-    results["fewshot"] = {"shots": shots, "sampler": "first_n (the task's fixed exemplars, in order)"}
+    results["first_prompt"] = run.contexts[0]
+    sampler = run.task.fewshot.sampler if run.task.fewshot else "first_n (the task's fixed exemplars, in order)"
+    results["fewshot"] = {"shots": shots, "sampler": sampler}
     results["generation"] = {"until": config.stop, "max_new_tokens": config.max_new_tokens,
                              "truncated_prompts": sum(g[0].truncated for g in generations)}
     if run.task.temperature > 0:
@@ -221,25 +248,25 @@ def evaluate_generative(group: GenerativeGroup, config: GenerativeEvalConfig, pr
     tasks = select_tasks(group.title, group.tasks, config.tasks or list(group.default_tasks))
     shots, max_new_tokens = task_settings(tasks, config)
     root = local_data(config.data, config.cache_dir, [p for t in tasks for p in t.hub_include])
-    runs = build_runs(group, tasks, root, shots, config.limit)
+    renderer = PromptRenderer.for_model(config, config.model)
+    runs = build_runs(group, tasks, root, shots, config.limit, renderer)
     model, hf_config = eval_model(config)
     generator = make_generator(config.model, model, hf_config)
     max_length = context_length(hf_config)
     if max_new_tokens >= max_length:
         raise ValueError(f"max_new_tokens={max_new_tokens}: the model takes {max_length} tokens in all, prompt "
                          "included; generate fewer")
-    template = load_template(generator.tokenizer_dir, config.template) if config.template != "none" else None
     hf = hf_tokenizer(generator.tokenizer_dir)
     eos_text = hf.decode([hf.eos_token_id]) if hf.eos_token_id is not None else None
     penalty = repetition_penalty(generator.tokenizer_dir)
     workers = config.workers or os.cpu_count() or 1
     total = sum(len(run.docs) * generations_per_doc(run.task, config.samples) for run in runs)
-    done = 0
+    done = tokens = 0
 
-    def generated(count: int) -> None:
-        nonlocal done
-        done += count
-        progress(done, total)
+    def generated(count: int, new_tokens: int) -> None:
+        nonlocal done, tokens
+        done, tokens = done + count, tokens + new_tokens
+        progress(done, total, f"{tokens / max(time.monotonic() - start, 1e-9):.1f} tokens/s")
 
     progress(0, total)
     start = time.monotonic()
@@ -247,9 +274,8 @@ def evaluate_generative(group: GenerativeGroup, config: GenerativeEvalConfig, pr
     for run in runs:
         generate_config = GenerateConfig(max_new_tokens=max_new_tokens, stop=stop_strings(run.task, eos_text),
                                          repetition_penalty=penalty, seed=config.seed)
-        prompts = [template.prompt(c) for c in run.contexts] if template else run.contexts
-        generations = generate_samples(generator, run.task, prompts, generate_config, config.samples, max_length,
-                                       config.batch_size, generated)
+        generations = generate_samples(generator, run.task, run.contexts, generate_config, config.samples, max_length,
+                                       config.batch_size, generated, config.think_end_token)
         scores = run.task.score(run.docs, [[g.text for g in doc] for doc in generations], workers)
         tasks_out[run.task.name] = task_results(run, generations, scores, shots, generate_config)
         lines += [json.dumps({"task": run.task.name, "index": i, **doc_outcome(g, s)}, ensure_ascii=False) + "\n"

@@ -30,11 +30,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from llmflow.evaluate.chat_context import PLAIN_PROMPTS, Example, PromptRenderer
 from llmflow.evaluate.cot_exemplars import BBH_COT_FEWSHOT, GSM8K_COT
 from llmflow.evaluate.questions import BenchmarkDataError
 from llmflow.evaluate.task_files import excerpt, read_split
-
-FEWSHOT_DELIMITER = "\n\n"
 
 
 @dataclass(frozen=True)
@@ -112,9 +111,26 @@ class Scored:
     """Each metric's value, by its key in results.json (the task reports their means)."""
 
 
+class ExemplarSource(Protocol):
+    """Few-shot exemplars drawn from a task's data (the harness's few-shot split and sampler)
+    instead of fixed ones."""
+
+    shots: int
+    """The harness's num_fewshot: the exemplars taken unless another number is asked for."""
+    sampler: str
+    """How the exemplars are chosen, as results.json records it."""
+
+    def __call__(self, directory: Path, docs: Sequence[Doc], shots: int) -> list[list[Doc]]:
+        """The ``shots`` exemplars of each of ``docs`` (the first of the task's documents, in
+        order), from the task's directory."""
+        ...
+
+
 class Scorer(Protocol):
     """Scores a task's generated texts otherwise than by its filters' exact match (HumanEval's
-    execution of the generated code)."""
+    execution of the generated code). A scorer with an ``aggregate(scores)`` method reports the
+    task's metrics itself (IFEval's instruction-level accuracies); else each is the mean of the
+    documents' values with its standard error."""
 
     metric: str
     """The key of its headline metric in results.json."""
@@ -162,11 +178,17 @@ class GenerativeTask:
     metric: ExactMatch = ExactMatch()
     scorer: Scorer | None = None
     """Scores the generated texts instead of the filters' exact match."""
+    fewshot: ExemplarSource | None = None
+    """Draws each document's exemplars from the data instead of taking the fixed ``exemplars``."""
 
-    def prompt(self, doc: Doc, shots: int) -> str:
-        """The description, the first ``shots`` exemplars with their targets, then the document."""
-        examples = [e.text + self.target_delimiter + e.target + FEWSHOT_DELIMITER for e in self.exemplars[:shots]]
-        return self.description + "".join(examples) + doc.text
+    def prompt(self, doc: Doc, shots: int, renderer: PromptRenderer = PLAIN_PROMPTS,
+               exemplars: Sequence[Doc] | None = None) -> str:
+        """The description, the first ``shots`` exemplars (``exemplars``, the document's own,
+        else the fixed ones) with their targets, then the document, rendered under the run's
+        chat settings."""
+        chosen = self.exemplars if exemplars is None else exemplars
+        examples = [Example(e.text, e.target) for e in chosen[:shots]]
+        return renderer.prompt(self.description, examples, doc.text, self.name, self.target_delimiter)
 
     def score(self, docs: Sequence[Doc], samples: list[list[str]], workers: int) -> list[Scored]:
         """Each document's score from its generated texts: its scorer's, else each filter's

@@ -6,7 +6,8 @@ each followed by the target delimiter " ", its answer letter and "\\n\\n", then 
 A question is its text (stripped), "\\nA. ..." to "\\nD. ..." and the answer prompt: "Answer:"
 for MMLU, "答案：" for C-Eval and CMMLU. The continuations scored are " A", " B", " C", " D":
 lm-evaluation-harness's default target delimiter is a space, and none of these tasks sets
-another.
+another. Under a chat template (``chat_context``) the description is the system message and the
+letters are scored without the space, as in the harness.
 """
 
 from __future__ import annotations
@@ -14,12 +15,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from llmflow.evaluate.chat_context import PLAIN_PROMPTS, Example, PromptRenderer
 from llmflow.evaluate.questions import LETTERS, Question
 from llmflow.evaluate.subjects_zh import CEVAL_SUBJECTS, CMMLU_SUBJECTS
 
 TARGET_DELIMITER = " "
 FEWSHOT_DELIMITER = "\n\n"
 CONTINUATIONS = tuple(TARGET_DELIMITER + letter for letter in LETTERS)
+
+
+def continuations(renderer: PromptRenderer) -> tuple[str, ...]:
+    """The four answers scored after the prompt: ``CONTINUATIONS``, or the bare letters under a
+    chat template (the harness drops the target delimiter there)."""
+    return tuple(renderer.continuation_delimiter(TARGET_DELIMITER) + letter for letter in LETTERS)
 
 
 @dataclass(frozen=True)
@@ -44,15 +52,16 @@ class PromptFormat:
         return f"{q.question.strip()}{choices}\n{self.answer_prompt}"
 
     def solved_example(self, q: Question) -> str:
-        """A few-shot example: the question, the target delimiter and its answer letter."""
+        """A few-shot example in plain text: the question, the target delimiter and its answer letter."""
         return self.question_text(q) + TARGET_DELIMITER + LETTERS[q.answer]
 
-    def build_prompt(self, q: Question, dev: list[Question], shots: int) -> str:
-        """The plain-text prompt of ``q`` with the first ``shots`` questions of ``dev`` as examples."""
+    def build_prompt(self, q: Question, dev: list[Question], shots: int, renderer: PromptRenderer = PLAIN_PROMPTS) -> str:
+        """The prompt of ``q`` with the first ``shots`` questions of ``dev`` as examples, rendered
+        under the run's chat settings."""
         if shots > len(dev):
             raise ValueError(f"subject {q.subject}: {shots} shots asked for, the dev split has {len(dev)} questions")
-        examples = "".join(self.solved_example(d) + FEWSHOT_DELIMITER for d in dev[:shots])
-        return self.describe(q.subject) + examples + self.question_text(q)
+        examples = [Example(self.question_text(d), LETTERS[d.answer]) for d in dev[:shots]]
+        return renderer.prompt(self.describe(q.subject), examples, self.question_text(q), f"subject {q.subject}")
 
 
 MMLU_PROMPT = PromptFormat("The following are multiple choice questions (with answers) about {subject}.\n\n", "Answer:")

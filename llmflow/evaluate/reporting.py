@@ -70,7 +70,7 @@ def run_record(config: EvalSettings, seconds: float, samples: int, **settings: A
     followed, every setting (with ``settings`` resolved on the way) and the speed."""
     return {
         "model": model_identity(config.model), "llmflow_version": llmflow_version(), "harness": HARNESS,
-        "settings": {**config.model_dump(mode="json"), **settings},
+        "settings": {**config.model_dump(mode="json"), "fewshot_as_multiturn": config.multiturn, **settings},
         "seconds": seconds, "samples_per_s": samples / seconds if seconds else None,
     }
 

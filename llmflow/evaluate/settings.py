@@ -1,13 +1,14 @@
 """What every evaluation command shares: the model, the data, where results go, batching,
-the chat template and the device; and loading the model with its tokenizer."""
+the chat settings and the device; and loading the model with its tokenizer."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
+from llmflow.evaluate.chat_context import ChatSettings
 from llmflow.models.config import text_config
 from llmflow.runtime import detect_device_type, resolve_dtype
 from llmflow.weights import load_model, tokenizer_dir
@@ -15,8 +16,8 @@ from llmflow.weights import load_model, tokenizer_dir
 DEFAULT_MAX_LENGTH = 2048
 
 
-class EvalSettings(BaseModel):
-    """Settings shared by every evaluation."""
+class EvalSettings(ChatSettings):
+    """Settings shared by every evaluation (the chat settings first)."""
 
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
@@ -33,9 +34,6 @@ class EvalSettings(BaseModel):
     """Evaluate only the first N questions of each subject or task."""
     batch_size: int = Field(default=8, ge=1)
     """Sequences per forward pass."""
-    template: str = "none"
-    """Chat template: "none" for the plain prompt, "tokenizer" for the tokenizer's own, or a
-    named template; the prompt becomes the user message, followed by the assistant's turn header."""
     padding_side: Literal["right", "left"] = "right"
     """Where batches are padded (the scores do not depend on it)."""
     device: str = "auto"

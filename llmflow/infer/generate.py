@@ -5,6 +5,11 @@ Prompts of different lengths are left-padded. Pad positions form a document of t
 (they never enter a real token's attention) and every row's positions start at 0 at its
 first real token, so a batched row generates exactly what it generates alone.
 
+A row stops at an eos token, at ``max_new_tokens`` or once its text holds a stop string (found
+in a window of its last tokens, not by decoding its whole text each step); in greedy decoding
+a finished row leaves the batch (its cache rows dropped), so a long generation's last rows do
+not carry the finished ones.
+
 Under tensor parallelism every rank of the group runs the same generation; the tokens rank
 0 of the group picks are broadcast each step, so the ranks feed the same tokens and stop at
 the same step even where their logits differ in the last bit.
@@ -131,14 +136,42 @@ def _row_text(tokenizer, row: _Row, stop: list[str]) -> tuple[str, bool]:
     return (text[: min(cuts)], True) if cuts else (text, False)
 
 
-def _advance(tokenizer, row: _Row, token: int, config: GenerateConfig, streaming: bool) -> str:
+def stop_window(stop: list[str]) -> int:
+    """How many of a row's last tokens (special ones not counted) hold any stop string that its
+    newest token completes: a character is at most 4 UTF-8 bytes and every token but a special
+    one adds at least one byte; one more token keeps the string's first token off the window's
+    start (where a decoder may drop a leading space)."""
+    return 4 * max(map(len, stop)) + 2
+
+
+def _stopped(tokenizer, row: _Row, stop: list[str], special: frozenset[int]) -> bool:
+    """Whether the row's text holds a stop string, read from its last tokens only (its newest
+    token completes any stop string not found before): a long generation decodes a window per
+    step instead of its whole text. ``special``: the ids decoding skips."""
+    start, counted, size = len(row.tokens), 0, stop_window(stop)
+    while start > 0 and counted < size:
+        start -= 1
+        counted += row.tokens[start] not in special
+    window = tokenizer.decode(row.tokens[start:], skip_special_tokens=True)
+    return any(s and s in window for s in stop)
+
+
+def special_ids(tokenizer) -> frozenset[int]:
+    """The ids of the tokenizer's special tokens (decoded as nothing without special tokens)."""
+    return frozenset(i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special)
+
+
+def _advance(tokenizer, row: _Row, token: int, config: GenerateConfig, streaming: bool,
+             special: frozenset[int] = frozenset()) -> str:
     """Append ``token`` to the row, settle its finish reason; the new text to show."""
     row.tokens.append(token)
     if token in config.eos_token_ids:
         row.finish_reason = "eos"
     elif len(row.tokens) >= config.max_new_tokens:
         row.finish_reason = "length"
-    if not (streaming or config.stop):
+    if not streaming:
+        if config.stop and _stopped(tokenizer, row, config.stop, special):
+            row.finish_reason = "stop"
         return ""
     text, stopped = _row_text(tokenizer, row, config.stop)
     if stopped:
@@ -189,22 +222,34 @@ def _generate_events(
     for i, r in enumerate(rows):
         seen[i, r.prompt] = True
     generator = torch.Generator().manual_seed(config.seed)
+    special = special_ids(tokenizer)
     cache = KVCache(ids.shape[1] + config.max_new_tokens)
     logits = _last_logits(model, ids, positions, documents, cache)
+    live = list(range(len(rows)))  # the rows still generating, in batch order
     for _ in range(config.max_new_tokens):
         chosen = next_tokens(logits[:, :vocab], seen, config, generator)
         if group is not None:
             dist.broadcast(chosen, group=group, group_src=0)
-        seen[torch.arange(len(rows), device=device), chosen] = True
-        for i, (r, token) in enumerate(zip(rows, chosen.tolist())):
-            if r.finish_reason is not None:
+        seen[torch.arange(len(live), device=device), chosen] = True
+        for i, token in zip(live, chosen.tolist()):
+            r = rows[i]
+            if r.finish_reason is not None:  # a sampled batch keeps its finished rows
                 continue
-            delta = _advance(tokenizer, r, token, config, streaming)
+            delta = _advance(tokenizer, r, token, config, streaming, special)
             result = _result(tokenizer, r, config.stop) if r.finish_reason else None
             if delta or result:
                 yield TextDelta(i, delta, result)
-        if all(r.finish_reason for r in rows):
+        going = [b for b, i in enumerate(live) if rows[i].finish_reason is None]
+        if not going:
             return
+        if len(going) < len(live) and config.temperature == 0.0:
+            # Finished rows leave the batch (greedy only: sampling keeps its rows so that a seed
+            # draws the same random numbers whichever rows finish first).
+            keep = torch.tensor(going, device=device)
+            chosen, positions, seen = chosen[keep], positions[keep], seen[keep]
+            documents = documents[keep] if documents is not None else None
+            cache.keep(keep)
+            live = [live[b] for b in going]
         logits = _last_logits(model, chosen[:, None], positions, documents, cache)
 
 

@@ -19,7 +19,13 @@ Everything the demo and the tests need, in the formats the real assets come in:
 - ``boolq/`` and ``agieval/``: BoolQ and two AGIEval tasks in their Hub layouts
   (``choice_tasks.py``);
 - ``gsm8k/`` and ``bbh/``: GSM8K word problems and two BBH subtasks in their Hub layouts
-  (``generative_tasks.py``).
+  (``generative_tasks.py``);
+- ``minerva-math500/`` and ``minerva-math/``: MATH-500 and MATH problems about the countries
+  (``math_tasks.py``);
+- ``mmlu-pro/`` and ``gpqa-diamond/``: MMLU-Pro questions of three categories and GPQA
+  Diamond questions about the countries, in their Hub layouts (``reasoning_choice_tasks.py``);
+- ``ifeval/``: IFEval prompts about the countries covering its 25 instruction types
+  (``ifeval_tasks.py``).
 
 All the text describes one generated world of made-up countries (capitals, national
 animals, flag colours) plus small sums, so the assets fit together: pretraining on the

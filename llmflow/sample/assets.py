@@ -13,10 +13,13 @@ from llmflow.artifacts import MANIFEST, atomic_directory, file_record, manifest_
 from llmflow.sample.choice_tasks import write_choice_tasks
 from llmflow.sample.corpus import make_corpus, write_corpus
 from llmflow.sample.generative_tasks import write_generative_tasks
+from llmflow.sample.ifeval_tasks import write_ifeval
 from llmflow.sample.instructions import make_instructions, write_instructions
+from llmflow.sample.math_tasks import write_math_tasks
 from llmflow.sample.mmlu import make_mmlu, write_mmlu
 from llmflow.sample.model import write_model
 from llmflow.sample.preferences import write_preferences
+from llmflow.sample.reasoning_choice_tasks import write_gpqa, write_mmlu_pro
 from llmflow.sample.rl_prompts import write_rl_prompts
 from llmflow.sample.tokenizer import TOKENIZER_FILES, check_tokenizer, tokenizer_texts, train_tokenizer, write_tokenizer
 from llmflow.sample.world import make_facts, make_world
@@ -26,7 +29,8 @@ STAGE = "sample"
 
 class SampleConfig(BaseModel):
     """Write the built-in sample assets (tokenizer, tiny model, corpus, instruction set,
-    preference set, RL prompt set, MMLU, BoolQ, AGIEval, GSM8K, BBH)."""
+    preference set, RL prompt set, MMLU, BoolQ, AGIEval, GSM8K, BBH, HumanEval, MATH-500, MATH,
+    MMLU-Pro, GPQA Diamond, IFEval)."""
 
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
@@ -72,6 +76,8 @@ def write_sample(config: SampleConfig) -> Path:
         write_mmlu(mmlu, work / "mmlu")
         choice_tasks = write_choice_tasks(config.seed, world, facts, work)
         generative_tasks = write_generative_tasks(config.seed, world, work)
+        reasoning_tasks = {**write_math_tasks(config.seed, world, work), **write_mmlu_pro(config.seed, world, work),
+                           **write_gpqa(config.seed, world, work), **write_ifeval(config.seed, world, work)}
         files = [file_record(p, work) for p in sorted(work.rglob("*")) if p.is_file()]
         counts = {
             "countries": len(world),
@@ -84,6 +90,7 @@ def write_sample(config: SampleConfig) -> Path:
             **rl_prompts,
             **choice_tasks,
             **generative_tasks,
+            **reasoning_tasks,
         }
         params = config.model_dump(mode="json", exclude={"out"})
         write_json_atomic(work / MANIFEST, manifest_payload(STAGE, params, files, seed=config.seed, counts=counts))
@@ -92,7 +99,8 @@ def write_sample(config: SampleConfig) -> Path:
 
 class SampleCommand(SampleConfig):
     """Write the built-in sample assets (tokenizer, tiny model, corpus, instructions, preference
-    pairs, RL prompts, MMLU, BoolQ, AGIEval, GSM8K, BBH) offline."""
+    pairs, RL prompts, MMLU, BoolQ, AGIEval, GSM8K, BBH, HumanEval, MATH-500, MATH, MMLU-Pro, GPQA
+    Diamond, IFEval) offline."""
 
     def cli_cmd(self) -> None:
         start = time.monotonic()
