@@ -1,16 +1,17 @@
-"""BoolQ, AGIEval, GSM8K and BBH, whole process: ``llmflow eval boolq|agieval|gsm8k|bbh``
+"""BoolQ, AGIEval, GSM8K, BBH and MATH-500, whole process: ``llmflow eval
+boolq|agieval|gsm8k|bbh|minerva-math500``
 against the real lm-evaluation-harness (``lm_eval --model hf``), same model, data, shots,
 batch size and ``--limit``, each a command of its own timed by the wall clock from start to
 exit.
 
 The data and model are the sample assets (``llmflow.sample.assets.write_sample``): BoolQ in
 aps/super_glue's layout, two AGIEval tasks in hails/agieval-*'s, GSM8K in openai/gsm8k's and
-two BBH subtasks in SaylorTwift/bbh's; ``--limit`` takes the first N documents of each task
+two BBH subtasks in SaylorTwift/bbh's, MATH-500 problems in HuggingFaceH4/MATH-500's; ``--limit`` takes the first N documents of each task
 (both sides). lm-evaluation-harness reads them through its own task yamls, included
 unchanged with the dataset pointed at the local parquet files (``--include_path``), and for
 AGIEval and BBH a group of those tasks aggregated as its agieval_en and bbh_cot_fewshot
 groups aggregate; no network (HF_*_OFFLINE). Shots are both tools' defaults, the harness's
-(0 for BoolQ and AGIEval, 8 chain-of-thought exemplars for GSM8K, 3 for BBH); the
+(0 for BoolQ and AGIEval, 8 chain-of-thought exemplars for GSM8K, 3 for BBH, 4 for MATH-500); the
 generative groups generate greedily at most ``--max-new-tokens`` tokens on both sides
 (lm-eval ``--gen_kwargs max_gen_toks=N``). ``--apply-chat-template`` renders every prompt with the
 model's chat template on both sides (lm-eval's ``--apply_chat_template``, few-shot examples as
@@ -76,6 +77,8 @@ class Group:
     """The harness's task name -> (its yaml under lm_eval/tasks, its directory under the group's data)."""
     harness_group: str | None = None
     """The harness's group yaml (under lm_eval/tasks) whose aggregation a group of the local tasks copies."""
+    files: str = "parquet"
+    """The data files' format (their suffix): parquet or json (JSON lines)."""
 
 
 GROUPS = {group.name: group for group in (
@@ -85,6 +88,7 @@ GROUPS = {group.name: group for group in (
     Group("gsm8k", True, {"gsm8k_cot": ("gsm8k/gsm8k-cot.yaml", "main")}),
     Group("bbh", True, {f"bbh_cot_fewshot_{t}": (f"bbh/cot_fewshot/{t}.yaml", t) for t in BBH_SUBTASKS},
           "bbh/cot_fewshot/_bbh_cot_fewshot.yaml"),
+    Group("minerva-math500", True, {"minerva_math500": ("minerva_math/minerva_math500.yaml", "")}, files="json"),
 )}
 
 
@@ -92,8 +96,9 @@ def write_tasks(group: Group, data: Path, tasks_dir: Path) -> str:
     """The group's lm-eval tasks reading ``data`` (and their group); what ``--tasks`` names."""
     names = []
     for task, (config, directory) in group.tasks.items():
-        files = {path.name.split("-")[0]: path for path in sorted((data / directory).rglob("*.parquet"))}
-        names.append(harness_task(tasks_dir, PREFIX + task, lm_eval_tasks() / config, files))
+        suffix = ".jsonl" if group.files == "json" else f".{group.files}"
+        files = {path.name.split("-")[0].removesuffix(suffix): path for path in sorted((data / directory).rglob(f"*{suffix}"))}
+        names.append(harness_task(tasks_dir, PREFIX + task, lm_eval_tasks() / config, files, group.files))
     if group.harness_group is None:
         (name,) = names
         return name
@@ -165,8 +170,21 @@ def check_choices(group: Group, outs: dict[str, Path]) -> dict:
     return {"documents": documents, "max_ll_diff": largest}
 
 
+def same_scores(sample: dict, row: dict) -> bool:
+    """Whether llmflow's record of a document scores as lm-eval's sample does: the extracted
+    answer and exact match of the sample's filter, or (a task scored by its own functions, such
+    as minerva_math's) each metric the sample logs."""
+    if "extracted" in row:
+        name = sample["filter"]
+        return (sample["filtered_resps"][0] == row["extracted"][name]
+                and float(sample["exact_match"]) == float(row["correct"][name]))
+    metrics = [m for m in ("exact_match", "math_verify") if m in sample]
+    return bool(metrics) and all(float(sample[m]) == float(row[m]) for m in metrics)
+
+
 def check_generations(group: Group, outs: dict[str, Path]) -> dict:
-    """Fail unless every document's generated text and, filter by filter, its extracted answer and score agree."""
+    """Fail unless every document's generated text and, filter by filter, its extracted answer
+    and score (or the task's own scores) agree."""
     ours = json.loads((outs["llmflow"] / "results.json").read_text())
     rows = {(r["task"], r["index"]): r for r in map(json.loads, (outs["llmflow"] / "predictions.jsonl").open())}
     documents = 0
@@ -174,16 +192,16 @@ def check_generations(group: Group, outs: dict[str, Path]) -> dict:
         samples = lm_eval_samples(outs["lm-eval"], task)
         check_prompts(task, samples, ours, ours["tasks"][task]["generation"]["until"])
         filters = {s["filter"] for s in samples}
+        first = next(r for (t, _), r in rows.items() if t == task)
         if {s["doc_id"] for s in samples} != {i for t, i in rows if t == task} or filters != set(
-                next(r for (t, _), r in rows.items() if t == task)["extracted"]):
+                first.get("extracted", {"none": None})):
             raise SystemExit(f"{task}: lm-eval logged {len(samples)} samples (filters {sorted(filters)}), llmflow "
                              f"{sum(t == task for t, _ in rows)} documents")
         for sample in samples:
-            row, name = rows[(task, sample["doc_id"])], sample["filter"]
-            if (sample["resps"][0][0] != row["generated"] or sample["filtered_resps"][0] != row["extracted"][name]
-                    or float(sample["exact_match"]) != float(row["correct"][name])):
-                raise SystemExit(f"{task} document {sample['doc_id']} ({name}) differs:\n"
-                                 f"llmflow: {row['generated']!r} -> {row['extracted'][name]!r}\n"
+            row = rows[(task, sample["doc_id"])]
+            if sample["resps"][0][0] != row["generated"] or not same_scores(sample, row):
+                raise SystemExit(f"{task} document {sample['doc_id']} ({sample['filter']}) differs:\n"
+                                 f"llmflow: {row['generated']!r} -> {row.get('extracted', row.get('answer'))!r}\n"
                                  f"lm-eval: {sample['resps'][0][0]!r} -> {sample['filtered_resps'][0]!r}")
         documents += len(samples) // len(filters)
     return {"documents": documents, "same_texts_and_answers": "yes"}
@@ -223,8 +241,9 @@ def report_lines(rows: list[dict], imports: dict[str, float]) -> list[str]:
 
 def agreement(row: dict, args) -> str:
     if row["group"].generative:
-        return (f"{row['shots']}-shot CoT, greedy, at most {args.max_new_tokens} new tokens, {row['documents']} "
-                "documents, same generated texts and extracted answers")
+        chat = ", under the chat template (few-shot as turns)" if args.apply_chat_template else ""
+        return (f"{row['shots']}-shot CoT{chat}, greedy, at most {args.max_new_tokens} new tokens, {row['documents']} "
+                "documents, same generated texts and scores")
     return (f"{row['shots']}-shot, {row['documents']} documents, same predictions, log-likelihoods within "
             f"{row['max_ll_diff']:.1e}")
 
@@ -251,7 +270,7 @@ def record(rows: list[dict], lines: list[str], args, load_after: float) -> None:
          f"--batch_size {args.batch_size} --device cpu --log_samples{harness_chat}` (generative groups: `--gen_kwargs "
          f"max_gen_toks={args.max_new_tokens}`) against `llmflow eval GROUP{limit}{chat} --batch-size {args.batch_size}` "
          f"(`--max-new-tokens {args.max_new_tokens}`), the sample model and data (BoolQ, 2 AGIEval tasks, GSM8K, "
-         f"2 BBH subtasks), the harness's default shots, medians over {args.rounds} rounds after one untimed run of "
+         f"2 BBH subtasks, MATH-500), the harness's default shots, medians over {args.rounds} rounds after one untimed run of "
          "each, order alternating; every round the same prompts (hash), log-likelihoods and predictions, or "
          "generated texts and extracted answers. 'in its timer': lm-eval's total_evaluation_time_seconds "
          "(everything after its imports); 'evaluating': llmflow's tokenization and forward passes or generation."),

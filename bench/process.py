@@ -47,14 +47,16 @@ def lm_eval_tasks() -> Path:
     return Path(spec.origin).parent / "tasks"
 
 
-def harness_task(tasks: Path, name: str, include: Path, files: dict[str, Path], **fields: str) -> str:
+def harness_task(tasks: Path, name: str, include: Path, files: dict[str, Path], dataset_path: str = "parquet",
+                 **fields: str) -> str:
     """Write task ``name`` into ``tasks``: lm-eval's own configuration ``include`` reading the
-    parquet ``files`` (split -> path) instead of the Hub, with ``fields`` on top; its name."""
+    ``files`` (split -> path; parquet, or ``dataset_path`` json or csv) instead of the Hub, with
+    ``fields`` on top; its name."""
     tasks.mkdir(parents=True, exist_ok=True)
     # JSON strings are YAML strings: paths and texts need no quoting rules of their own.
     data_files = "".join(f"    {split}: {json.dumps(str(path))}\n" for split, path in files.items())
     extra = "".join(f"{key}: {json.dumps(value)}\n" for key, value in fields.items())
-    (tasks / f"{name}.yaml").write_text(f"task: {name}\ninclude: {json.dumps(str(include))}\ndataset_path: parquet\n"
+    (tasks / f"{name}.yaml").write_text(f"task: {name}\ninclude: {json.dumps(str(include))}\ndataset_path: {dataset_path}\n"
                                         f"dataset_name: null\ndataset_kwargs:\n  data_files:\n{data_files}{extra}")
     return name
 

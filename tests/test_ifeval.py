@@ -342,9 +342,14 @@ def test_bad_data_is_refused_naming_file_row_and_field_before_the_model_loads(sa
 # --- against the real lm-evaluation-harness ----------------------------------------------------
 
 
+THINKING = ({"apply_chat_template": True, "system_instruction": "Follow every instruction."},
+            {"enable_thinking": False, "think_end_token": "</think>"})
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("parrot", [None, " Sure:\nthe fox is red"], ids=["sample-model", "parrot"])
-def test_texts_verdicts_and_metrics_agree_with_lm_eval(sample_assets, sample_data, tmp_path, parrot):
+@pytest.mark.parametrize("parrot, chat", [(None, None), (" Sure:\nthe fox is red", None), (None, THINKING)],
+                         ids=["sample-model", "parrot", "sample-model-chat-thinking"])
+def test_texts_verdicts_and_metrics_agree_with_lm_eval(sample_assets, sample_data, tmp_path, parrot, chat):
     """``lm_eval --tasks ifeval`` on the sample prompts and the sample model's gibberish, or a
     model that answers every prompt with ``parrot`` (a first line that the loose variants drop,
     then lower case without a comma), 16 new tokens at most: the same texts, verdicts and
@@ -353,19 +358,24 @@ def test_texts_verdicts_and_metrics_agree_with_lm_eval(sample_assets, sample_dat
     model = sample_assets() / "model"
     if parrot:
         model = parrot_model(model, tmp_path / "parrot", parrot)
+    settings, model_args = chat or ({}, {})
     out = evaluate_generative(IFEVAL, GenerativeEvalConfig(model=model, data=sample_data, out=tmp_path / "out",
-                                                           device="cpu", max_new_tokens=16, batch_size=3))
+                                                           device="cpu", max_new_tokens=16, batch_size=3, **settings,
+                                                           **model_args))
     results = json.loads((out / "results.json").read_text())
     predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     data = sample_data / "ifeval_input_data.jsonl"
     harness_task(tasks, "llmflow_ifeval", "ifeval/ifeval.yaml", {"train": data}, "json")
-    run_harness(model, "llmflow_ifeval", tasks, tmp_path / "harness", max_gen_toks=16)
+    run_harness(model, "llmflow_ifeval", tasks, tmp_path / "harness", max_gen_toks=16, chat=settings,
+                model_extra=model_args)
     samples = harness_samples(tmp_path / "harness", "llmflow_ifeval")
     assert len(samples) == len(predictions) == 13
     for sample, prediction in zip(samples, predictions):
-        assert sample["arguments"]["gen_args_0"]["arg_0"] == sample["doc"]["prompt"]
+        context = sample["arguments"]["gen_args_0"]["arg_0"]
+        assert context == sample["doc"]["prompt"] if not chat else context.endswith(
+            f"{sample['doc']['prompt']}<|im_end|>\n<|im_start|>assistant\n")
         assert sample["resps"][0][0] == prediction["generated"], sample["doc_id"]
         assert {m: sample[m] for m in METRICS} == {m: prediction[m] for m in METRICS}
     expected = harness_results(tmp_path / "harness")["llmflow_ifeval"]
@@ -375,6 +385,7 @@ def test_texts_verdicts_and_metrics_agree_with_lm_eval(sample_assets, sample_dat
         stderr = expected[f"{metric}_stderr,none"]
         assert task[f"{metric}_stderr"] == (None if stderr == "N/A" else pytest.approx(stderr, abs=1e-12))
     assert task["samples"] == 13 and task["generation"]["until"] == ["<|im_end|>"]
+    assert task["first_prompt"] == samples[0]["arguments"]["gen_args_0"]["arg_0"]
     assert results["headline"]["metric"] == "prompt_level_strict_acc"
     if parrot:
         assert {p["generated"] for p in predictions} == {parrot}

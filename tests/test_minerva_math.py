@@ -18,6 +18,7 @@ from harness_runs import harness_results, harness_samples, harness_task, parrot_
 from parquet_rows import write_parquet
 
 from llmflow.evaluate import minerva_math
+from llmflow.evaluate.chat_context import PromptRenderer
 from llmflow.evaluate.generative_engine import GenerativeEvalConfig, build_runs, evaluate_generative
 from llmflow.evaluate.minerva_math import (
     FEWSHOT_SAMPLES,
@@ -283,11 +284,16 @@ AGREEMENT = ["$\\boxed{7}$", "$x = \\boxed{\\frac{14}{2}}$", "It is $\\boxed{8}$
 """Golds the parrot's 7 matches by both metrics, neither, or math_verify only."""
 
 
+CHAT = {"apply_chat_template": True, "system_instruction": "Solve the problem."}
+
+
 @pytest.mark.slow
-def test_minerva_math500_agrees_with_lm_eval(sample_assets, tmp_path):
+@pytest.mark.parametrize("chat", [{}, CHAT], ids=["plain", "chat"])
+def test_minerva_math500_agrees_with_lm_eval(sample_assets, tmp_path, chat):
     """A model that answers PARROT (one token of its tokenizer) to everything: the same
     contexts (cut from the left: 4 exemplars are longer than its 1024 positions), texts,
-    answers, both scores per document, and both metrics with their standard errors."""
+    answers, both scores per document, and both metrics with their standard errors; plain and
+    under the chat template with a system instruction (the exemplars as turns)."""
     model = parrot_model(sample_assets() / "model", tmp_path / "parrot", PARROT, added_tokens=(PARROT,))
     data = tmp_path / "math500"
     write_jsonl(data / "test.jsonl", [math500_row(n, s) for n, s in enumerate(AGREEMENT)])
@@ -295,13 +301,13 @@ def test_minerva_math500_agrees_with_lm_eval(sample_assets, tmp_path):
     tasks.mkdir()
     harness_task(tasks, "llmflow_minerva_math500", "minerva_math/minerva_math500.yaml", {"test": data / "test.jsonl"},
                  "json")
-    run_harness(model, "llmflow_minerva_math500", tasks, tmp_path / "harness", limit=5, max_gen_toks=8)
-    out = evaluate_generative(MINERVA_MATH500, GenerativeEvalConfig(model=model, data=data, out=tmp_path / "ours",
-                                                                    limit=5, max_new_tokens=8, batch_size=3,
-                                                                    device="cpu"))
+    run_harness(model, "llmflow_minerva_math500", tasks, tmp_path / "harness", limit=5, max_gen_toks=8, chat=chat)
+    config = GenerativeEvalConfig(model=model, data=data, out=tmp_path / "ours", limit=5, max_new_tokens=8,
+                                  batch_size=3, device="cpu", **chat)
+    out = evaluate_generative(MINERVA_MATH500, config)
     results = json.loads((out / "results.json").read_text())
     predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
-    (run,) = build_runs(MINERVA_MATH500, [MINERVA_MATH500_TASK], data, 4, 5)
+    (run,) = build_runs(MINERVA_MATH500, [MINERVA_MATH500_TASK], data, 4, 5, PromptRenderer.for_model(config, model))
     utils = harness_utils()
     theirs = harness_samples(tmp_path / "harness", "llmflow_minerva_math500")
     assert len(theirs) == len(predictions) == 5

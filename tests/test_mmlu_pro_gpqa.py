@@ -207,18 +207,18 @@ def test_bad_data_is_refused_before_the_model_loads(data, tmp_path):
 
 
 def agree(tmp_path: Path, model: Path, data: Path, group: GenerativeGroup, names: list[str], shots: int | None,
-          limit: int, max_new_tokens: int, same_gold: bool = True) -> dict:
+          limit: int, max_new_tokens: int, same_gold: bool = True, chat: dict | None = None) -> dict:
     """Run the harness and llmflow on ``names`` and compare them (``same_gold``: their golds
-    and metrics too); llmflow's results."""
+    and metrics too), under the ``chat`` settings; llmflow's results."""
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     write_harness_tasks(tasks, data, "llmflow_")
     random.seed(0)
     run_harness(model, ",".join(f"llmflow_{n}" for n in names), tasks, tmp_path / "harness", shots=shots, limit=limit,
-                max_gen_toks=max_new_tokens)
+                max_gen_toks=max_new_tokens, chat=chat)
     root = data / ("mmlu-pro" if group is MMLU_PRO else "gpqa-diamond")
     config = GenerativeEvalConfig(model=model, data=root, out=tmp_path / "ours", tasks=names, shots=shots, limit=limit,
-                                  max_new_tokens=max_new_tokens, batch_size=3, device="cpu")
+                                  max_new_tokens=max_new_tokens, batch_size=3, device="cpu", **(chat or {}))
     out = evaluate_generative(group, config)
     results = json.loads((out / "results.json").read_text())
     predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
@@ -239,10 +239,11 @@ def agree(tmp_path: Path, model: Path, data: Path, group: GenerativeGroup, names
 
 
 @pytest.mark.slow
-def test_mmlu_pro_agrees_with_lm_eval(sample_assets, data, tmp_path):
+@pytest.mark.parametrize("chat", [None, {"apply_chat_template": True}], ids=["plain", "chat-multiturn"])
+def test_mmlu_pro_agrees_with_lm_eval(sample_assets, data, tmp_path, chat):
     model = parrot_model(sample_assets() / "model", tmp_path / "parrot", " so the answer is (B)")
     names = ["mmlu_pro_history", "mmlu_pro_computer_science"]
-    out = agree(tmp_path, model, data, MMLU_PRO, names, 2, 4, 12)
+    out = agree(tmp_path, model, data, MMLU_PRO, names, 2, 4, 12, chat=chat)
     assert {p["extracted"]["custom-extract"] for p in out["predictions"]} == {"B"}
     group = out["results"]["group"]["exact_match_custom_extract"]
     scores = [out["harness"][f"llmflow_{n}"]["exact_match,custom-extract"] for n in names]
@@ -250,10 +251,12 @@ def test_mmlu_pro_agrees_with_lm_eval(sample_assets, data, tmp_path):
 
 
 @pytest.mark.slow
-def test_gpqa_agrees_with_lm_eval(sample_assets, data, tmp_path):
+@pytest.mark.parametrize("chat", [None, {"apply_chat_template": True, "fewshot_as_multiturn": False,
+                                         "system_instruction": "Answer carefully."}], ids=["plain", "chat-single-turn"])
+def test_gpqa_agrees_with_lm_eval(sample_assets, data, tmp_path, chat):
     model = parrot_model(sample_assets() / "model", tmp_path / "parrot", " The answer is (C)")
     # The harness shuffles the answers again (process_docs, the global random state moved on)
     # each time it reads the documents, so its logged golds are not those of its prompts.
-    out = agree(tmp_path, model, data, GPQA_DIAMOND, GPQA_TASKS, 2, 5, 16, same_gold=False)
+    out = agree(tmp_path, model, data, GPQA_DIAMOND, GPQA_TASKS, 2, 5, 16, same_gold=False, chat=chat)
     # strict-match drops the last character (the full stop it expects); flexible-extract takes "(C)"
     assert {tuple(p["extracted"].values()) for p in out["predictions"]} == {("(C", "(C)")}

@@ -50,13 +50,17 @@ def headline(metric: str, tasks: dict[str, dict[str, Any]], group: dict[str, Any
     return {"metric": metric, "average": None, "value": first[metric], "stderr": first[f"{metric}_stderr"]}
 
 
+def with_stderr(value: float, stderr: float | None) -> str:
+    """A metric and its standard error ("N/A" where the harness reports none)."""
+    return f"{value:.4f} ± {'N/A' if stderr is None else f'{stderr:.4f}'}"
+
+
 def format_table(results: dict[str, Any]) -> str:
     """Each task's metrics and the group's micro and macro averages as a text table."""
     metrics = list(dict.fromkeys(m for t in results["tasks"].values() for m in metrics_of(t)))
     rows = [("task", "samples", *metrics)]
     for name, t in results["tasks"].items():
-        rows.append((name, str(t["samples"]), *(f"{t[m]:.4f} ± {t[m + '_stderr'] or 0:.4f}" if m in t else "-"
-                                                 for m in metrics)))
+        rows.append((name, str(t["samples"]), *(with_stderr(t[m], t[m + "_stderr"]) if m in t else "-" for m in metrics)))
     if group := results.get("group"):
         for average in ("micro", "macro"):
             rows.append((f"[{average}]", str(group["samples"]),
