@@ -241,10 +241,13 @@ def test_mmlu_with_the_chat_template_agrees_with_lm_eval(sample_assets, tmp_path
                                 "--subjects", "geography", "--apply-chat-template")
     theirs = harness_samples(tmp_path / "harness", "llmflow_mmlu_geography")
     assert len(theirs) == len(predictions) == 6
+    largest = 0.0
     for row, prediction in zip(theirs, predictions, strict=True):
         assert row["arguments"]["gen_args_0"]["arg_1"] == "A"
         scores = [float(response[0]) for response in row["filtered_resps"]]
         assert prediction["scores"] == pytest.approx(scores, rel=0, abs=1e-5), row["doc_id"]
+        largest = max(largest, *(abs(a - b) for a, b in zip(prediction["scores"], scores)))
+    print(f"MMLU under the chat template: largest log-likelihood difference {largest:.1e}")
     expected = harness_results(tmp_path / "harness")["llmflow_mmlu_geography"]
     assert results["accuracy"] == pytest.approx(expected["acc,none"], abs=1e-12)
     assert results["first_prompt"] == theirs[0]["arguments"]["gen_args_0"]["arg_0"]
@@ -287,3 +290,25 @@ def test_the_evaluate_flow_runs_the_reasoning_benchmarks_under_chat_settings(pre
     with pytest.raises(ValueError, match=r"evaluation.enable_thinking=true: mmlu score the log-likelihood"):
         EvaluateParams.model_validate({"benchmarks": ["mmlu", "ifeval"], "evaluation": {
             "apply_chat_template": True, "enable_thinking": True, "think_end_token": "</think>"}})
+
+
+def test_think_end_token_cuts_the_text_or_the_tokens_as_the_harness_does(sample_assets):
+    """A text think_end_token: what follows its last occurrence in the decoded text, stripped
+    on the left (postprocess_generated_text); digits: the tokens after the last occurrence of
+    that id, decoded and stripped (generate_until's integer branch); none found: the whole
+    text, stripped only for a token id."""
+    from lm_eval.models.utils import postprocess_generated_text
+
+    from llmflow.data.tokenizer import hf_tokenizer
+    from llmflow.evaluate.generative_engine import answer_text
+
+    hf = hf_tokenizer(sample_assets() / "model")
+    text = " first thought END second END  So the answer is 7."
+    tokens = hf.encode(text, add_special_tokens=False)
+    assert answer_text(hf, tokens, "END") == postprocess_generated_text(text, [], "END") == "So the answer is 7."
+    assert answer_text(hf, tokens, None) == text
+    end = tokens[3]
+    last = max(i for i, t in enumerate(tokens) if t == end)
+    assert answer_text(hf, tokens, str(end)) == hf.decode(tokens[last + 1 :], skip_special_tokens=True).lstrip()
+    missing = next(i for i in range(hf.vocab_size) if i not in tokens)
+    assert answer_text(hf, tokens, str(missing)) == text.lstrip()
