@@ -26,7 +26,9 @@ class EvalSettings(ChatSettings):
     data: Path | str
     """The benchmark's data: a local directory in one of its published layouts, or a hub dataset
     (hf://cais/mmlu, hf://ceval/ceval-exam, hf://haonan-li/cmmlu, hf://aps/super_glue, hf://hails
-    for every hails/agieval-* task, hf://openai/gsm8k, hf://SaylorTwift/bbh, ms://org/name),
+    for every hails/agieval-* task, hf://openai/gsm8k, hf://SaylorTwift/bbh, hf://openai/openai_humaneval,
+    hf://HuggingFaceH4/MATH-500, hf://EleutherAI/hendrycks_math, hf://TIGER-Lab/MMLU-Pro,
+    hf://Idavidrein/gpqa, hf://google/IFEval, ms://org/name),
     downloaded into cache_dir first (only the files the evaluation reads)."""
     out: Path
     """Output directory: results.json, predictions.jsonl and manifest.json (replaced as a whole)."""
