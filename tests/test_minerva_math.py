@@ -13,6 +13,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import yaml
 from harness_exemplars import harness_tasks
 from harness_runs import harness_results, harness_samples, harness_task, parrot_model, run_harness
 from parquet_rows import write_parquet
@@ -329,3 +330,38 @@ def test_minerva_math500_agrees_with_lm_eval(sample_assets, tmp_path, chat):
                                    "stderr": task["exact_match_stderr"]}
     assert task["generation"]["until"][0] == "Problem:" and task["version"] == "3.1"
     assert (results["benchmark"], results["harness_task"]) == ("minerva-math500", "minerva_math500")
+
+
+@pytest.mark.slow
+def test_the_minerva_math_group_agrees_with_lm_eval(sample_assets, tmp_path):
+    """Two subjects of the sample's MATH as the harness's minerva_math group (its own yaml, the
+    task list cut to them): each task's texts and scores, and the group's size-weighted means
+    of both metrics."""
+    answer = " Final Answer: The final answer is $40$. I hope it is correct."  # one problem of each is 40
+    model = parrot_model(sample_assets() / "model", tmp_path / "parrot", answer, added_tokens=(answer,))
+    data = sample_assets() / "minerva-math"
+    names = ["minerva_math_algebra", "minerva_math_num_theory"]
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    for task in (t for t in MINERVA_MATH.tasks if t.name in names):
+        harness_task(tasks, f"llmflow_{task.name}", f"minerva_math/{task.name}.yaml",
+                     {"test": next((data / task.subdir).glob("test-*.parquet"))})
+    group = yaml.safe_load((harness_tasks() / "benchmarks" / "minerva_math.yaml").read_text())
+    group.update(group="llmflow_minerva_math", task=[f"llmflow_{n}" for n in names])
+    (tasks / "llmflow_minerva_math.yaml").write_text(json.dumps(group))
+    run_harness(model, "llmflow_minerva_math", tasks, tmp_path / "harness", max_gen_toks=8)
+    out = evaluate_generative(MINERVA_MATH, GenerativeEvalConfig(model=model, data=data, out=tmp_path / "ours",
+                                                                 tasks=names, max_new_tokens=8, device="cpu"))
+    results = json.loads((out / "results.json").read_text())
+    predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    expected = harness_results(tmp_path / "harness")
+    for name in names:
+        theirs = harness_samples(tmp_path / "harness", f"llmflow_{name}")
+        mine = [p for p in predictions if p["task"] == name]
+        assert [s["resps"][0][0] for s in theirs] == [p["generated"] for p in mine]
+        assert [(s["exact_match"], s["math_verify"]) for s in theirs] == [(p["exact_match"], p["math_verify"])
+                                                                        for p in mine]
+    for metric in ("exact_match", "math_verify"):
+        assert results["group"][metric]["micro"] == pytest.approx(expected["llmflow_minerva_math"][f"{metric},none"],
+                                                                   abs=1e-12)
+    assert results["group"]["exact_match"]["micro"] == pytest.approx(2 / 6)
