@@ -80,6 +80,11 @@ def ours(tmp_path: Path, group: str, model: Path, data: Path, *args: str) -> tup
         main(["eval", group, "--model", str(model), "--data", str(data), "--out", str(out), "--batch-size", "3",
               "--device", "cpu", *args])
     assert "wrote " in stdout.getvalue()
+    return outputs(out)
+
+
+def outputs(out: Path) -> tuple[dict, list[dict]]:
+    """An evaluation's results.json and predictions.jsonl records."""
     results = json.loads((out / "results.json").read_text())
     return results, [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
 

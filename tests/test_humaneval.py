@@ -20,7 +20,7 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 from harness_exemplars import harness_tasks
-from harness_runs import parrot_model
+from harness_runs import outputs, parrot_model
 from parquet_rows import write_parquet
 
 from llmflow.evaluate.generative_engine import (
@@ -198,8 +198,7 @@ def test_completions_and_pass_at_1_agree_with_lm_eval(sample_assets, data, tmp_p
         model = parrot_model(model, tmp_path / "parrot", parrot)
     out = evaluate_generative(HUMANEVAL, GenerativeEvalConfig(model=model, data=data, out=tmp_path / "out",
                                                               device="cpu", max_new_tokens=32, batch_size=3))
-    results = json.loads((out / "results.json").read_text())
-    predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    results, predictions = outputs(out)
     lm = HFLM(pretrained=str(model), device="cpu", batch_size=4, dtype="float32")
     gen_kwargs = {**harness_config()["generation_kwargs"], "max_gen_toks": 32}
     requests = [Instance("generate_until", row, (row["prompt"], dict(gen_kwargs)), 0) for row in PROBLEMS]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from harness_exemplars import harness_tasks
-from harness_runs import harness_results, harness_samples, harness_task, parrot_model, run_harness
+from harness_runs import harness_results, harness_samples, harness_task, outputs, parrot_model, run_harness
 from parquet_rows import write_parquet
 
 from llmflow.evaluate.generative_engine import GenerativeEvalConfig, build_runs, evaluate_generative
@@ -362,8 +362,7 @@ def test_texts_verdicts_and_metrics_agree_with_lm_eval(sample_assets, sample_dat
     out = evaluate_generative(IFEVAL, GenerativeEvalConfig(model=model, data=sample_data, out=tmp_path / "out",
                                                            device="cpu", max_new_tokens=16, batch_size=3, **settings,
                                                            **model_args))
-    results = json.loads((out / "results.json").read_text())
-    predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    results, predictions = outputs(out)
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     data = sample_data / "ifeval_input_data.jsonl"

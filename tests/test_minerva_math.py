@@ -15,7 +15,7 @@ from types import ModuleType
 import pytest
 import yaml
 from harness_exemplars import harness_tasks
-from harness_runs import harness_results, harness_samples, harness_task, parrot_model, run_harness
+from harness_runs import harness_results, harness_samples, harness_task, outputs, parrot_model, run_harness
 from parquet_rows import write_parquet
 
 from llmflow.evaluate import minerva_math
@@ -306,8 +306,7 @@ def test_minerva_math500_agrees_with_lm_eval(sample_assets, tmp_path, chat):
     config = GenerativeEvalConfig(model=model, data=data, out=tmp_path / "ours", limit=5, max_new_tokens=8,
                                   batch_size=3, device="cpu", **chat)
     out = evaluate_generative(MINERVA_MATH500, config)
-    results = json.loads((out / "results.json").read_text())
-    predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    results, predictions = outputs(out)
     (run,) = build_runs(MINERVA_MATH500, [MINERVA_MATH500_TASK], data, 4, 5, PromptRenderer.for_model(config, model))
     utils = harness_utils()
     theirs = harness_samples(tmp_path / "harness", "llmflow_minerva_math500")
@@ -352,8 +351,7 @@ def test_the_minerva_math_group_agrees_with_lm_eval(sample_assets, tmp_path):
     run_harness(model, "llmflow_minerva_math", tasks, tmp_path / "harness", max_gen_toks=8)
     out = evaluate_generative(MINERVA_MATH, GenerativeEvalConfig(model=model, data=data, out=tmp_path / "ours",
                                                                  tasks=names, max_new_tokens=8, device="cpu"))
-    results = json.loads((out / "results.json").read_text())
-    predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    results, predictions = outputs(out)
     expected = harness_results(tmp_path / "harness")
     for name in names:
         theirs = harness_samples(tmp_path / "harness", f"llmflow_{name}")

@@ -5,13 +5,12 @@ errors, and agreement with the real lm-evaluation-harness on a tiny model."""
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
 import pytest
 from harness_exemplars import harness_tasks
-from harness_runs import harness_results, harness_task, parrot_model, run_harness
+from harness_runs import harness_results, harness_task, outputs, parrot_model, run_harness
 from parquet_rows import write_parquet
 from test_chat_eval import harness_kwargs
 from test_generative_tasks import assert_same_metrics, assert_same_samples, harness_samples
@@ -220,8 +219,7 @@ def agree(tmp_path: Path, model: Path, data: Path, group: GenerativeGroup, names
     config = GenerativeEvalConfig(model=model, data=root, out=tmp_path / "ours", tasks=names, shots=shots, limit=limit,
                                   max_new_tokens=max_new_tokens, batch_size=3, device="cpu", **(chat or {}))
     out = evaluate_generative(group, config)
-    results = json.loads((out / "results.json").read_text())
-    predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    results, predictions = outputs(out)
     expected = harness_results(tmp_path / "harness")
     for name in names:
         theirs = harness_samples(tmp_path / "harness", f"llmflow_{name}")
