@@ -50,8 +50,9 @@ def log_first_prompts(run_id: str, prompts: dict[str, str]) -> None:
     """Each task's first prompt, exactly as the model saw it, as ``prompts/{task}.txt`` of the run."""
     from mlflow import MlflowClient
 
+    client = MlflowClient()
     for name, prompt in prompts.items():
-        MlflowClient().log_text(run_id, prompt, f"prompts/{name}.txt")
+        client.log_text(run_id, prompt, f"prompts/{name}.txt")
 
 
 def evaluate_benchmark(benchmark: Benchmark, config: engine.EvalConfig) -> StageArtifact:

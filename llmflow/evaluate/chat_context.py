@@ -83,12 +83,6 @@ class ChatSettings(BaseModel):
         """The chat template's variables besides the messages (the harness's chat_template_args)."""
         return self.chat_template_args | ({} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking})
 
-    def chat_record(self) -> dict[str, Any]:
-        """These settings as results.json records them."""
-        return {"apply_chat_template": self.apply_chat_template, "fewshot_as_multiturn": self.multiturn,
-                "system_instruction": self.system_instruction, "template_variables": self.template_variables(),
-                "think_end_token": self.think_end_token}
-
 
 def check_loglikelihood(settings: ChatSettings, title: str) -> None:
     """Refuse thinking for a benchmark scored by log-likelihood, as the harness's hf backend does."""

@@ -24,7 +24,13 @@ from typing import Any
 
 from pydantic import Field
 
-from llmflow.evaluate.chat_context import PLAIN_PROMPTS, Example, PromptRenderer, check_loglikelihood
+from llmflow.evaluate.chat_context import (
+    PLAIN_PROMPTS,
+    TARGET_DELIMITER,
+    Example,
+    PromptRenderer,
+    check_loglikelihood,
+)
 from llmflow.evaluate.choice_tasks import ChoiceTask, Doc, TaskGroup
 from llmflow.evaluate.fewshot import HARNESS_SEED, fewshot_indices
 from llmflow.evaluate.hub_data import is_hub_source, local_data
@@ -36,8 +42,6 @@ from llmflow.evaluate.statistics import stderr_of_mean
 from llmflow.evaluate.task_selection import check_task_directories, select_tasks
 from llmflow.progress import Progress, no_progress
 from llmflow.runtime import available_device
-
-TARGET_DELIMITER = " "
 
 
 class ChoiceEvalConfig(EvalSettings):

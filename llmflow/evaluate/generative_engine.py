@@ -166,8 +166,8 @@ def generate(generator: Generator, prompts: list[str], config: GenerateConfig, m
     """Continuations of ``prompts`` as the harness's hf backend makes them (see the module); a
     sampling ``config``'s seed is the first batch's, each later batch's one more. ``on_batch``
     is called with the number of continuations of each batch and the tokens they hold once it
-    is generated. A
-    ``think_end_token`` removes the reasoning before the stop strings cut the text."""
+    is generated. A ``think_end_token`` removes the reasoning before the stop strings cut the
+    text."""
     hf = hf_tokenizer(generator.tokenizer_dir)
     ids = encode_texts(generator.tokenizer, prompts, hf.bos_token)
     keep = max_length - config.max_new_tokens

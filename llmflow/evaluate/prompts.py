@@ -15,12 +15,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from llmflow.evaluate.chat_context import PLAIN_PROMPTS, Example, PromptRenderer
+from llmflow.evaluate.chat_context import PLAIN_PROMPTS, TARGET_DELIMITER, Example, PromptRenderer
 from llmflow.evaluate.questions import LETTERS, Question
 from llmflow.evaluate.subjects_zh import CEVAL_SUBJECTS, CMMLU_SUBJECTS
 
-TARGET_DELIMITER = " "
-FEWSHOT_DELIMITER = "\n\n"
 CONTINUATIONS = tuple(TARGET_DELIMITER + letter for letter in LETTERS)
 
 

@@ -11,7 +11,8 @@ from typing import Any
 import tokenizers
 
 from llmflow.data.templates import QWEN
-from llmflow.evaluate.prompts import CONTINUATIONS, FEWSHOT_DELIMITER, MMLU_PROMPT
+from llmflow.evaluate.chat_context import FEWSHOT_DELIMITER
+from llmflow.evaluate.prompts import CONTINUATIONS, MMLU_PROMPT
 from llmflow.evaluate.questions import Question
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
