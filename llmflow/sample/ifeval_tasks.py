@@ -11,13 +11,13 @@ as it was.
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from llmflow.sample.generative_tasks import counted
+from llmflow.sample.parquet import write_jsonl
 from llmflow.sample.world import Country
 
 KWARGS = ("num_highlights", "relation", "num_words", "num_placeholders", "prompt_to_repeat", "num_bullets",
@@ -216,8 +216,5 @@ def write_ifeval(seed: int, world: list[Country], directory: Path) -> dict[str, 
     """Write the IFEval sample prompts under ``directory``; their count."""
     rng = random.Random(f"{seed}-ifeval")
     rows = [ifeval_row(rng, 1000 + n, rng.choice(world), makers) for n, makers in enumerate(PROMPTS)]
-    path = directory / "ifeval" / "ifeval_input_data.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    write_jsonl(directory / "ifeval" / "ifeval_input_data.jsonl", rows)
     return {"ifeval_train": len(rows)}

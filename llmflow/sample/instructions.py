@@ -3,16 +3,16 @@ about the world's facts answered in a sentence, and practice quizzes in the MMLU
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
 import pyarrow as pa
 
-from llmflow.evaluate.prompts import FEWSHOT_DELIMITER, MMLU_PROMPT
+from llmflow.evaluate.chat_context import FEWSHOT_DELIMITER
+from llmflow.evaluate.prompts import MMLU_PROMPT
 from llmflow.evaluate.questions import Question
 from llmflow.sample.mmlu import new_question
-from llmflow.sample.parquet import write_parquet
+from llmflow.sample.parquet import write_jsonl, write_parquet
 from llmflow.sample.world import Fact
 
 QUIZ_MAX = 5
@@ -56,5 +56,4 @@ def write_instructions(rows: list[dict[str, str]], directory: Path) -> None:
     columns = {key: [r[key] for r in rows] for key in ("instruction", "input", "output")}
     schema = pa.schema([(k, pa.string()) for k in columns])
     write_parquet(directory / "alpaca.parquet", pa.table(columns, schema=schema))
-    with open(directory / "alpaca.jsonl", "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    write_jsonl(directory / "alpaca.jsonl", rows)

@@ -14,13 +14,12 @@ stream of their own, so adding them leaves every other sample file as it was.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from pathlib import Path
 
 from llmflow.sample.generative_tasks import plural
-from llmflow.sample.parquet import write_rows
+from llmflow.sample.parquet import write_jsonl, write_rows
 from llmflow.sample.world import Country
 
 MATH500_PROBLEMS = 12
@@ -67,15 +66,13 @@ def math_problem(rng: random.Random, first: Country, second: Country) -> tuple[s
 def write_math_tasks(seed: int, world: list[Country], directory: Path) -> dict[str, int]:
     """Write the MATH-500 and hendrycks_math sample data under ``directory``; their document counts."""
     rng = random.Random(f"{seed}-math-tasks")
-    lines = []
+    math500 = []
     for number in range(MATH500_PROBLEMS):
         subject = rng.choice(list(SUBJECTS.values()))
         problem, solution, answer = math_problem(rng, *rng.sample(world, 2))
-        lines.append(json.dumps({"problem": problem, "solution": solution, "answer": answer, "subject": subject,
-                                 "level": rng.randint(1, 5), "unique_id": f"test/sample/{number}.json"}) + "\n")
-    math500 = directory / "minerva-math500" / "test.jsonl"
-    math500.parent.mkdir(parents=True, exist_ok=True)
-    math500.write_text("".join(lines), encoding="utf-8")
+        math500.append({"problem": problem, "solution": solution, "answer": answer, "subject": subject,
+                        "level": rng.randint(1, 5), "unique_id": f"test/sample/{number}.json"})
+    write_jsonl(directory / "minerva-math500" / "test.jsonl", math500)
     for subject, kind in SUBJECTS.items():
         rows = []
         for _ in range(SUBJECT_PROBLEMS):

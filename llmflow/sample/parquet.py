@@ -1,7 +1,8 @@
-"""How every sample asset writes a parquet file."""
+"""How every sample asset writes a parquet or a JSON-lines file."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pyarrow as pa
@@ -16,3 +17,10 @@ def write_parquet(path: Path, table: pa.Table) -> None:
 def write_rows(path: Path, rows: list[dict]) -> None:
     """``rows`` as a parquet table, its schema inferred from them."""
     write_parquet(path, pa.Table.from_pylist(rows))
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    """``rows`` as JSON lines (UTF-8, non-ASCII characters as they are)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)

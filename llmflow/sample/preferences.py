@@ -17,7 +17,6 @@ sample file as it was.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from collections.abc import Iterator
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from llmflow.sample.parquet import write_parquet
+from llmflow.sample.parquet import write_jsonl, write_parquet
 from llmflow.sample.world import ANIMALS, COLOURS, Country, Fact
 
 COLUMNS = ("prompt", "chosen", "rejected")
@@ -121,7 +120,6 @@ def write_preferences(seed: int, world: list[Country], facts: dict[str, list[Fac
     schema = pa.schema([(k, pa.string()) for k in COLUMNS])
     for split, rows in make_preferences(seed, world, facts).items():
         write_parquet(directory / f"preference_{split}.parquet", pa.table({k: [r[k] for r in rows] for k in COLUMNS}, schema=schema))
-        with open(directory / f"preference_{split}.jsonl", "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        write_jsonl(directory / f"preference_{split}.jsonl", rows)
         counts[f"preference_{split}"] = len(rows)
     return counts

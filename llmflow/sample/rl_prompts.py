@@ -16,11 +16,10 @@ every other sample file as it was.
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
-from llmflow.sample.parquet import write_rows
+from llmflow.sample.parquet import write_jsonl, write_rows
 from llmflow.sample.preferences import KINDS, TRAIN_WORDINGS, questions
 from llmflow.sample.world import Country, Fact
 
@@ -43,7 +42,6 @@ def write_rl_prompts(seed: int, world: list[Country], facts: dict[str, list[Fact
     counts = {}
     for split, rows in make_rl_prompts(seed, world, facts).items():
         write_rows(directory / f"rl_{split}.parquet", rows)
-        with open(directory / f"rl_{split}.jsonl", "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        write_jsonl(directory / f"rl_{split}.jsonl", rows)
         counts[f"rl_{split}"] = len(rows)
     return counts
