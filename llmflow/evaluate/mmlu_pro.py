@@ -17,6 +17,7 @@ options, answer, answer_index, cot_content, category, src, every category in the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -25,7 +26,7 @@ from typing import Any
 
 from llmflow.evaluate.generative_tasks import Doc, ExactMatch, GenerativeGroup, GenerativeTask, RegexFilter
 from llmflow.evaluate.questions import BenchmarkDataError
-from llmflow.evaluate.task_files import excerpt, read_split
+from llmflow.evaluate.task_files import excerpt, read_split, split_files
 
 CATEGORIES = ("biology", "business", "chemistry", "computer science", "economics", "engineering", "health",
               "history", "law", "math", "other", "philosophy", "physics", "psychology")
@@ -61,12 +62,22 @@ def checked_row(row: dict[str, Any], where: str, worked: bool) -> dict[str, Any]
     return row
 
 
+SPLIT_FILES = ("data/{split}-*.parquet", "{split}-*.parquet")
+
+
+@functools.lru_cache(maxsize=4)
+def _split_rows(directory: Path, split: str, files: tuple[tuple[str, int, int], ...]) -> tuple[dict[str, Any], ...]:
+    """Every checked row of ``split``; ``files`` (name, mtime, size) keys the cache, so the 14
+    category tasks read a split's files once, and again only once they change."""
+    worked = split == "validation"
+    return tuple(read_split("MMLU-Pro", directory, split, (SPLIT_FILES,), COLUMNS + (("cot_content",) if worked else ()),
+                            LAYOUT, partial(checked_row, worked=worked)))
+
+
 def category_rows(directory: Path, split: str, category: str) -> list[dict[str, Any]]:
     """The rows of ``split`` under ``directory`` in ``category``, in file order."""
-    worked = split == "validation"
-    rows = read_split("MMLU-Pro", directory, split, (("data/{split}-*.parquet", "{split}-*.parquet"),),
-                      COLUMNS + (("cot_content",) if worked else ()), LAYOUT, partial(checked_row, worked=worked))
-    return [row for row in rows if row["category"] == category]
+    files = tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in split_files(directory, split, SPLIT_FILES))
+    return [row for row in _split_rows(directory, split, files) if row["category"] == category]
 
 
 def read_category(category: str, directory: Path) -> list[Doc]:
