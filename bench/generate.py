@@ -43,13 +43,13 @@ import torch
 
 from bench.machine import cpu_model
 from bench.results import update_results
+from bench.roofline import decode_step_bytes, measured_bandwidth
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = {"vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
           "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 2048}
 SIDES = ("transformers", "transformers+compile", "llmflow")
 BASELINES = ("transformers", "transformers+compile")
-BANDWIDTH_BYTES = 256 * 2**20
 
 
 def prompts(batch: int) -> list[list[int]]:
@@ -140,29 +140,6 @@ class Side:
         self.proc.wait()
 
 
-def memory_bandwidth(repeats: int = 10) -> float:
-    """Bytes/s of the best of ``repeats`` sums of a BANDWIDTH_BYTES fp32 tensor (a read of
-    memory far beyond the caches, as a decode step's read of the weights is)."""
-    x = torch.ones(BANDWIDTH_BYTES // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return BANDWIDTH_BYTES / best
-
-
-def decode_step_bytes(batch: int, context: float) -> float:
-    """fp32 bytes a decode step of ``batch`` rows reads with ``context`` positions cached:
-    every weight but the embedding, ``batch`` embedding rows, and the cached keys and values."""
-    h, f, layers, vocab = (CONFIG[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
-    kv = CONFIG["num_key_value_heads"] * h // CONFIG["num_attention_heads"]
-    per_layer = h * h * 2 + h * kv * 2 + 3 * h * f + 2 * h
-    weights = layers * per_layer + h + vocab * h + batch * h
-    cache = 2 * layers * batch * kv * context
-    return 4 * (weights + cache)
-
-
 def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -189,7 +166,7 @@ def bench(args: argparse.Namespace) -> tuple[list[dict], dict]:
                   + ", ".join(f"batch {b} {warmup[side][b]:.1f} s" for b in args.batches), flush=True)
         torch.set_num_threads(args.threads)
         for r in range(args.rounds):
-            bandwidths.append(memory_bandwidth())
+            bandwidths.append(measured_bandwidth(torch.device("cpu")))
             for side in args.sides if r % 2 == 0 else reversed(args.sides):
                 for batch in args.batches:
                     full, prefill = sides[side].run(batch, args.new_tokens), sides[side].run(batch, 1)
@@ -210,7 +187,7 @@ def bench(args: argparse.Namespace) -> tuple[list[dict], dict]:
                 if run["tokens"] != reference:
                     sys.exit(f"bench.generate: {side} generated other tokens than llmflow at batch {batch}")
         width = max(len(p) for p in prompts(batch))
-        roofline_s = decode_step_bytes(batch, width + args.new_tokens / 2) / bandwidth
+        roofline_s = decode_step_bytes(CONFIG, batch, width + args.new_tokens / 2, value_bytes=4) / bandwidth
         row = {"batch": batch, "roofline_ms": roofline_s * 1e3, "sides": {}, "ratios": {}}
         for side in args.sides:
             rs = runs[side][batch]

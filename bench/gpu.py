@@ -51,6 +51,7 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "RESULTS.md"
 SECTIONS = ("kernels", "decode", "precision", "train")
 GOAL_MFU = 0.45
+GOAL_ROOFLINE = 0.5
 SHAPES = {
     "full": {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
              "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 4096,
@@ -138,10 +139,13 @@ def run_kernels(device: torch.device) -> list[str]:
 def run_decode(model_dir: Path, device: torch.device, args: argparse.Namespace, vocab: int) -> list[str]:
     from bench.gpu_decode import decode_rounds
 
-    rows = decode_rounds(model_dir, device, vocab, [1, 8], args.new_tokens, args.rounds)
+    rows = decode_rounds(model_dir, device, vocab, [1, 8], args.new_tokens, args.rounds, args.compile)
+    sides = ("llmflow `decode: compiled` (static KV cache, torch.compile reduce-overhead) against transformers' "
+             "static-cache generate, compiled by transformers" if args.compile else
+             "llmflow's eager decode step against transformers' static-cache generate, uncompiled")
     lines = ["#### Decode, greedy, bf16", "",
-             (f"{args.new_tokens} new tokens per row, {args.rounds} rounds alternating; peak memory per side includes "
-              "the other side's weights (both stay loaded)."), "",
+             (f"{sides}; {args.new_tokens} new tokens per row, {args.rounds} rounds alternating; peak memory per side "
+              "includes the other side's weights (both stay loaded)."), "",
              ("| batch | llmflow tok/s | transformers tok/s | ratio median (min-max) | rows with the same tokens "
               "| llmflow GiB | transformers GiB |"), "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -149,7 +153,26 @@ def run_decode(model_dir: Path, device: torch.device, args: argparse.Namespace, 
         memory = [f"{r['memory_gib'][s]:.2f}" if s in r["memory_gib"] else "-" for s in ("llmflow", "transformers")]
         lines.append(f"| {r['batch']} | {r['rates']['llmflow']:,.1f} | {r['rates']['transformers']:,.1f} | "
                      f"{median:.2f}x ({low:.2f}-{high:.2f}) | {r['same_rows']:.0%} | {memory[0]} | {memory[1]} |")
-    return lines + [""]
+    return lines + [""] + roofline_lines(rows[0], device) + [""]
+
+
+def roofline_lines(batch_one: dict, device: torch.device) -> list[str]:
+    """Batch 1's bytes/s (the bytes a step reads x steps/s) against the memory bandwidth."""
+    from bench.roofline import measured_bandwidth, peak_bandwidth
+
+    datasheet, measured = peak_bandwidth(device), measured_bandwidth(device, megabytes=256 if device.type == "cpu" else 4096)
+    step = batch_one["step_bytes"]
+    lines = [f"Batch 1 reads {step / 2**20:,.1f} MiB a step (weights and KV cache); the measured read bandwidth "
+             f"(a tensor's sum) is {measured / 1e9:,.0f} GB/s" + (f", the datasheet's {datasheet / 1e9:,.0f} GB/s." if datasheet else ".")]
+    for side, rate in batch_one["rates"].items():
+        achieved = rate * step
+        share = f"{achieved / datasheet:.0%} of the datasheet roofline, " if datasheet else ""
+        lines.append(f"- {side}: {achieved / 1e9:,.0f} GB/s, {share}{achieved / measured:.0%} of the measured bandwidth")
+    if datasheet:
+        met = batch_one["rates"]["llmflow"] * step / datasheet >= GOAL_ROOFLINE
+        lines.append(f"\nllmflow batch 1 against the goal of {GOAL_ROOFLINE:.0%} of the roofline: "
+                     + ("met." if met else "missed."))
+    return lines
 
 
 def run_precision(device: torch.device, work: Path, tiny: bool) -> list[str]:

@@ -57,16 +57,19 @@ def attention(
     document_ids: torch.Tensor | None = None,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    query_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention, q [B, Hq, Sq, D], k [B, Hkv, Skv, D] and v [B, Hkv, Skv, Dv] (Dv may
     differ from D, as in Multi-head Latent Attention) with Hq a multiple of Hkv (GQA); the
-    output is [B, Hq, Sq, Dv]. Queries are the last Sq positions. ``document_ids`` [B, Skv] keeps packed
+    output is [B, Hq, Sq, Dv]. Queries are the last Sq positions, or the Sq from ``query_start``
+    (a 0-d tensor) on, the keys after them unwritten slots of a static KV cache. ``document_ids`` [B, Skv] keeps packed
     documents apart; ``sliding_window`` limits how far back a query looks. ``sinks`` [Hq] (gpt-oss's
     attention sinks): each head's logit joins every query's softmax as one more column whose
     probability is dropped (it attends to nothing), so a query's weights may sum to less than one."""
-    if sinks is None:
-        return kernels_for(q.device.type).attention(q, k, v, scale, document_ids, sliding_window)
-    return kernels_for(q.device.type).attention(q, k, v, scale, document_ids, sliding_window, sinks=sinks)
+    extra = {} if sinks is None else {"sinks": sinks}
+    if query_start is not None:
+        extra["query_start"] = query_start
+    return kernels_for(q.device.type).attention(q, k, v, scale, document_ids, sliding_window, **extra)
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

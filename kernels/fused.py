@@ -82,25 +82,26 @@ def attention(
     document_ids: torch.Tensor | None = None,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    query_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     q_len, kv_len = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
     if sinks is not None:
-        return _sink_attention(q, k, v, scale, document_ids, sliding_window, sinks)
-    if needs_explicit_mask(q_len, kv_len, document_ids, sliding_window):
-        mask = attention_mask(q_len, kv_len, q.device, document_ids, sliding_window)
+        return _sink_attention(q, k, v, scale, document_ids, sliding_window, sinks, query_start)
+    if needs_explicit_mask(q_len, kv_len, document_ids, sliding_window, query_start):
+        mask = attention_mask(q_len, kv_len, q.device, document_ids, sliding_window, query_start)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, is_causal=q_len > 1, scale=scale, enable_gqa=gqa)
 
 
 def _sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                     document_ids: torch.Tensor | None, sliding_window: int | None,
-                    sinks: torch.Tensor) -> torch.Tensor:
+                    sinks: torch.Tensor, query_start: torch.Tensor | None = None) -> torch.Tensor:
     """Attention with a sink logit per head, exactly, through SDPA: one more key of zeros
     (score 0) whose additive mask is the head's sink, and a value of zeros, so the sink joins
     every query's softmax and its probability adds nothing to the output."""
     heads, q_len = q.shape[1], q.shape[2]
-    allowed = attention_mask(q_len, k.shape[2], q.device, document_ids, sliding_window)
+    allowed = attention_mask(q_len, k.shape[2], q.device, document_ids, sliding_window, query_start)
     bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
     bias = bias.expand(allowed.shape[0], heads, q_len, -1)
     sink = sinks.to(q.dtype).view(1, heads, 1, 1).expand(allowed.shape[0], heads, q_len, 1)

@@ -65,16 +65,17 @@ def attention(
     document_ids: torch.Tensor | None = None,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    query_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if sinks is not None:  # npu_fusion_attention takes no per-head extra logit
-        return reference.attention(q, k, v, scale, document_ids, sliding_window, sinks)
+        return reference.attention(q, k, v, scale, document_ids, sliding_window, sinks, query_start)
     batch, heads, q_len, head_dim = q.shape
     if v.shape[-1] < head_dim:
         padded = torch.nn.functional.pad(v, (0, head_dim - v.shape[-1]))
-        return attention(q, k, padded, scale, document_ids, sliding_window)[..., : v.shape[-1]]
+        return attention(q, k, padded, scale, document_ids, sliding_window, query_start=query_start)[..., : v.shape[-1]]
     kv_len = k.shape[2]
-    if sliding_window is not None and kv_len > sliding_window:
-        blocked = ~attention_mask(q_len, kv_len, q.device, document_ids, sliding_window)
+    if query_start is not None or (sliding_window is not None and kv_len > sliding_window):
+        blocked = ~attention_mask(q_len, kv_len, q.device, document_ids, sliding_window, query_start)
         return torch_npu.npu_fusion_attention(
             q, k, v, heads, "BNSD", atten_mask=blocked, scale=scale, sparse_mode=0
         )[0]

@@ -52,12 +52,13 @@ def attention(
     document_ids: torch.Tensor | None = None,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    query_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    mask = attention_mask(q.shape[2], k.shape[2], q.device, document_ids, sliding_window)
+    mask = attention_mask(q.shape[2], k.shape[2], q.device, document_ids, sliding_window, query_start)
     scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is None:
         return torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), v)

@@ -92,11 +92,11 @@ class DecoderModel(nn.Module):
         embed = self.embed_tokens is not None and not tokens_or_hidden.is_floating_point()
         h = self.embed_tokens(tokens_or_hidden) if embed else tokens_or_hidden
         batch, seq = tokens_or_hidden.shape[:2]  # h may hold a sequence shard (sequence parallel)
-        start = kv_cache.filled if kv_cache is not None else 0
         if position_ids is None:
             if document_ids is not None and kv_cache is None:
                 position_ids = positions_from_documents(document_ids)
             else:
+                start = kv_cache.filled if kv_cache is not None else 0
                 position_ids = torch.arange(start, start + seq, device=h.device).expand(batch, seq)
         shared = rotary_cos_sin(self.inv_freq, position_ids, h.dtype, self.rotary_scale)
         sliding = shared if self.sliding_inv_freq is None else rotary_cos_sin(self.sliding_inv_freq, position_ids,
@@ -107,7 +107,7 @@ class DecoderModel(nn.Module):
             cos, sin = sliding if self.config.is_sliding_layer(int(name)) else shared
             h = layer(h, cos, sin, document_ids, (kv_cache, name) if kv_cache is not None else None)
         if kv_cache is not None:
-            kv_cache.filled += seq
+            kv_cache.advance(seq)
         return self.norm(h) if self.norm is not None else h
 
 

@@ -26,6 +26,13 @@ class KVCache:
         self._documents: torch.Tensor | None = None
         self._linear: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    query_start = None
+    """Where the new positions' queries sit among the returned keys: None, the last ones."""
+
+    def advance(self, positions: int) -> None:
+        """Count the positions every layer has just written."""
+        self.filled += positions
+
     def documents(self, document_ids: torch.Tensor | None) -> torch.Tensor | None:
         """Store the new positions' document ids [B, S]; the ids of every key up to them."""
         if document_ids is None:

@@ -116,6 +116,22 @@ def make_hf_model(tmp_path_factory):
 
 
 @pytest.fixture
+def static_generate(monkeypatch):
+    """``static_generate(model, tokenizer, prompts, config)``: each row's generated ids through
+    the static KV cache that the compiled decode step runs over, the step itself run eagerly
+    (tests/test_generate.py compiles it)."""
+    from llmflow.infer import decode_step
+    from llmflow.infer.generate import generate
+
+    monkeypatch.setattr(decode_step, "compiled_last_logits", lambda device_type: decode_step.last_logits)
+
+    def run(model, tokenizer, prompts, config) -> list[list[int]]:
+        return [r.tokens for r in generate(model, tokenizer, prompts, config.model_copy(update={"decode": "compiled"}))]
+
+    return run
+
+
+@pytest.fixture
 def tokens():
     """Factory: ``tokens(batch, seq, vocab, seed=0)`` -> random int64 ids."""
 

@@ -151,10 +151,10 @@ def test_loss_and_gradients_match_transformers(case, make_hf_model, tokens):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_greedy_generation_matches_transformers(case, make_hf_model):
+def test_greedy_generation_matches_transformers(case, make_hf_model, static_generate):
     """Left-padded prompts of 7, 3, 12 and 1 tokens and 10 new tokens, longer than the window:
     each row generates what transformers generates for it alone, and what llmflow generates for
-    it alone."""
+    it alone, over the growing KV cache and over the compiled step's static one."""
     hf, path = hf_model(make_hf_model, case, vocab_size=VOCAB)
     add_tokenizer(path)
     model, _ = load_model(path)
@@ -167,6 +167,7 @@ def test_greedy_generation_matches_transformers(case, make_hf_model):
     alone = [hf_greedy(hf, [p], 10, eos)[0] for p in prompts]
     assert batched == alone
     assert batched == [generate(model, tokenizer, [p], config)[0].tokens for p in prompts]
+    assert static_generate(model, tokenizer, prompts, config) == batched
 
 
 @pytest.mark.parametrize("case", list(CASES))

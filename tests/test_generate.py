@@ -68,7 +68,8 @@ FAMILIES = {
 
 
 @pytest.mark.parametrize("family, extra", list(FAMILIES.items()), ids=list(FAMILIES))
-def test_greedy_matches_transformers_and_batched_equals_single(make_hf_model, prompt_ids, family, extra):
+def test_greedy_matches_transformers_and_batched_equals_single(make_hf_model, prompt_ids, static_generate, family,
+                                                               extra):
     hf_model, path = make_hf_model(family, vocab_size=VOCAB, num_key_value_heads=2, **extra)
     add_tokenizer(path)
     model, _ = load_model(path)
@@ -79,6 +80,7 @@ def test_greedy_matches_transformers_and_batched_equals_single(make_hf_model, pr
     assert batched == hf_greedy(hf_model, prompt_ids, 12, eos)
     single = [generate(model, tokenizer, [p], config)[0].tokens for p in prompt_ids]
     assert batched == single
+    assert static_generate(model, tokenizer, prompt_ids, config) == batched
 
 
 @pytest.fixture
@@ -108,13 +110,14 @@ def test_checkpoint_generates_like_its_hf_model(llama, tmp_path, capsys):
     assert [line["completion"] for line in lines] == [r.text for r in expected]
 
 
-def test_sampling_is_seeded(llama):
+def test_sampling_is_seeded(llama, static_generate):
     from llmflow.infer.generator import load_generator
 
     gen = load_generator(llama)
     sample = GenerateConfig(max_new_tokens=16, temperature=1.3, top_k=50, top_p=0.9, repetition_penalty=1.2, seed=3)
     first = [r.tokens for r in gen.run(["the cat", "blue lakes near"], sample)]
     assert first == [r.tokens for r in gen.run(["the cat", "blue lakes near"], sample)]
+    assert first == static_generate(gen.model, gen.tokenizer, ["the cat", "blue lakes near"], sample)
     assert first != [r.tokens for r in gen.run(["the cat", "blue lakes near"], sample.model_copy(update={"seed": 4}))]
     assert first != [r.tokens for r in gen.run(["the cat", "blue lakes near"], GenerateConfig(max_new_tokens=16))]
 
@@ -255,3 +258,37 @@ def test_chat_loop_keeps_history_and_resets(llama):
     assert history[3]["content"] == second
     assert out.getvalue().endswith(f"> {second}\n> ")
     assert out.getvalue().count("> ") >= 4
+
+
+@pytest.mark.slow
+def test_the_compiled_decode_step_generates_the_eager_tokens(make_hf_model, prompt_ids):
+    """``decode: compiled`` in fp32: torch.compile's step over the static KV cache, one graph
+    without breaks, reused by a second batch of other prompt lengths in the same cache
+    bucket, gives the tokens of the eager step over the growing cache, and the same results."""
+    from torch._dynamo.utils import counters
+
+    _, path = make_hf_model("llama", vocab_size=VOCAB, num_key_value_heads=2)
+    add_tokenizer(path)
+    model, _ = load_model(path)
+    tokenizer = load_tokenizer(path)
+    config = GenerateConfig(max_new_tokens=16, eos_token_ids=[5])
+    compiled = config.model_copy(update={"decode": "compiled"})
+    shorter = [p[: max(1, len(p) // 2)] for p in prompt_ids]
+    torch._dynamo.reset()
+    counters.clear()
+    for prompts in (prompt_ids, shorter):
+        assert generate(model, tokenizer, prompts, compiled) == generate(model, tokenizer, prompts, config)
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_compiled_decode_is_refused_for_linear_attention_layers(make_hf_model):
+    from llmflow.infer.decode_step import compiles
+
+    _, path = make_hf_model("qwen3_next", vocab_size=VOCAB, num_hidden_layers=2, num_key_value_heads=2, head_dim=16,
+                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                            linear_value_head_dim=16, linear_conv_kernel_dim=4)
+    model, _ = load_model(path)
+    with pytest.raises(ValueError, match="linear-attention .Gated DeltaNet. layers.*decode: eager or auto"):
+        compiles(model, "compiled", sharded=False)
+    assert not compiles(model, "auto", sharded=False)

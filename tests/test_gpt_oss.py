@@ -120,10 +120,10 @@ def test_loss_and_gradients_match_transformers(make_hf_model, tokens):
         assert_close(sinks, hf.model.layers[0].self_attn.sinks.grad)
 
 
-def test_greedy_generation_matches_transformers(make_hf_model):
+def test_greedy_generation_matches_transformers(make_hf_model, static_generate):
     """Left-padded prompts of 7, 3, 12 and 1 tokens and 10 new tokens, longer than the window:
     each row generates what transformers generates for it alone, and what llmflow generates for
-    it alone."""
+    it alone, over the growing KV cache and over the compiled step's static one."""
     hf, path = hf_model(make_hf_model, vocab_size=VOCAB)
     add_tokenizer(path)
     model, _ = load_model(path)
@@ -136,6 +136,7 @@ def test_greedy_generation_matches_transformers(make_hf_model):
     alone = [hf_greedy(hf, [p], 10, eos)[0] for p in prompts]
     assert batched == alone
     assert batched == [generate(model, tokenizer, [p], config)[0].tokens for p in prompts]
+    assert static_generate(model, tokenizer, prompts, config) == batched
 
 
 def test_checkpoint_and_config_round_trip_bit_exact(make_hf_model, tokens, tmp_path):

@@ -314,6 +314,24 @@ def test_decode_step_equals_last_row_of_prefill():
             close(step, FUSED.attention(q, k, v, SCALE, None, window)[:, :, -1:])
 
 
+
+@pytest.mark.parametrize("sinks", [False, True], ids=["nosinks", "sinks"])
+@pytest.mark.parametrize("kernels", [FUSED, REFERENCE], ids=["fused", "reference"])
+def test_queries_inside_a_static_buffer_attend_as_at_its_written_end(kernels, sinks):
+    """A static KV cache's keys: ``query_start`` t puts the queries at positions t.. of a
+    longer buffer whose slots after them hold anything (random here); the output is that of
+    the same queries over the buffer cut after them, with documents and a sliding window."""
+    heads = torch.randn(4, generator=gen(3)) if sinks else None
+    extra = {"sinks": heads} if sinks else {}
+    for q_len, start, window in ((1, 5, None), (1, 9, 3), (3, 4, 2), (SEQ, 0, None)):
+        q, k, v = _qkv(2, 4, 2, q_len, SEQ + 6, seed=17 + start)
+        docs = torch.cat([DOCS, torch.zeros(2, 6, dtype=DOCS.dtype)], dim=1)
+        end = start + q_len
+        expected = kernels.attention(q, k[:, :, :end], v[:, :, :end], SCALE, docs[:, :end], window, **extra)
+        got = kernels.attention(q, k, v, SCALE, docs, window, **extra, query_start=torch.tensor(start))
+        close(got, expected)
+
+
 # ----------------------------------------------------------------------------- linear cross-entropy
 
 N_TOK, HID, VOCAB = 12, 16, 40

@@ -145,10 +145,11 @@ def test_packed_documents_equal_separate_documents(case, make_hf_model, tokens):
 
 
 @pytest.mark.parametrize("case", ["q_lora_yarn", "q_proj_yarn_halves_tied", "moe_yarn"])
-def test_greedy_generation_matches_transformers(case, make_hf_model):
+def test_greedy_generation_matches_transformers(case, make_hf_model, static_generate):
     """Left-padded prompts of 7, 3, 12 and 1 tokens, their keys and values in the KV cache (the
     values narrower than the keys): each row generates what transformers generates for it alone,
-    and what llmflow generates for it alone."""
+    and what llmflow generates for it alone, over the growing KV cache and over the compiled
+    step's static one."""
     hf, path = hf_model(make_hf_model, case, vocab_size=VOCAB)
     add_tokenizer(path)
     model, _ = load_model(path)
@@ -160,6 +161,7 @@ def test_greedy_generation_matches_transformers(case, make_hf_model):
     batched = [r.tokens for r in generate(model, tokenizer, prompts, config)]
     assert batched == [hf_greedy(hf, [p], 10, eos)[0] for p in prompts]
     assert batched == [generate(model, tokenizer, [p], config)[0].tokens for p in prompts]
+    assert static_generate(model, tokenizer, prompts, config) == batched
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["base", "lora-on-kv_b_proj"])

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
+from llmflow.infer.decode_step import DecodeMode, compiles, decode, last_logits, new_cache
 from llmflow.models.decoder import CausalLM
-from llmflow.models.kv_cache import KVCache
 from llmflow.models.sampling import filter_top_k_top_p, left_pad
 
 FinishReason = Literal["eos", "stop", "length"]
@@ -55,6 +55,10 @@ class GenerateConfig(BaseModel):
     commands use the model's (generation_config.json, else its tokenizer's eos) when empty."""
     stop: list[str] = Field(default_factory=list)
     """Strings that end a row's generation; the text stops before the first one."""
+    decode: DecodeMode = "auto"
+    """The decode step: "compiled" runs it through torch.compile over a static KV cache (CUDA
+    graphs on CUDA), "eager" over a growing one; "auto" compiles on CUDA for a whole model
+    without linear-attention layers. Greedy tokens are the same either way in fp32."""
 
 
 class GenerationResult(BaseModel):
@@ -223,8 +227,10 @@ def _generate_events(
         seen[i, r.prompt] = True
     generator = torch.Generator().manual_seed(config.seed)
     special = special_ids(tokenizer)
-    cache = KVCache(ids.shape[1] + config.max_new_tokens)
-    logits = _last_logits(model, ids, positions, documents, cache)
+    compiled = compiles(model, config.decode, group is not None)
+    cache = new_cache(ids.shape[1] + config.max_new_tokens, device, compiled)
+    written = ids.shape[1]  # positions in the cache
+    logits = last_logits(model, ids, positions[:, :written], _span(documents, 0, written), cache)
     live = list(range(len(rows)))  # the rows still generating, in batch order
     for _ in range(config.max_new_tokens):
         chosen = next_tokens(logits[:, :vocab], seen, config, generator)
@@ -242,25 +248,21 @@ def _generate_events(
         going = [b for b, i in enumerate(live) if rows[i].finish_reason is None]
         if not going:
             return
-        if len(going) < len(live) and config.temperature == 0.0:
+        if len(going) < len(live) and config.temperature == 0.0 and not compiled:
             # Finished rows leave the batch (greedy only: sampling keeps its rows so that a seed
-            # draws the same random numbers whichever rows finish first).
+            # draws the same random numbers whichever rows finish first; a compiled step keeps
+            # its shapes).
             keep = torch.tensor(going, device=device)
             chosen, positions, seen = chosen[keep], positions[keep], seen[keep]
             documents = documents[keep] if documents is not None else None
             cache.keep(keep)
             live = [live[b] for b in going]
-        logits = _last_logits(model, chosen[:, None], positions, documents, cache)
+        logits = decode(model, chosen[:, None], positions[:, written : written + 1], _span(documents, written, 1), cache)
+        written += 1
 
 
-def _last_logits(
-    model: CausalLM, ids: torch.Tensor, positions: torch.Tensor, documents: torch.Tensor | None, cache: KVCache
-) -> torch.Tensor:
-    """Run ``ids`` [B, S] after the cached positions; the logits [B, V] of the last one only."""
-    span = slice(cache.filled, cache.filled + ids.shape[1])
-    documents = documents[:, span] if documents is not None else None
-    hidden = model.model(ids, position_ids=positions[:, span], document_ids=documents, kv_cache=cache)
-    return model.lm_head(hidden[:, -1])
+def _span(documents: torch.Tensor | None, start: int, length: int) -> torch.Tensor | None:
+    return documents[:, start : start + length] if documents is not None else None
 
 
 def generate(

@@ -77,9 +77,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = _rotary(q.transpose(1, 2), cos, sin)
         k = _rotary(k.transpose(1, 2), cos, sin)
-        if cache is not None:
+        if cache is None:
+            out = self.core_attention(q, k, v, document_ids)
+        else:  # generation, never under context parallelism
             k, v = cache[0].update(cache[1], k, v)
-        out = self.core_attention(q, k, v, document_ids)
+            out = kernels.attention(q, k, v, self.scale, document_ids, self.sliding_window, self.local_sinks(),
+                                    query_start=cache[0].query_start)
         out = out.transpose(1, 2).reshape(batch, seq, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(batch, seq, -1))

@@ -139,7 +139,8 @@ class MultiHeadLatentAttention(nn.Module):
         batch, _, seq, _ = latent.shape
         keys, _ = cache[0].update(cache[1], torch.cat([latent, k_rot], dim=-1), latent.new_empty(batch, 1, seq, 0))
         q = torch.cat([torch.einsum("bhsn,hnr->bhsr", q_nope, key_rows), q_rot], dim=-1)
-        out = kernels.attention(q, keys, keys[..., : self.kv_lora_rank], self.scale, document_ids)
+        out = kernels.attention(q, keys, keys[..., : self.kv_lora_rank], self.scale, document_ids,
+                                query_start=cache[0].query_start)
         return torch.einsum("bhsr,hvr->bhsv", out, value_rows)
 
     def _rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
