@@ -15,6 +15,7 @@ from collections.abc import Mapping
 import torch
 
 from bench.flops import synchronize
+from llmflow.train.metrics import device_figure
 
 PEAK_BANDWIDTH: dict[str, float] = {
     # Matched in order: the PCIe and NVL cards before the SXM parts that share their name.
@@ -31,10 +32,7 @@ PEAK_BANDWIDTH: dict[str, float] = {
 
 def peak_bandwidth(device: torch.device) -> float | None:
     """The device's datasheet memory bandwidth in bytes/s; None on CPU or an unlisted device."""
-    if device.type == "cpu":
-        return None
-    name = torch.get_device_module(device.type).get_device_name(device).replace(" ", "").lower()
-    return next((bandwidth for key, bandwidth in PEAK_BANDWIDTH.items() if key.lower() in name), None)
+    return device_figure(PEAK_BANDWIDTH, device)
 
 
 def measured_bandwidth(device: torch.device, megabytes: int = 256, repeats: int = 10) -> float:

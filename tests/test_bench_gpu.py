@@ -73,3 +73,19 @@ def test_the_decode_and_training_sections_run_on_a_tiny_model(tmp_path):
     # closely than the ~1e-2 by which the loss of other targets of the same random tokens differs.
     diff = float(re.search(r"first-step losses differ by (\S+) \(bf16", out).group(1))
     assert diff < 1e-3
+
+
+def test_decode_step_bytes_are_transformers_parameters_without_the_embedding():
+    """bench/roofline.py's batch-1 read: every parameter of the model but the embedding, one
+    embedding row, and the cached keys and values."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bench.roofline import decode_step_bytes
+
+    shape = {"vocab_size": 1000, "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 3,
+             "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8}
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False))
+    total = sum(p.numel() for p in hf.parameters())
+    cache = 2 * 3 * 2 * 8 * 10  # keys and values, layers, KV heads, head_dim, positions
+    assert decode_step_bytes(shape, 1, 10, value_bytes=2) == 2 * (total - 1000 * 64 + 64 + cache)

@@ -23,15 +23,18 @@ PEAK_FLOPS: dict[str, float] = {
 }
 
 
-def peak_flops(device: torch.device) -> float | None:
-    """The device's peak bf16 FLOP/s from ``PEAK_FLOPS``; None on CPU or an unlisted device."""
+def device_figure(table: dict[str, float], device: torch.device) -> float | None:
+    """The first figure of ``table`` whose key is part of the device's name (spaces and case
+    ignored); None on CPU or an unlisted device."""
     if device.type == "cpu":
         return None
-    name = torch.get_device_module(device.type).get_device_name(device)
-    for key, flops in PEAK_FLOPS.items():
-        if key.lower() in name.replace(" ", "").lower():
-            return flops
-    return None
+    name = torch.get_device_module(device.type).get_device_name(device).replace(" ", "").lower()
+    return next((figure for key, figure in table.items() if key.lower() in name), None)
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's peak bf16 FLOP/s from ``PEAK_FLOPS``; None on CPU or an unlisted device."""
+    return device_figure(PEAK_FLOPS, device)
 
 
 def flops_per_token(config: ModelConfig, seq_length: int) -> float:
