@@ -23,6 +23,7 @@
 #   bench/gpu.sh                    # every section, 5 rounds, then the MoE step; --record appends the reports to bench/RESULTS.md
 #   bench/gpu.sh --only train       # one section (kernels, decode, precision, train)
 #   bench/gpu.sh --only moe         # the MoE training step alone (bench/moe_step.py --device cuda, 3 rounds)
+#   bench/gpu.sh --only profile     # torch.profiler over llmflow's training step (bench/gpu_profile.py)
 #   bench/gpu.sh --no-liger         # the transformers side without Liger-Kernel even where installed
 #
 # Each section runs as its own command, so none outlives a 10-minute slot, and a failed one
@@ -48,8 +49,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,power.limit --format=csv
 record=()
 [[ " $* " == *" --record "* ]] && record=(--record)
 moe=("$PY" -m bench.moe_step --device cuda --rounds 3 "${record[@]}")
+profile=("$PY" -m bench.gpu_profile --device cuda "${record[@]}")
 if [[ " $* " == *" --only moe "* ]]; then
     exec "${moe[@]}"
+fi
+if [[ " $* " == *" --only profile "* ]]; then
+    exec "${profile[@]}"
 fi
 if [[ " $* " == *" --only "* ]]; then
     exec "$PY" -m bench.gpu --device cuda "$@"
@@ -63,6 +68,7 @@ failed=()
 for section in "${sections[@]}"; do
     "$PY" -m bench.gpu --device cuda --only "$section" "$@" || failed+=("$section")
 done
+"${profile[@]}" || failed+=(profile)
 "${moe[@]}" || failed+=(moe)
 if (( ${#failed[@]} )); then
     echo "bench/gpu.sh: failed: ${failed[*]}" >&2

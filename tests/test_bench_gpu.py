@@ -89,3 +89,15 @@ def test_decode_step_bytes_are_transformers_parameters_without_the_embedding():
     total = sum(p.numel() for p in hf.parameters())
     cache = 2 * 3 * 2 * 8 * 10  # keys and values, layers, KV heads, head_dim, positions
     assert decode_step_bytes(shape, 1, 10, value_bytes=2) == 2 * (total - 1000 * 64 + 64 + cache)
+
+
+def test_the_profile_of_a_training_step_accounts_for_its_time():
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_profile", "--device", "cpu", "--tiny", "--warmup", "1",
+                           "--steps", "1", "--top", "5"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "LLMFLOW_DEVICE": "cpu"}, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    categories = re.findall(r"^\| ([a-z /-]+) \| ([\d,.]+) \| ([\d.]+)% \|$", proc.stdout, re.MULTILINE)
+    assert {"matmul", "cross-entropy"} <= {name for name, *_ in categories}
+    assert abs(sum(float(share) for *_, share in categories) - 100) < 0.5
+    kernels = re.findall(r"^\| `(.+?)` \| ", proc.stdout, re.MULTILINE)
+    assert len(kernels) == 5 and "aten::mm" in kernels
