@@ -8,7 +8,8 @@ first real token, so a batched row generates exactly what it generates alone.
 A row stops at an eos token, at ``max_new_tokens`` or once its text holds a stop string (found
 in a window of its last tokens, not by decoding its whole text each step); in greedy decoding
 a finished row leaves the batch (its cache rows dropped), so a long generation's last rows do
-not carry the finished ones.
+not carry the finished ones, except with the compiled decode step (``decode_step.py``), whose
+shapes stay fixed.
 
 Under tensor parallelism every rank of the group runs the same generation; the tokens rank
 0 of the group picks are broadcast each step, so the ranks feed the same tokens and stop at
