@@ -160,14 +160,17 @@ def roofline_lines(batch_one: dict, device: torch.device) -> list[str]:
     """Batch 1's bytes/s (the bytes a step reads x steps/s) against the memory bandwidth."""
     from bench.roofline import measured_bandwidth, peak_bandwidth
 
-    datasheet, measured = peak_bandwidth(device), measured_bandwidth(device, megabytes=256 if device.type == "cpu" else 4096)
+    datasheet = peak_bandwidth(device)
+    measured = measured_bandwidth(device, megabytes=256 if device.type == "cpu" else 4096)
     step = batch_one["step_bytes"]
     lines = [f"Batch 1 reads {step / 2**20:,.1f} MiB a step (weights and KV cache); the measured read bandwidth "
-             f"(a tensor's sum) is {measured / 1e9:,.0f} GB/s" + (f", the datasheet's {datasheet / 1e9:,.0f} GB/s." if datasheet else ".")]
+             f"(a tensor's sum) is {measured / 1e9:,.0f} GB/s"
+             + (f", the datasheet's {datasheet / 1e9:,.0f} GB/s." if datasheet else ".")]
     for side, rate in batch_one["rates"].items():
         achieved = rate * step
         share = f"{achieved / datasheet:.0%} of the datasheet roofline, " if datasheet else ""
-        lines.append(f"- {side}: {achieved / 1e9:,.0f} GB/s, {share}{achieved / measured:.0%} of the measured bandwidth")
+        lines.append(f"- {side}: {achieved / 1e9:,.0f} GB/s, {share}{achieved / measured:.0%} of the measured "
+                     "bandwidth")
     if datasheet:
         met = batch_one["rates"]["llmflow"] * step / datasheet >= GOAL_ROOFLINE
         lines.append(f"\nllmflow batch 1 against the goal of {GOAL_ROOFLINE:.0%} of the roofline: "
@@ -284,9 +287,14 @@ def main(argv: list[str] | None = None) -> None:
                 lines += run_precision(device, work, args.tiny)
             else:
                 lines += run_train(model_dir, data, work, device, args)
+    publish(lines, args.record)
+
+
+def publish(lines: list[str], record: bool) -> None:
+    """Print the report's markdown; with ``record``, append it to bench/RESULTS.md."""
     report = "\n".join(lines).rstrip("\n") + "\n"
     print(report, flush=True)
-    if args.record:
+    if record:
         with RESULTS.open("a") as f:
             f.write("\n" + report)
         print(f"recorded in {RESULTS}", flush=True)

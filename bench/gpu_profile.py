@@ -23,7 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.flops import synchronize
-from bench.gpu import RESULTS, SHAPES, resolve_device
+from bench.gpu import SHAPES, publish, resolve_device
 
 CATEGORIES = (  # the first category with a pattern in the kernel's lower-cased name
     ("cross-entropy", ("crossentropy", "cross_entropy", "log_softmax")),
@@ -121,12 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     device = resolve_device(args.device)
     with tempfile.TemporaryDirectory() as work:
         prof, wall = profile_steps(device, args, Path(work))
-    lines = report(kernel_times(prof, device), wall, args.steps, device, args.top)
-    text = "\n".join(lines)
-    print(text, flush=True)
-    if args.record:
-        with RESULTS.open("a") as f:
-            f.write("\n" + text)
+    publish(report(kernel_times(prof, device), wall, args.steps, device, args.top), args.record)
 
 
 if __name__ == "__main__":
