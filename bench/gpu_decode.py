@@ -63,7 +63,8 @@ def decode_rounds(model_dir: Path, device: torch.device, vocab_size: int, batche
     rows whose tokens agree, each side's peak device memory, and the bytes a batch-1 step
     reads (at the prompts' mean length plus half the new tokens)."""
     shape = json.loads((model_dir / "config.json").read_text())
-    runners = {"llmflow": _llmflow(model_dir, device, vocab_size, compile), "transformers": _transformers(model_dir, device)}
+    runners = {"llmflow": _llmflow(model_dir, device, vocab_size, compile),
+               "transformers": _transformers(model_dir, device)}
     rows = []
     for batch in batches:
         rates: dict[str, list[float]] = {side: [] for side in runners}

@@ -62,8 +62,8 @@ def attention(
     """Causal attention, q [B, Hq, Sq, D], k [B, Hkv, Skv, D] and v [B, Hkv, Skv, Dv] (Dv may
     differ from D, as in Multi-head Latent Attention) with Hq a multiple of Hkv (GQA); the
     output is [B, Hq, Sq, Dv]. Queries are the last Sq positions, or the Sq from ``query_start``
-    (a 0-d tensor) on, the keys after them unwritten slots of a static KV cache. ``document_ids`` [B, Skv] keeps packed
-    documents apart; ``sliding_window`` limits how far back a query looks. ``sinks`` [Hq] (gpt-oss's
+    (a 0-d tensor) on, the keys after them unwritten slots of a static KV cache. ``document_ids``
+    [B, Skv] keeps packed documents apart; ``sliding_window`` limits how far back a query looks. ``sinks`` [Hq] (gpt-oss's
     attention sinks): each head's logit joins every query's softmax as one more column whose
     probability is dropped (it attends to nothing), so a query's weights may sum to less than one."""
     extra = {} if sinks is None else {"sinks": sinks}

@@ -68,7 +68,8 @@ class StaticKVCache:
         its whole buffers."""
         if layer not in self._keys:
             rows = (k.shape[0], k.shape[1], self.max_len)
-            self._keys[layer], self._values[layer] = self._buffer(k, (*rows, k.shape[3])), self._buffer(v, (*rows, v.shape[3]))
+            self._keys[layer] = self._buffer(k, (*rows, k.shape[3]))
+            self._values[layer] = self._buffer(v, (*rows, v.shape[3]))
         slots = self._slots(k.shape[2])
         self._keys[layer].index_copy_(2, slots, k)
         self._values[layer].index_copy_(2, slots, v)

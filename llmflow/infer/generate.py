@@ -258,7 +258,8 @@ def _generate_events(
             documents = documents[keep] if documents is not None else None
             cache.keep(keep)
             live = [live[b] for b in going]
-        logits = decode(model, chosen[:, None], positions[:, written : written + 1], _span(documents, written, 1), cache)
+        logits = decode(model, chosen[:, None], positions[:, written : written + 1], _span(documents, written, 1),
+                        cache)
         written += 1
 
 
